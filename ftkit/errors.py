@@ -1,0 +1,99 @@
+"""ftkit's exception types and the exit codes they map to.
+
+Library code raises these; the CLI turns them into a clean message and an exit code in one place
+(``ftkit.cli.main``). Never ``assert`` on user input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ExitCode:
+    """Stable, documented exit codes of every ftkit command (README: "Exit codes")."""
+
+    OK = 0
+    DRIFT = 1  # ftkit check: configs on disk differ from a fresh render
+    USAGE = 2  # bad recipe, bad hostfile, bad command line, bad data
+    PREFLIGHT = 3  # a preflight check failed before anything was started
+    BUDGET_EXHAUSTED = 4  # the restart budget ran out (or failures repeated without progress)
+    NO_CHECKPOINT = 5  # a restart needed a valid checkpoint and none verified
+    TRAINING_FAILED = 6  # the job failed in a way a restart cannot fix (e.g. a rank reported a user error)
+    SIGINT = 130
+    SIGTERM = 143
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with user input: where (file, line, key as the user spells it) and what."""
+
+    message: str
+    file: str | None = None
+    line: int | None = None
+    key: str | None = None
+
+    def __str__(self) -> str:
+        where = ""
+        if self.file:
+            where = self.file + (f":{self.line}" if self.line else "")
+        if self.key:
+            where = f"{where} {self.key}" if where else self.key
+        return f"{where}: {self.message}" if where else self.message
+
+
+class FtkitError(Exception):
+    """Base of ftkit's errors; ``exit_code`` is what the CLI exits with."""
+
+    exit_code = ExitCode.USAGE
+
+    def lines(self) -> list[str]:
+        return [str(self)]
+
+
+class UserError(FtkitError):
+    """A mistake in something the user wrote: recipe, hostfile, command line, data. Exit 2, no traceback."""
+
+    def __init__(self, problems: list[Problem] | Problem | str):
+        if isinstance(problems, str):
+            problems = [Problem(problems)]
+        elif isinstance(problems, Problem):
+            problems = [problems]
+        self.problems = list(problems)
+        super().__init__("\n".join(str(p) for p in self.problems))
+
+    def lines(self) -> list[str]:
+        return [str(p) for p in self.problems]
+
+
+class RecipeError(UserError):
+    """The recipe (file or overrides) is invalid; carries every problem found, not just the first."""
+
+
+class HostfileError(UserError):
+    """The hostfile is invalid; the message quotes the offending line."""
+
+
+class ModelConfigError(UserError):
+    """The model's config.json is missing or lacks what ftkit needs (e.g. a hidden size)."""
+
+
+class DataError(UserError):
+    """The training data is missing, empty or malformed; the message names the file and row."""
+
+
+class PreflightError(FtkitError):
+    """A check before spawning failed (host unreachable, port taken, versions differ, run dir not writable)."""
+
+    exit_code = ExitCode.PREFLIGHT
+
+
+class BudgetExhausted(FtkitError):
+    exit_code = ExitCode.BUDGET_EXHAUSTED
+
+
+class NoValidCheckpoint(FtkitError):
+    exit_code = ExitCode.NO_CHECKPOINT
+
+
+class TrainingFailed(FtkitError):
+    exit_code = ExitCode.TRAINING_FAILED
