@@ -1,0 +1,58 @@
+# ftkit developer entry points. `make demo` and `make test` install everything they need from a clean clone.
+PYTHON ?= python3
+VENV   ?= .venv
+# The pinned CPU build (a local wheel on the dev machines). Override for a GPU box, e.g. TORCH='torch==2.13.0'.
+TORCH  ?= torch==2.13.0
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.ftkit-installed
+PYTEST := DS_ACCELERATOR=cpu $(PY) -m pytest
+
+.PHONY: install test test-fast test-slow test-multinode demo bench lint format templates docs clean
+
+$(STAMP): setup.cfg pyproject.toml
+	@echo "==> creating $(VENV) and installing $(TORCH) first (never the multi-GB CUDA build), then ftkit"
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+# Everything: quick tier, real multi-process runs (slow) and the two-host namespace tests (multinode).
+test: install
+	$(PYTEST) -q tests
+
+# The inner loop: parsing, planning, rendering, command building; under a minute.
+test-fast: install
+	$(PYTEST) -q -m "not slow and not multinode" tests
+
+test-slow: install
+	$(PYTEST) -q -m "slow" tests
+
+test-multinode: install
+	$(PYTEST) -q -m "multinode" tests
+
+demo: install
+	$(PY) -m ftkit.demo
+
+bench: install
+	$(PY) benchmarks/cli_speed.py
+
+lint: install
+	$(PY) -m ruff check ftkit launch tests benchmarks
+	$(PY) -m ruff format --check ftkit launch tests benchmarks
+
+format: install
+	$(PY) -m ruff format ftkit launch tests benchmarks
+
+# Refresh the comments in the shipped templates and the generated docs after editing ftkit/schema.py.
+templates: install
+	$(PY) -m ftkit.scaffold templates/*.yaml
+
+docs: install
+	$(PY) -m ftkit schema --markdown > docs/recipe.md
+	$(PY) -m ftkit schema > docs/recipe.schema.json
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache

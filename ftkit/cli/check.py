@@ -1,0 +1,46 @@
+"""ftkit check: compare checked-in configs with a fresh render; exit 1 with a diff when they drifted."""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from pathlib import Path
+
+import click
+
+from ..configs import default_out_dir, load_and_plan, render_for
+from ..errors import ExitCode
+from .options import out_option, overrides_argument, recipe_argument
+
+
+@click.command("check", epilog="""\b
+Examples:
+  ftkit check recipe.yaml            # in CI: exit 0 in sync, 1 drifted (diff printed), 2 bad recipe
+  ftkit check recipe.yaml -o deploy
+""")
+@recipe_argument
+@out_option
+@overrides_argument
+def command(recipe: str, out: str | None, overrides: tuple[str, ...]) -> None:
+    """Re-render RECIPE in memory and compare with the files in OUT; print a unified diff per drifted file."""
+    plan = load_and_plan(recipe, overrides)
+    out_dir = Path(out) if out else default_out_dir(plan.recipe)
+    drifted = 0
+    for name, fresh in render_for(plan, out_dir).items():
+        path = out_dir / name
+        try:
+            on_disk = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            click.echo(f"{path}: missing (run `ftkit render {recipe}`)")
+            drifted += 1
+            continue
+        if on_disk != fresh:
+            drifted += 1
+            diff = difflib.unified_diff(on_disk.splitlines(keepends=True), fresh.splitlines(keepends=True),
+                                        fromfile=f"{path} (on disk)", tofile=f"{path} (rendered from {recipe})")
+            click.echo("".join(diff), nl=False)
+        else:
+            click.echo(f"{path}: in sync")
+    if drifted:
+        click.echo(f"{drifted} file(s) drifted; run `ftkit render {recipe}` to update them", err=True)
+        sys.exit(ExitCode.DRIFT)

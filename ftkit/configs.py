@@ -1,0 +1,21 @@
+"""The steps every config-producing command shares: load the recipe, plan, render (no writing here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .plan import Plan, build_plan
+from .recipe import Recipe, load_recipe
+from .render import render_files
+
+
+def default_out_dir(recipe: Recipe) -> Path:
+    return recipe.base_dir / "configs"
+
+
+def load_and_plan(recipe_path: str, overrides: tuple[str, ...] | list[str], **kw: object) -> Plan:
+    return build_plan(load_recipe(recipe_path, list(overrides)), **kw)  # type: ignore[arg-type]
+
+
+def render_for(plan: Plan, out_dir: Path) -> dict[str, str]:
+    return render_files(plan, out_dir)

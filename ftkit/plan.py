@@ -1,0 +1,231 @@
+"""From a validated recipe (plus cluster and model config) to a Plan: every number the configs need, with its reason.
+
+The plan is the single place where derived values are computed: world size, the batch triple, the ZeRO stage and
+offload (resolving ``auto`` through :mod:`ftkit.memory`), bucket sizes from the model's hidden size. Renderers and
+the training entry only read it, so the DeepSpeed JSON, the Accelerate YAML and the TrainingArguments agree.
+Each knob records where its value came from; ``ftkit explain`` prints that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import Problem, RecipeError, UserError
+from .recipe import CLI, DEFAULT, Recipe
+
+LOCAL_NAMES = ("localhost", "127.0.0.1")
+
+
+@dataclass(frozen=True)
+class Knob:
+    value: Any
+    why: str  # the rule or source that produced the value
+
+
+@dataclass
+class Plan:
+    recipe: Recipe
+    hosts: list[tuple[str, int]]  # (host, processes) in rank order
+    master_addr: str
+    master_port: int
+    micro_batch_size: int
+    grad_accum: int
+    global_batch_size: int
+    stage: int
+    offload_optimizer: str
+    offload_params: str
+    hidden_size: int
+    model_config: dict[str, Any]
+    knobs: dict[str, Knob] = field(default_factory=dict)
+    memory: Any = None  # ftkit.memory planning report, when computed
+
+    @property
+    def world_size(self) -> int:
+        return sum(n for _, n in self.hosts)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.hosts)
+
+    @property
+    def procs_per_node(self) -> int:
+        return self.hosts[0][1]
+
+    @property
+    def uniform(self) -> bool:
+        return len({n for _, n in self.hosts}) == 1
+
+    @property
+    def is_local(self) -> bool:
+        return self.num_nodes == 1 and self.hosts[0][0] in LOCAL_NAMES
+
+    def note(self, knob: str, value: Any, why: str) -> Any:
+        self.knobs[knob] = Knob(value, why)
+        return value
+
+
+def _src(recipe: Recipe, key: str) -> str:
+    s = recipe.sources.get(key, DEFAULT)
+    return "recipe default" if s == DEFAULT else ("command line" if s == CLI else s)
+
+
+def resolve_hosts(recipe: Recipe, include: str | None = None, exclude: str | None = None) -> list[tuple[str, int]]:
+    """The (host, slots) list in rank order: from the hostfile when given, else num_nodes x gpus_per_node."""
+    hostfile = recipe["cluster.hostfile"]
+    if hostfile is None:
+        if include or exclude:
+            raise RecipeError(Problem("--include/--exclude need a hostfile (cluster.hostfile or --hostfile)",
+                                      file=CLI))
+        n = recipe["cluster.num_nodes"]
+        if n == 1:
+            return [("localhost", recipe["cluster.gpus_per_node"])]
+        return [(f"node{i}", recipe["cluster.gpus_per_node"]) for i in range(n)]
+    from .hostfile import apply_filters, parse_hostfile
+
+    hf = parse_hostfile(hostfile)
+    if include or exclude:
+        hf = apply_filters(hf, include=include, exclude=exclude)
+    return [(h.name, h.slots) for h in hf.hosts]
+
+
+def build_plan(recipe: Recipe, *, include: str | None = None, exclude: str | None = None,
+               hosts: list[tuple[str, int]] | None = None, with_memory: bool = True) -> Plan:
+    """Compute every derived value of the run; raises RecipeError naming the numbers when they do not fit."""
+    from .params import hidden_size, load_model_config
+
+    problems: list[Problem] = []
+    if hosts is None:
+        hosts = resolve_hosts(recipe, include, exclude)
+    world = sum(n for _, n in hosts)
+    rfile = str(recipe.path) if recipe.path else None
+
+    def line_of(key: str) -> int | None:
+        s = recipe.sources.get(key, "")
+        if s and s not in (CLI, DEFAULT) and ":" in s:
+            tail = s.rsplit(":", 1)[1]
+            return int(tail) if tail.isdigit() else None
+        return None
+
+    def problem(key: str, message: str) -> None:
+        if recipe.sources.get(key) == CLI:
+            problems.append(Problem(message, file=CLI, key=key))
+        else:
+            problems.append(Problem(message, file=rfile, line=line_of(key), key=key))
+
+    micro = recipe["train.micro_batch_size"]
+    gbs = recipe["train.global_batch_size"]
+    per_step = micro * world
+    if gbs % per_step != 0:
+        problem("train.global_batch_size",
+                f"{gbs} is not divisible by micro_batch_size {micro} x world size {world} = {per_step}; "
+                f"use a multiple of {per_step} (e.g. {max(per_step, gbs - gbs % per_step)}) or change micro_batch_size")
+    engine = recipe["cluster.engine"]
+    if engine in ("torchrun", "accelerate") and len({n for _, n in hosts}) > 1:
+        problem("cluster.engine", f"{engine} needs the same number of processes on every host; the hostfile has "
+                                  f"{', '.join(f'{h}={n}' for h, n in hosts)} (use engine: deepspeed)")
+    min_nodes = recipe["cluster.min_nodes"]
+    if min_nodes is not None and min_nodes > len(hosts):
+        problem("cluster.min_nodes", f"{min_nodes} is more than the {len(hosts)} host(s) in the cluster")
+
+    master = recipe["cluster.master_addr"]
+    if master is None:
+        first = hosts[0][0]
+        if len(hosts) == 1 and first in LOCAL_NAMES:
+            master, master_why = "127.0.0.1", "single local node"
+        elif recipe["cluster.hostfile"] is None:
+            problem("cluster.master_addr", f"required when num_nodes is {len(hosts)} without a hostfile: "
+                                           "the address of the first node")
+            master, master_why = "", ""
+        else:
+            master, master_why = first, "first host of the hostfile"
+    else:
+        master_why = _src(recipe, "cluster.master_addr")
+
+    try:
+        cfg = load_model_config(recipe["model.path"])
+        h = hidden_size(cfg)
+    except UserError as e:  # ModelConfigError: re-anchor it at the recipe's model.path line
+        for p in e.problems:
+            problem("model.path", p.message if p.file else str(p))
+        cfg, h = {}, 0
+    if problems:
+        raise RecipeError(problems)
+
+    plan = Plan(
+        recipe=recipe, hosts=hosts, master_addr=master, master_port=recipe["cluster.master_port"],
+        micro_batch_size=micro, grad_accum=gbs // per_step, global_batch_size=gbs,
+        stage=0, offload_optimizer="none", offload_params="none", hidden_size=h, model_config=cfg,
+    )
+    plan.note("world_size", world, f"{len(hosts)} node(s): " + ", ".join(f"{n} on {h_}" for h_, n in hosts))
+    plan.note("master_addr", master, master_why)
+    plan.note("train_micro_batch_size_per_gpu", micro, f"train.micro_batch_size ({_src(recipe, 'train.micro_batch_size')})")
+    plan.note("gradient_accumulation_steps", plan.grad_accum,
+              f"global_batch_size {gbs} / (micro {micro} x world {world})")
+    plan.note("train_batch_size", gbs, f"train.global_batch_size ({_src(recipe, 'train.global_batch_size')})")
+    plan.note("hidden_size", h, f"{recipe['model.path']}/config.json")
+
+    _resolve_zero(plan, with_memory)
+    return plan
+
+
+def _resolve_zero(plan: Plan, with_memory: bool) -> None:
+    r = plan.recipe
+    stage, opt = r["zero.stage"], r["zero.offload_optimizer"]
+    needs_memory = stage == "auto" or opt == "auto" or r["zero.overlap_comm"] == "auto" \
+        or r["zero.allgather_bucket_size"] == "auto"
+    report = None
+    if needs_memory and with_memory:
+        from .memory_plan import plan_memory
+
+        report = plan_memory(plan)
+        plan.memory = report
+    if stage == "auto" or opt == "auto":
+        if report is None:  # pragma: no cover - with_memory=False is only used where stage is concrete
+            raise RecipeError(Problem("zero.stage/offload_optimizer auto needs the memory planner", key="zero.stage"))
+        chosen = report.choice_for(stage, opt)
+        stage_v, opt_v = chosen.stage, chosen.offload_optimizer
+        why = f"auto: {report.choice_reason}"
+        plan.stage = plan.note("zero_optimization.stage", stage_v, why if stage == "auto" else _src(r, "zero.stage"))
+        plan.offload_optimizer = plan.note("offload_optimizer", opt_v,
+                                           why if opt == "auto" else _src(r, "zero.offload_optimizer"))
+    else:
+        plan.stage = plan.note("zero_optimization.stage", stage, _src(r, "zero.stage"))
+        plan.offload_optimizer = plan.note("offload_optimizer", opt, _src(r, "zero.offload_optimizer"))
+    if plan.offload_optimizer != "none" and plan.stage == 0:
+        raise RecipeError(Problem("optimizer offload needs ZeRO stage 1 or higher", key="zero.offload_optimizer"))
+    plan.offload_params = plan.note("offload_param", r["zero.offload_params"], _src(r, "zero.offload_params"))
+    if plan.offload_params != "none" and plan.stage != 3:
+        raise RecipeError(Problem(f"parameter offload needs ZeRO stage 3 (resolved stage is {plan.stage})",
+                                  key="zero.offload_params"))
+
+    h = plan.hidden_size
+    if r["zero.reduce_bucket_size"] == "auto":
+        plan.note("reduce_bucket_size", h * h, f"hidden_size^2 = {h}^2")
+    else:
+        plan.note("reduce_bucket_size", r["zero.reduce_bucket_size"], _src(r, "zero.reduce_bucket_size"))
+    tight = report.tight if report is not None else False
+    if r["zero.allgather_bucket_size"] == "auto":
+        if tight:
+            plan.note("allgather_bucket_size", int(2e8), "2e8: memory is tight at the chosen stage (ftkit plan)")
+        else:
+            plan.note("allgather_bucket_size", int(5e8), "5e8: DeepSpeed's default, memory allows it")
+    else:
+        plan.note("allgather_bucket_size", r["zero.allgather_bucket_size"], _src(r, "zero.allgather_bucket_size"))
+    oc = r["zero.overlap_comm"]
+    if oc == "auto":
+        if plan.stage == 3:
+            plan.note("overlap_comm", True, "auto: always on at stage 3")
+        elif plan.stage == 0:
+            plan.note("overlap_comm", False, "auto: nothing to overlap at stage 0")
+        elif report is not None and report.room_for_overlap:
+            plan.note("overlap_comm", True, "auto: the plan has room for the extra bucket buffers")
+        else:
+            plan.note("overlap_comm", False, "auto: not enough memory headroom for the extra bucket buffers")
+    else:
+        plan.note("overlap_comm", oc, _src(r, "zero.overlap_comm"))
+    plan.note("stage3_prefetch_bucket_size", int(0.9 * h * h), f"int(0.9 x hidden_size^2) = int(0.9 x {h}^2)")
+    plan.note("stage3_param_persistence_threshold", 10 * h, f"10 x hidden_size = 10 x {h}")
+    live = int(1e9) if not tight else int(1e8)
+    plan.note("stage3_max_live_parameters", live, "1e9" if not tight else "1e8: memory is tight")
+    plan.note("stage3_max_reuse_distance", live, "1e9" if not tight else "1e8: memory is tight")

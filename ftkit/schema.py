@@ -1,0 +1,280 @@
+"""The recipe's fields: name, type, default and one line of documentation, declared once.
+
+Everything that describes a recipe field (the loader's type checks, ``ftkit init``'s comments, the generated
+reference in docs/recipe.md, ``ftkit schema``'s JSON Schema) reads this table, so they cannot drift apart.
+
+Types are small strings rather than Python annotations so they print well in errors and docs:
+``int``, ``float``, ``bool``, ``str``, ``path``, ``list[str]``, ``choice`` (with ``choices``), and unions such as
+``int|auto`` or ``path|null``. ``path`` values are relative to the recipe file's directory when they come from the
+file and to the current directory when they come from the command line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+REQUIRED = object()  # sentinel: the field has no default and must be given
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    type: str
+    default: object
+    doc: str
+    choices: tuple[str, ...] = ()
+    minimum: float | None = None  # inclusive lower bound for numbers
+    exclusive_minimum: float | None = None  # strict lower bound for numbers (e.g. > 0)
+    maximum: float | None = None  # inclusive upper bound for numbers
+
+    @property
+    def required(self) -> bool:
+        return self.default is REQUIRED
+
+    def type_label(self) -> str:
+        kinds = [", ".join(self.choices) if k == "choice" else k for k in self.type.split("|")]
+        return " or ".join(kinds)
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str
+    doc: str
+    fields: tuple[Field, ...]
+    optional: bool = False  # the whole section may be absent (peft: absent means full fine-tuning)
+
+    def get(self, key: str) -> Field | None:
+        for f in self.fields:
+            if f.name == key:
+                return f
+        return None
+
+    @property
+    def names(self) -> list[str]:
+        return [f.name for f in self.fields]
+
+
+def _f(name: str, type_: str, default: object, doc: str, **kw: object) -> Field:
+    return Field(name, type_, default, doc, **kw)  # type: ignore[arg-type]
+
+
+TOP_LEVEL = (_f("name", "str", "ftkit-run", "Run name, used in logs and the rendezvous id."),)
+
+SECTIONS: tuple[Section, ...] = (
+    Section(
+        "model",
+        "The model to fine-tune.",
+        (
+            _f("path", "path", REQUIRED, "Local model directory with config.json (a hub id only where a network exists)."),
+            _f("tokenizer", "path|null", None, "Tokenizer directory; null: the model directory."),
+            _f(
+                "gradient_checkpointing",
+                "bool",
+                False,
+                "Recompute activations in the backward pass: less memory, about 30% more compute.",
+            ),
+        ),
+    ),
+    Section(
+        "peft",
+        "Parameter-efficient fine-tuning; omit the whole section for full fine-tuning.",
+        (
+            _f("method", "choice", "lora", "PEFT method.", choices=("lora",)),
+            _f("r", "int", 16, "LoRA rank.", exclusive_minimum=0),
+            _f("alpha", "float", 32, "LoRA scaling numerator (scale = alpha / r).", exclusive_minimum=0),
+            _f("dropout", "float", 0.05, "Dropout on the LoRA input, 0 to 1.", minimum=0, maximum=1),
+            _f(
+                "target_modules",
+                "list[str]",
+                ["q_proj", "v_proj"],
+                "Names of the Linear modules that get adapters (e.g. q_proj, k_proj, v_proj, o_proj).",
+            ),
+        ),
+        optional=True,
+    ),
+    Section(
+        "data",
+        "Training data from local files.",
+        (
+            _f(
+                "train",
+                "path",
+                REQUIRED,
+                "Training file: jsonl/json/csv/parquet/txt with fields text | prompt+completion | messages.",
+            ),
+            _f("max_seq_len", "int", 512, "Longest example in tokens.", exclusive_minimum=0),
+            _f(
+                "truncate",
+                "bool",
+                False,
+                "Cut examples longer than max_seq_len instead of failing with the row number.",
+            ),
+        ),
+    ),
+    Section(
+        "train",
+        "The HF Trainer run.",
+        (
+            _f(
+                "output_dir",
+                "path",
+                REQUIRED,
+                "Run directory: checkpoints, logs, events.jsonl, rendered configs, final model.",
+            ),
+            _f(
+                "precision",
+                "choice",
+                "bf16",
+                "Mixed precision; bf16 needs Ampere or newer GPUs.",
+                choices=("bf16", "fp16", "fp32"),
+            ),
+            _f("micro_batch_size", "int", 4, "Examples per process per forward pass.", exclusive_minimum=0),
+            _f(
+                "global_batch_size",
+                "int",
+                16,
+                "Examples per optimizer step = micro_batch_size x grad accumulation x world size (must divide).",
+                exclusive_minimum=0,
+            ),
+            _f("max_steps", "int|null", 100, "Optimizer steps to train; null: use epochs.", exclusive_minimum=0),
+            _f("epochs", "float|null", None, "Passes over the data when max_steps is null.", exclusive_minimum=0),
+            _f("learning_rate", "float", 2.0e-4, "Peak learning rate (AdamW).", exclusive_minimum=0),
+            _f(
+                "lr_scheduler",
+                "choice",
+                "cosine",
+                "Learning-rate schedule after warm-up.",
+                choices=("linear", "cosine", "constant", "constant_with_warmup"),
+            ),
+            _f("warmup_steps", "int", 0, "Linear warm-up steps.", minimum=0),
+            _f("weight_decay", "float", 0.0, "AdamW weight decay.", minimum=0),
+            _f("adam_beta1", "float", 0.9, "AdamW beta1.", minimum=0),
+            _f("adam_beta2", "float", 0.999, "AdamW beta2.", minimum=0),
+            _f("adam_epsilon", "float", 1.0e-8, "AdamW epsilon.", exclusive_minimum=0),
+            _f("max_grad_norm", "float", 1.0, "Gradient clipping norm (DeepSpeed gradient_clipping).", minimum=0),
+            _f("logging_steps", "int", 10, "Log the loss every N optimizer steps.", exclusive_minimum=0),
+            _f("save_steps", "int", 20, "Save (and commit) a checkpoint every N optimizer steps.", exclusive_minimum=0),
+            _f(
+                "save_total_limit",
+                "int",
+                3,
+                "Committed checkpoints to keep; the newest committed one is never deleted.",
+                exclusive_minimum=0,
+            ),
+            _f("seed", "int", 42, "Random seed for weights of new layers, data order and dropout.", minimum=0),
+        ),
+    ),
+    Section(
+        "zero",
+        "DeepSpeed ZeRO sharding.",
+        (
+            _f(
+                "stage",
+                "int|auto",
+                2,
+                "ZeRO stage 0-3; auto: the fastest that fits per ftkit plan.",
+                minimum=0,
+                maximum=3,
+            ),
+            _f(
+                "offload_optimizer",
+                "choice",
+                "none",
+                "Where optimizer states live; auto: decided with the stage by ftkit plan.",
+                choices=("none", "cpu", "nvme", "auto"),
+            ),
+            _f("offload_params", "choice", "none", "Where parameters live (stage 3 only).", choices=("none", "cpu", "nvme")),
+            _f("nvme_path", "path|null", None, "Local NVMe directory for nvme offload (required with nvme)."),
+            _f(
+                "overlap_comm",
+                "bool|auto",
+                "auto",
+                "Overlap gradient reduction with backward; auto: on at stage 3, at 1/2 when memory allows.",
+            ),
+            _f(
+                "reduce_bucket_size",
+                "int|auto",
+                "auto",
+                "Elements per gradient-reduction bucket; auto: hidden_size^2.",
+                exclusive_minimum=0,
+            ),
+            _f(
+                "allgather_bucket_size",
+                "int|auto",
+                "auto",
+                "Elements per all-gather bucket at stage 1/2; auto: 5e8, less when memory is tight.",
+                exclusive_minimum=0,
+            ),
+        ),
+    ),
+    Section(
+        "cluster",
+        "Where the job runs.",
+        (
+            _f("hostfile", "path|null", None, "DeepSpeed-style hostfile (host slots=N); null: this machine only."),
+            _f("num_nodes", "int", 1, "Nodes (ignored when a hostfile is given: it counts the hosts).", exclusive_minimum=0),
+            _f(
+                "gpus_per_node",
+                "int",
+                8,
+                "Processes per node (CPU ranks when accelerator is cpu); a hostfile's slots override it.",
+                exclusive_minimum=0,
+            ),
+            _f("gpu_memory_gb", "float", 80, "Memory per GPU in GB (10^9 bytes), for ftkit plan.", exclusive_minimum=0),
+            _f("host_memory_gb", "float", 256, "Host RAM per node in GB, for offload planning.", exclusive_minimum=0),
+            _f(
+                "accelerator",
+                "choice",
+                "cuda",
+                "cuda, or cpu (DS_ACCELERATOR=cpu and gloo, for tests and demos).",
+                choices=("cuda", "cpu"),
+            ),
+            _f(
+                "engine",
+                "choice",
+                "deepspeed",
+                "Launcher: the deepspeed runner (pdsh/ssh), accelerate launch, or torchrun (c10d).",
+                choices=("deepspeed", "accelerate", "torchrun"),
+            ),
+            _f("master_addr", "str|null", None, "Address of rank 0; null: the first host (127.0.0.1 when local)."),
+            _f("master_port", "int", 29500, "TCP port for the rendezvous on the master host.", minimum=1),
+            _f("min_nodes", "int|null", None, "Fewest nodes to continue on after losing hosts; null: all nodes.", minimum=1),
+        ),
+    ),
+    Section(
+        "resilience",
+        "Supervision and restarts.",
+        (
+            _f("max_restarts", "int", 3, "Restarts allowed for the whole job (one per incident).", minimum=0),
+            _f("hang_timeout_s", "float", 600, "Seconds without a step before the run counts as hung.", exclusive_minimum=0),
+            _f(
+                "startup_timeout_s",
+                "float",
+                900,
+                "Seconds from launch to the first step before the start counts as hung.",
+                exclusive_minimum=0,
+            ),
+            _f("backoff_s", "float", 10, "First wait before a restart; doubles each time, with jitter.", minimum=0),
+            _f("backoff_max_s", "float", 300, "Longest wait between restarts.", minimum=0),
+            _f(
+                "verify_checksums",
+                "bool",
+                False,
+                "Verify checkpoint checksums (not only presence and sizes) before resuming.",
+            ),
+        ),
+    ),
+)
+
+SECTION_BY_NAME = {s.name: s for s in SECTIONS}
+
+
+def all_fields() -> list[tuple[str, Field]]:
+    """Every field as (dotted key, Field), in declaration order."""
+    out = [(f.name, f) for f in TOP_LEVEL]
+    for s in SECTIONS:
+        out.extend((f"{s.name}.{f.name}", f) for f in s.fields)
+    return out
+
+
+FIELD_BY_KEY: dict[str, Field] = dict(all_fields())

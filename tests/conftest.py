@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny model configs on disk and recipe writers (no heavy imports here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return d
+
+
+@pytest.fixture
+def write_recipe(tmp_path: Path, model_dir: Path):
+    """Write a recipe (YAML text, dedented) into tmp_path/recipe.yaml; model at ./model, data at ./data.jsonl."""
+
+    def _write(body: str = "", name: str = "recipe.yaml") -> Path:
+        text = textwrap.dedent(body) if body else MINIMAL
+        p = tmp_path / name
+        p.write_text(text)
+        return p
+
+    return _write
+
+
+MINIMAL = """\
+model:
+  path: ./model
+data:
+  train: ./data.jsonl
+train:
+  output_dir: ./run
+  micro_batch_size: 2
+  global_batch_size: 16
+cluster:
+  gpus_per_node: 8
+"""
+
+
+def run_ftkit(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 60):
+    """Run the real `ftkit` command line in a subprocess (as a user would)."""
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "ftkit", *args], cwd=cwd, env=e, capture_output=True, text=True,
+                          timeout=timeout)
