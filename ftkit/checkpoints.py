@@ -1,0 +1,797 @@
+"""Checkpoint commit records, verification, resume selection and rotation (DESIGN §5).
+
+Why this module exists: HF Trainer writes ``checkpoint-N/`` in place, piece by piece (model, DeepSpeed's
+``global_stepN/`` shards and ``latest``, per-rank RNG files, ``trainer_state.json``), with no marker that says
+"this save finished on every rank". ``get_last_checkpoint`` simply takes the highest N, and resuming from a torn
+one crashes the resumed run (measured: a truncated optimizer shard). So ftkit owns the notion of *committed*:
+
+1. after the Trainer's save, every rank calls :func:`manifest_part` for the files it wrote (size + checksum, and
+   an fsync so the data is durable before anything claims it is);
+2. the caller gathers the parts on rank 0 (the ``torch.distributed`` gather/barrier is the caller's job; this
+   module stays stdlib-only because the supervisor on the head node imports it);
+3. rank 0 calls :func:`write_commit`, which refuses unless the parts cover every file in the directory and the
+   layout is structurally sound, then writes ``ftkit_commit.json`` atomically (temp file, fsync, rename, fsync
+   of the directory). A checkpoint is committed exactly when that file exists and verifies.
+
+Resume (:func:`select_resume`) walks from newest to oldest and takes the first checkpoint that verifies;
+checkpoints without a record are rejected (``require_commit=True``) or, for runs not written by ftkit, checked
+structurally. Rotation (:func:`rotate`) counts only committed checkpoints and never removes the newest one.
+
+Assumes the checkpoint directory is on a filesystem every rank and the head node see (shared storage), as HF
+Trainer + DeepSpeed multi-node saving does by default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from ftkit import __version__
+from ftkit.errors import ExitCode, FtkitError
+
+COMMIT_FILE = "ftkit_commit.json"
+COMMIT_FORMAT = "ftkit-checkpoint-commit"
+COMMIT_VERSION = 1  # bump when a reader of the old version would misread the new one
+TRAINER_STATE = "trainer_state.json"
+LATEST = "latest"
+DELETING_PREFIX = ".deleting-"  # never matches checkpoint-<int>, so a half-deleted tree never looks resumable
+_TMP_PREFIX = f".{COMMIT_FILE}.tmp-"
+
+_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")  # the same rule as transformers' get_last_checkpoint
+_ZERO_RANK_RE = re.compile(r"(?:^|_)zero_pp_rank_(\d+)_")  # DeepSpeed's per-DP-rank shards; not mp_rank_00
+_RNG_RANK_RE = re.compile(r"^rng_state_(\d+)\.pth$")
+_OFFLOAD_RANK_RE = re.compile(r"^rank(\d+)$")  # global_stepN/offloaded_tensors/rank00/ (NVMe offload)
+_TAG_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+_FULL = "blake2b"
+_SAMPLED = "blake2b-sampled"
+_DIGEST_BYTES = 16  # 128 bits: ample against accidental collisions, keeps the record small
+
+
+class CommitError(FtkitError):
+    """write_commit refused: the save is incomplete or inconsistent, so claiming it finished would be a lie."""
+
+    exit_code = ExitCode.TRAINING_FAILED
+
+
+class VerdictKind:
+    """Why a checkpoint was accepted or rejected; callers branch on these, humans read ``Verdict.reason``."""
+
+    OK = "ok"
+    NO_COMMIT = "no_commit"  # no commit record and require_commit=True
+    BAD_COMMIT = "bad_commit"  # the record exists but is unreadable, of an unknown version, or inconsistent
+    TORN = "torn"  # a file the record lists is missing, has another size, or fails its checksum
+    STRUCTURE = "structure"  # structural check failed (missing trainer_state.json, dangling `latest`, ...)
+    WORLD_SIZE_MISMATCH = "world_size_mismatch"  # valid, but saved with another world size
+    STAGE_MISMATCH = "stage_mismatch"  # valid, but saved with another ZeRO stage
+
+    INCOMPATIBLE = frozenset({WORLD_SIZE_MISMATCH, STAGE_MISMATCH})
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of verifying one checkpoint directory.
+
+    ``kind`` in :attr:`VerdictKind.INCOMPATIBLE` means the checkpoint is intact but cannot be loaded by the
+    current launch (DeepSpeed's universal checkpoint conversion is not supported yet): the caller should
+    usually refuse the launch rather than silently resume from an older checkpoint and lose that progress.
+    """
+
+    ok: bool
+    committed: bool
+    reason: str
+    step: int | None
+    kind: str = VerdictKind.OK
+    path: Path | None = None
+    record: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def incompatible(self) -> bool:
+        return self.kind in VerdictKind.INCOMPATIBLE
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The checkpoint to resume from (``chosen`` is None: start fresh) and every newer one that was rejected."""
+
+    chosen: Path | None
+    step: int | None
+    verdict: Verdict | None
+    rejected: list[Verdict]
+
+    @property
+    def incompatible(self) -> list[Verdict]:
+        """Rejected checkpoints that are intact but were saved with another world size or ZeRO stage."""
+        return [v for v in self.rejected if v.incompatible]
+
+    @property
+    def rejected_reasons(self) -> list[tuple[Path | None, str]]:
+        return [(v.path, v.reason) for v in self.rejected]
+
+
+# --------------------------------------------------------------------------------------------------- checksums
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """Parameters of the sampled digest; stored in every commit record so verification never depends on defaults.
+
+    Files of at most ``small_file_bytes`` are hashed in full; larger ones are sampled at ``blocks + 2`` windows of
+    ``block_bytes`` (head, tail and ``blocks`` evenly spaced between them), i.e. about 1.1 MiB read per file.
+    """
+
+    small_file_bytes: int = 8 * 1024 * 1024
+    blocks: int = 16
+    block_bytes: int = 64 * 1024
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": "ftkit-sampled-blake2b-v1", **self.__dict__}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> SampleSpec:
+        spec = cls(int(data["small_file_bytes"]), int(data["blocks"]), int(data["block_bytes"]))
+        if spec.blocks < 0 or spec.block_bytes <= 0 or spec.small_file_bytes < spec.block_bytes:
+            raise ValueError(f"invalid sampling parameters {data!r}")
+        return spec
+
+
+DEFAULT_SPEC = SampleSpec()
+
+
+def full_checksum(path: str | os.PathLike[str]) -> str:
+    """``blake2b:<hex>`` over every byte: the thorough mode (reads the whole file, ~1 GB/s per core plus I/O)."""
+    h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+    buf = bytearray(4 * 1024 * 1024)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return f"{_FULL}:{h.hexdigest()}"
+
+
+def fast_checksum(path: str | os.PathLike[str], spec: SampleSpec = DEFAULT_SPEC) -> str:
+    """A checksum cheap enough for checkpoints of hundreds of GB: full for small files, sampled for large ones.
+
+    Files of at most ``spec.small_file_bytes`` (8 MiB): ``blake2b:<hex>`` of the whole content, identical to
+    :func:`full_checksum`, so *any* change to a small file (configs, ``trainer_state.json``, ``latest``, RNG
+    states, scheduler, tokenizer files) is detected.
+
+    Larger files: ``blake2b-sampled:<hex>`` over the file size and ``blocks + 2`` windows of ``block_bytes`` at
+    fixed offsets (head, tail, evenly spaced in between), each prefixed with its offset. Detects: truncation and
+    extension (the size is hashed; ``verify`` also compares sizes without reading), any change inside a sampled
+    window (including a torn tail or an unwritten/zeroed head), and a different file of the same size whose
+    bytes differ in any window. Does NOT detect: changes that fall entirely between the windows (with the
+    defaults about 1.1 MiB of a 10 GiB shard, ~0.01%, is read), e.g. a bit flip or a zeroed range in the
+    middle of a large shard. Use :func:`full_checksum` (``manifest_part(thorough=True)``) when that matters.
+    Neither checksum is a defence against deliberate tampering beyond what blake2b-128 over the read bytes gives.
+    """
+    with open(path, "rb", buffering=0) as f:
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
+        if size <= spec.small_file_bytes:
+            return full_checksum(path)
+        h = hashlib.blake2b(digest_size=_DIGEST_BYTES, person=b"ftkit-sampled-v1")
+        h.update(size.to_bytes(8, "little"))
+        last = size - spec.block_bytes
+        windows = spec.blocks + 2
+        for i in range(windows):
+            offset = last * i // (windows - 1)
+            data = os.pread(fd, spec.block_bytes, offset)
+            if len(data) != spec.block_bytes:
+                raise OSError(f"{path}: short read at offset {offset} (file changed while being hashed)")
+            h.update(offset.to_bytes(8, "little"))
+            h.update(data)
+    return f"{_SAMPLED}:{h.hexdigest()}"
+
+
+def _recompute(path: Path, recorded: str, spec: SampleSpec) -> str:
+    """Recompute a checksum with the algorithm the recorded value names (full or sampled)."""
+    algo = recorded.split(":", 1)[0]
+    if algo == _FULL:
+        return full_checksum(path)
+    if algo == _SAMPLED:
+        return fast_checksum(path, spec)
+    raise ValueError(f"unknown checksum algorithm {algo!r}")
+
+
+# --------------------------------------------------------------------------------------------------- manifests
+
+
+def _is_bookkeeping(rel: str) -> bool:
+    """Files that are not part of the checkpoint payload: our own record and temp files, NFS silly-renames."""
+    name = rel.rsplit("/", 1)[-1]
+    if rel == COMMIT_FILE or (name == rel and name.startswith(_TMP_PREFIX)):
+        return True
+    # NFS renames a file that is deleted while open to .nfsXXXX until the last handle closes; not ours to cover.
+    return name.startswith(".nfs")
+
+
+def _payload_files(ckpt_dir: Path) -> list[str]:
+    """Every regular file under ``ckpt_dir`` (relative, '/'-separated, sorted), minus bookkeeping files."""
+    out: list[str] = []
+    for root, dirs, files in os.walk(ckpt_dir):
+        dirs.sort()
+        rel_root = Path(root).relative_to(ckpt_dir).as_posix()
+        for name in files:
+            rel = name if rel_root == "." else f"{rel_root}/{name}"
+            if not _is_bookkeeping(rel):
+                out.append(rel)
+    return sorted(out)
+
+
+def _writer_rank(rel: str) -> int:
+    """The rank that writes ``rel`` in HF Trainer + DeepSpeed's layout; 0 for everything not per-rank."""
+    parts = rel.split("/")
+    name = parts[-1]
+    if m := _RNG_RANK_RE.match(name):
+        return int(m.group(1))
+    if m := _ZERO_RANK_RE.search(name):
+        return int(m.group(1))
+    for i, comp in enumerate(parts[:-2]):
+        if comp == "offloaded_tensors" and (m := _OFFLOAD_RANK_RE.match(parts[i + 1])):
+            return int(m.group(1))
+    return 0
+
+
+def files_owned_by_rank(ckpt_dir: str | os.PathLike[str], rank: int, world_size: int) -> list[str]:
+    """The files ``rank`` checksums: the ones it wrote, so the cost is spread like the save itself.
+
+    ``zero_pp_rank_{r}_...`` (ZeRO shards), ``rng_state_{r}.pth`` and NVMe ``offloaded_tensors/rank{r}/``
+    belong to rank r; everything else (model weights, ``latest``, ``mp_rank_00_model_states.pt``, scheduler,
+    ``trainer_state.json``, ...) to rank 0. A file naming a rank >= ``world_size`` belongs to nobody: it is a
+    leftover from a run with more ranks, and :func:`write_commit` then refuses because it is not covered.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside world size {world_size}")
+    return [rel for rel in _payload_files(Path(ckpt_dir)) if _writer_rank(rel) == rank]
+
+
+def manifest_part(
+    ckpt_dir: str | os.PathLike[str],
+    rank: int,
+    world_size: int,
+    *,
+    thorough: bool = False,
+    fsync: bool = True,
+    spec: SampleSpec = DEFAULT_SPEC,
+) -> dict[str, dict[str, Any]]:
+    """``{relative path: {size, checksum, rank}}`` for the files this rank wrote.
+
+    ``fsync=True`` flushes each file to stable storage first: torch.save does not, and a commit record that
+    survives a node crash while the shards it describes were still in the page cache would be a lie.
+    ``thorough=True`` records full checksums (reads everything) instead of sampled ones.
+    """
+    ckpt = Path(ckpt_dir)
+    part: dict[str, dict[str, Any]] = {}
+    for rel in files_owned_by_rank(ckpt, rank, world_size):
+        path = ckpt / rel
+        if fsync:
+            _fsync_path(path)
+        size = path.stat().st_size
+        checksum = full_checksum(path) if thorough else fast_checksum(path, spec)
+        part[rel] = {"size": size, "checksum": checksum, "rank": rank}
+    return part
+
+
+def _fsync_path(path: Path, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some filesystems refuse fsync on directories/read-only fds; nothing more we can do
+        if e.errno not in (22, 9):  # EINVAL, EBADF
+            raise
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree_dirs(root: Path) -> None:
+    """fsync every directory under root, deepest first: new directory entries are durable only after this."""
+    dirs = [Path(r) for r, _, _ in os.walk(root)]
+    for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
+        _fsync_path(d, directory=True)
+
+
+# --------------------------------------------------------------------------------------------------- commit
+
+
+def _checkpoint_step(path: Path) -> int | None:
+    m = _CKPT_RE.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def write_commit(
+    ckpt_dir: str | os.PathLike[str],
+    parts: Iterable[Mapping[str, Mapping[str, Any]]],
+    *,
+    step: int,
+    world_size: int,
+    stage: int | None,
+    recipe_hash: str,
+    extra: Mapping[str, Any] | None = None,
+    spec: SampleSpec = DEFAULT_SPEC,
+) -> Path:
+    """Merge the ranks' manifest parts and write the commit record atomically; returns its path.
+
+    Refuses (:class:`CommitError`) when a file in the directory is covered by no part, a listed file is gone or
+    changed size since its rank measured it (the caller's barrier was missing), two parts disagree about a file,
+    or the structural check fails (e.g. ``trainer_state.json`` missing): a commit must only ever be claimed for a
+    checkpoint that resume can load. ``stage`` is the ZeRO stage (None: not a DeepSpeed run). The write is
+    temp file in the same directory → fsync → ``os.replace`` → fsync of the directory, so a crash leaves either
+    no record or a complete one, never a partial one.
+    """
+    ckpt = Path(ckpt_dir)
+    name = ckpt.name
+    if world_size < 1 or (stage is not None and stage not in (0, 1, 2, 3)) or step < 0:
+        raise ValueError(f"invalid commit parameters step={step} world_size={world_size} stage={stage}")
+    if not ckpt.is_dir():
+        raise CommitError(f"{name}: not a directory")
+
+    merged: dict[str, dict[str, Any]] = {}
+    for part in parts:
+        for rel, entry in part.items():
+            clean = {"size": int(entry["size"]), "checksum": str(entry["checksum"]), "rank": int(entry["rank"])}
+            if rel in merged and merged[rel] != clean:
+                raise CommitError(f"{name}: ranks {merged[rel]['rank']} and {clean['rank']} disagree about {rel}")
+            merged[rel] = clean
+
+    present = _payload_files(ckpt)
+    uncovered = [rel for rel in present if rel not in merged]
+    if uncovered:
+        owners = ", ".join(f"{rel} (rank {_writer_rank(rel)})" for rel in uncovered[:5])
+        more = f" and {len(uncovered) - 5} more" if len(uncovered) > 5 else ""
+        raise CommitError(f"{name}: not covered by any rank's manifest (world size {world_size}): {owners}{more}")
+    for rel in sorted(merged):
+        try:
+            size = (ckpt / rel).stat().st_size
+        except FileNotFoundError:
+            raise CommitError(f"{name}: {rel} is in rank {merged[rel]['rank']}'s manifest but does not exist") from None
+        if size != merged[rel]["size"]:
+            raise CommitError(
+                f"{name}: {rel} is {size} bytes, rank {merged[rel]['rank']} measured {merged[rel]['size']}"
+            )
+
+    structure = _structure(ckpt, stage=stage, expect_step=step)
+    if structure.problem:
+        raise CommitError(f"{name}: {structure.problem}")
+    if structure.world_size is not None and structure.world_size != world_size:
+        raise CommitError(
+            f"{name}: found optimizer shards for {structure.world_size} ranks, world size is {world_size}"
+        )
+    rng = {rel for rel in present if rel == "rng_state.pth" or _RNG_RANK_RE.match(rel)}
+    want = {"rng_state.pth"} if world_size == 1 else {f"rng_state_{r}.pth" for r in range(world_size)}
+    if rng and rng != want:  # no RNG files at all is HF's save_only_model; a partial set is a rank that is late
+        odd = sorted(want - rng) or sorted(rng - want)
+        raise CommitError(f"{name}: RNG files do not match world size {world_size} ({odd[0]} missing or extra)")
+
+    now = time.time()
+    record: dict[str, Any] = {
+        "format": COMMIT_FORMAT,
+        "version": COMMIT_VERSION,
+        "ftkit_version": __version__,
+        "step": step,
+        "created": now,
+        "created_utc": datetime.fromtimestamp(now, UTC).isoformat(timespec="seconds"),
+        "world_size": world_size,
+        "stage": stage,
+        "recipe_hash": recipe_hash,
+        "tag": structure.tag,
+        "checksum": spec.to_json(),
+        "files": dict(sorted(merged.items())),
+        "extra": dict(extra or {}),
+    }
+    _fsync_tree_dirs(ckpt)  # the data files' directory entries must be durable before the record is
+    _atomic_write(ckpt / COMMIT_FILE, json.dumps(record, indent=1, sort_keys=False).encode() + b"\n")
+    for stale in ckpt.glob(_TMP_PREFIX + "*"):  # from a write_commit that crashed before its rename
+        stale.unlink(missing_ok=True)
+    return ckpt / COMMIT_FILE
+
+
+def _atomic_write(target: Path, data: bytes) -> None:
+    tmp = target.with_name(f"{_TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_path(target.parent, directory=True)
+
+
+def read_commit(ckpt_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The commit record as a dict, or None when there is none. Raises ValueError when it does not parse."""
+    path = Path(ckpt_dir) / COMMIT_FILE
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    record = json.loads(raw)
+    if not isinstance(record, dict):
+        raise ValueError("not a JSON object")
+    return record
+
+
+# --------------------------------------------------------------------------------------------------- verify
+
+
+@dataclass
+class _Structure:
+    problem: str | None = None
+    tag: str | None = None
+    world_size: int | None = None  # inferred from DeepSpeed's optimizer shards, when there are any
+    stage3: bool | None = None  # zero_pp_rank_*_model_states.pt exist only at stage 3
+
+
+def _read_tag(ckpt: Path) -> tuple[str | None, str | None]:
+    """(tag, problem) from the ``latest`` file DeepSpeed writes after its shards."""
+    try:
+        tag = (ckpt / LATEST).read_text(encoding="utf-8", errors="replace").strip()
+    except OSError as e:
+        return None, f"`latest` unreadable ({e.strerror})"
+    if not tag:
+        return None, "`latest` is empty"
+    if not _TAG_RE.match(tag) or tag in (".", ".."):
+        return None, f"`latest` holds {tag[:40]!r}, not a tag directory name"
+    if not (ckpt / tag).is_dir():
+        return None, f"`latest` names {tag} which does not exist"
+    return tag, None
+
+
+def _structure(ckpt: Path, *, stage: int | None, expect_step: int | None) -> _Structure:
+    """The structural check, for checkpoints without a commit record and before writing one.
+
+    Relies on HF Trainer's write order: DeepSpeed's shards and ``latest`` come before its final barrier, then
+    each rank's RNG file, then rank 0's ``trainer_state.json``. So ``trainer_state.json`` present means every
+    rank's shards were complete; only other ranks' RNG files can still be missing, and those are checked.
+    """
+    st = _Structure()
+    state_path = ckpt / TRAINER_STATE
+    if not state_path.is_file():
+        st.problem = f"{TRAINER_STATE} missing"
+        return st
+    try:
+        state = json.loads(state_path.read_bytes())
+        global_step = state["global_step"]
+        if not isinstance(global_step, int):
+            raise TypeError("global_step is not an integer")
+    except (ValueError, KeyError, TypeError) as e:
+        st.problem = f"{TRAINER_STATE} does not parse ({type(e).__name__}: {e})"
+        return st
+    if expect_step is not None and global_step != expect_step:
+        st.problem = f"{TRAINER_STATE} says global_step {global_step}, expected {expect_step}"
+        return st
+
+    files = _payload_files(ckpt)
+    for rel in files:
+        if (ckpt / rel).stat().st_size == 0:
+            st.problem = f"{rel} is empty (0 bytes)"
+            return st
+
+    top = set(files)
+    rng_ranks = sorted(int(m.group(1)) for rel in top if (m := _RNG_RANK_RE.match(rel)))
+    has_single_rng = "rng_state.pth" in top
+    tag_dirs = sorted(p.name for p in ckpt.glob("global_step*") if p.is_dir())
+
+    if (ckpt / LATEST).exists():
+        tag, problem = _read_tag(ckpt)
+        if problem or tag is None:
+            st.problem = problem
+            return st
+        st.tag = tag
+        names = [rel[len(tag) + 1 :] for rel in files if rel.startswith(tag + "/") and rel.count("/") == 1]
+        model_states = [n for n in names if n.endswith("model_states.pt")]
+        optim = [n for n in names if n.endswith("optim_states.pt")]
+        if not model_states:
+            st.problem = f"{tag}/ has no *model_states.pt"
+            return st
+        if not optim and stage != 0:  # only ZeRO stage 0 without bf16 keeps the optimizer in the model states
+            st.problem = f"{tag}/ has no *optim_states.pt"
+            return st
+        optim_ranks = sorted(int(m.group(1)) for n in optim if (m := _ZERO_RANK_RE.search(n)))
+        if optim and optim_ranks != list(range(len(optim))):
+            st.problem = f"{tag}/ optimizer shards for ranks {optim_ranks}, expected 0..{len(optim) - 1}"
+            return st
+        zero3_model = sorted(int(m.group(1)) for n in model_states if (m := _ZERO_RANK_RE.search(n)))
+        st.stage3 = bool(zero3_model)
+        if zero3_model and zero3_model != (optim_ranks or list(range(len(zero3_model)))):
+            st.problem = f"{tag}/ model-state shards for ranks {zero3_model} but optimizer shards for {optim_ranks}"
+            return st
+        if optim or zero3_model:
+            st.world_size = len(optim) or len(zero3_model)
+            why = f"{tag}/ has shards for {st.world_size} rank(s)"
+            st.problem = _rng_problem(rng_ranks, has_single_rng, st.world_size, why)
+            return st
+    elif tag_dirs:
+        st.problem = f"{tag_dirs[-1]}/ exists but `latest` is missing (DeepSpeed save did not finish)"
+        return st
+    # No per-rank shards to count ranks by: only the RNG files' own consistency can be checked.
+    if rng_ranks and rng_ranks != list(range(len(rng_ranks))):
+        missing = sorted(set(range(max(rng_ranks) + 1)) - set(rng_ranks))
+        st.problem = f"rng_state_{missing[0]}.pth missing (found ranks {rng_ranks})"
+    elif "optimizer.pt" in top and not rng_ranks and not has_single_rng:
+        st.problem = "optimizer.pt present but no rng_state file (save did not finish)"
+    return st
+
+
+def _rng_problem(rng_ranks: list[int], has_single: bool, ranks: int, why: str) -> str | None:
+    if ranks == 1:
+        if has_single or rng_ranks == [0]:
+            return None
+        return "rng_state.pth missing (save did not finish)"
+    missing = sorted(set(range(ranks)) - set(rng_ranks))
+    if missing:
+        return f"rng_state_{missing[0]}.pth missing ({why}; save did not finish)"
+    extra = sorted(set(rng_ranks) - set(range(ranks)))
+    if extra:
+        return f"rng_state_{extra[0]}.pth present but {why}"
+    return None
+
+
+def verify(
+    ckpt_dir: str | os.PathLike[str],
+    checksums: bool = False,
+    *,
+    require_commit: bool = True,
+    world_size: int | None = None,
+    stage: int | None = None,
+) -> Verdict:
+    """Is this checkpoint safe to resume from, and if not, why (one line, starting with the directory name)?
+
+    Committed: the record parses, every listed file exists with exactly the recorded size (and checksum when
+    ``checksums`` is True: the record names the algorithm, sampled or full), and ``latest`` names an existing
+    directory. Integrity is checked before compatibility, so a world-size/stage mismatch verdict always means
+    "intact but not loadable by this launch". Uncommitted: rejected (``no_commit``) when ``require_commit``,
+    else the structural check (for runs not written by ftkit). ``world_size``/``stage`` None skip that check.
+    """
+    ckpt = Path(ckpt_dir)
+    name = ckpt.name
+    dir_step = _checkpoint_step(ckpt)
+
+    def verdict(ok: bool, committed: bool, kind: str, reason: str, step: int | None = dir_step, **kw: Any) -> Verdict:
+        return Verdict(ok, committed, f"{name}: {reason}", step, kind, ckpt, **kw)
+
+    if not ckpt.is_dir():
+        return verdict(False, False, VerdictKind.STRUCTURE, "not a directory")
+    try:
+        record = read_commit(ckpt)
+    except (OSError, ValueError) as e:
+        return verdict(False, True, VerdictKind.BAD_COMMIT, f"commit record unreadable ({e})")
+
+    if record is None:
+        structure = _structure(ckpt, stage=stage, expect_step=dir_step)
+        if require_commit:
+            hint = "" if structure.problem else "; structurally complete, written without ftkit?"
+            return verdict(False, False, VerdictKind.NO_COMMIT, f"no commit record (save did not finish{hint})")
+        if structure.problem:
+            return verdict(False, False, VerdictKind.STRUCTURE, structure.problem)
+        if world_size is not None and structure.world_size is not None and structure.world_size != world_size:
+            return verdict(
+                False,
+                False,
+                VerdictKind.WORLD_SIZE_MISMATCH,
+                f"saved by {structure.world_size} ranks, this launch has {world_size} "
+                "(universal checkpoint conversion is not supported yet)",
+            )
+        if stage is not None and structure.stage3 is not None and structure.stage3 != (stage == 3):
+            saved = "stage 3" if structure.stage3 else "stage 0-2"
+            return verdict(
+                False,
+                False,
+                VerdictKind.STAGE_MISMATCH,
+                f"saved with ZeRO {saved}, this launch uses stage {stage} "
+                "(universal checkpoint conversion is not supported yet)",
+            )
+        return verdict(True, False, VerdictKind.OK, "no commit record; structural check passed")
+
+    return _verify_committed(ckpt, record, checksums, world_size, stage, verdict)
+
+
+def _verify_committed(
+    ckpt: Path, record: dict[str, Any], checksums: bool, world_size: int | None, stage: int | None, verdict: Any
+) -> Verdict:
+    bad = VerdictKind.BAD_COMMIT
+    try:
+        if record.get("format") != COMMIT_FORMAT:
+            return verdict(False, True, bad, f"{COMMIT_FILE} is not an ftkit commit record")
+        version = record.get("version")
+        if not isinstance(version, int) or version > COMMIT_VERSION:
+            return verdict(
+                False, True, bad, f"commit record version {version!r} is newer than supported ({COMMIT_VERSION})"
+            )
+        step, files = record["step"], record["files"]
+        rec_world, rec_stage = record["world_size"], record["stage"]
+        spec = SampleSpec.from_json(record["checksum"])
+        if not isinstance(step, int) or not isinstance(files, dict) or not files:
+            raise TypeError("step/files have the wrong type")
+        entries = {rel: (int(e["size"]), str(e["checksum"])) for rel, e in files.items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        return verdict(False, True, bad, f"commit record malformed ({type(e).__name__}: {e})")
+
+    dir_step = _checkpoint_step(ckpt)
+    if dir_step is not None and step != dir_step:
+        return verdict(False, True, bad, f"commit record is for step {step}", step=dir_step)
+
+    for rel, (size, _) in sorted(entries.items()):
+        if rel.startswith("/") or ".." in rel.split("/"):
+            return verdict(False, True, bad, f"commit record lists a path outside the checkpoint: {rel}", step=step)
+        try:
+            actual = (ckpt / rel).stat().st_size
+        except FileNotFoundError:
+            return verdict(
+                False, True, VerdictKind.TORN, f"{rel} is listed in the commit record but missing", step=step
+            )
+        if actual != size:
+            return verdict(
+                False, True, VerdictKind.TORN, f"{rel} is {actual} bytes, commit record says {size}", step=step
+            )
+    if LATEST in entries:
+        _, problem = _read_tag(ckpt)
+        if problem:
+            return verdict(False, True, VerdictKind.TORN, problem, step=step)
+
+    mode = "sizes"
+    if checksums:
+        mode = "sizes+checksums"
+        items = sorted(entries.items())
+        with ThreadPoolExecutor(max_workers=min(8, len(items))) as pool:
+            results = list(pool.map(lambda it: _safe_recompute(ckpt / it[0], it[1][1], spec), items))
+        for (rel, (_, expected)), actual_sum in zip(items, results, strict=True):
+            if actual_sum != expected:
+                return verdict(
+                    False, True, VerdictKind.TORN, f"{rel} checksum {actual_sum} != commit record {expected}", step=step
+                )
+
+    if world_size is not None and rec_world != world_size:
+        return verdict(
+            False,
+            True,
+            VerdictKind.WORLD_SIZE_MISMATCH,
+            f"committed with world size {rec_world}, this launch has {world_size} "
+            "(universal checkpoint conversion is not supported yet)",
+            step=step,
+            record=record,
+        )
+    if stage is not None and rec_stage is not None and rec_stage != stage:
+        return verdict(
+            False,
+            True,
+            VerdictKind.STAGE_MISMATCH,
+            f"committed with ZeRO stage {rec_stage}, this launch uses stage {stage} "
+            "(universal checkpoint conversion is not supported yet)",
+            step=step,
+            record=record,
+        )
+    return verdict(
+        True, True, VerdictKind.OK, f"committed, {len(entries)} files verified ({mode})", step=step, record=record
+    )
+
+
+def _safe_recompute(path: Path, recorded: str, spec: SampleSpec) -> str:
+    try:
+        return _recompute(path, recorded, spec)
+    except (OSError, ValueError) as e:
+        return f"<{type(e).__name__}: {e}>"
+
+
+# --------------------------------------------------------------------------------------------------- selection
+
+
+def list_checkpoints(output_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``checkpoint-<int>`` directory, newest first; anything else is ignored."""
+    out: list[tuple[int, Path]] = []
+    try:
+        entries = list(os.scandir(output_dir))
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        m = _CKPT_RE.match(entry.name)
+        if m and entry.is_dir():
+            out.append((int(m.group(1)), Path(entry.path)))
+    return sorted(out, key=lambda sp: sp[0], reverse=True)
+
+
+def select_resume(
+    output_dir: str | os.PathLike[str],
+    *,
+    checksums: bool = False,
+    require_commit: bool = True,
+    world_size: int | None = None,
+    stage: int | None = None,
+) -> Selection:
+    """The newest checkpoint that verifies, plus a verdict for each newer one that did not.
+
+    Incompatible checkpoints (another world size or stage) are rejected and the walk goes on, but they stay in
+    ``Selection.incompatible``: the caller should normally refuse the launch instead of resuming from an older
+    checkpoint and silently discarding the progress the newer, intact one holds.
+    """
+    rejected: list[Verdict] = []
+    for step, path in list_checkpoints(output_dir):
+        v = verify(path, checksums, require_commit=require_commit, world_size=world_size, stage=stage)
+        if v.ok:
+            return Selection(path, step, v, rejected)
+        rejected.append(v)
+    return Selection(None, None, None, rejected)
+
+
+# --------------------------------------------------------------------------------------------------- deletion
+
+
+def _safe_rmtree(path: Path) -> None:
+    """Rename out of the ``checkpoint-<int>`` namespace first, so a crash mid-delete never leaves a half tree
+    that resume (ours or HF's ``get_last_checkpoint``) could mistake for a checkpoint."""
+    doomed = path.with_name(f"{DELETING_PREFIX}{path.name}-{os.getpid()}-{secrets.token_hex(4)}")
+    os.rename(path, doomed)
+    _fsync_path(path.parent, directory=True)
+    shutil.rmtree(doomed)
+
+
+def rotate(
+    output_dir: str | os.PathLike[str], keep: int, *, protect: Iterable[str | os.PathLike[str]] = ()
+) -> list[Path]:
+    """Delete old checkpoints, keeping the ``keep`` newest *committed* (and verifying) ones; returns what went.
+
+    Call it on rank 0 right after a successful :func:`write_commit` (HF's own ``save_total_limit`` must be
+    off). Torn or uncommitted checkpoints never count toward ``keep``; those older than the newest committed
+    one are garbage and are deleted, newer ones are left alone (nothing newer should exist right after a commit;
+    if something does, it is not rotation's business). Without any committed checkpoint nothing is deleted.
+    ``protect`` paths (e.g. the best model) are never deleted. Leftover ``.deleting-*`` trees from a crash
+    during an earlier rotation are removed too.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, got {keep}")
+    out = Path(output_dir)
+    for leftover in out.glob(DELETING_PREFIX + "*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    protected = {Path(p).resolve() for p in protect}
+    verdicts = [(step, path, verify(path, require_commit=True)) for step, path in list_checkpoints(out)]
+    committed = [(step, path) for step, path, v in verdicts if v.ok and v.committed]
+    if not committed:
+        return []
+    newest_step = committed[0][0]
+    doomed = [path for _, path in committed[keep:]]
+    doomed += [path for step, path, v in verdicts if not (v.ok and v.committed) and step < newest_step]
+    removed: list[Path] = []
+    for path in sorted(doomed, key=lambda p: _checkpoint_step(p) or 0):
+        if path.resolve() in protected:
+            continue
+        _safe_rmtree(path)
+        removed.append(path)
+    return removed
+
+
+def set_aside_newer(output_dir: str | os.PathLike[str], selection: Selection) -> list[Path]:
+    """Rename every checkpoint newer than ``selection.chosen`` to ``checkpoint-N.rejected-<utc>``; returns them.
+
+    Why: the resumed run will save ``checkpoint-N`` again into the *same* directory, and HF writes in place, so
+    stale files of the rejected attempt (a stale commit record, another rank's shard) would mix with the new
+    save. Renaming gives the new save an empty directory and keeps the evidence for a post-mortem. Call it only
+    once the launch is decided (not when refusing because of an incompatible checkpoint).
+    """
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    floor = selection.step if selection.step is not None else -1
+    moved: list[Path] = []
+    for step, path in list_checkpoints(output_dir):
+        if step > floor:
+            target = path.with_name(f"{path.name}.rejected-{stamp}-{secrets.token_hex(2)}")
+            os.rename(path, target)
+            moved.append(target)
+    if moved:
+        _fsync_path(Path(output_dir), directory=True)
+    return moved
