@@ -320,8 +320,12 @@ def write_commit(
     recipe_hash: str,
     extra: Mapping[str, Any] | None = None,
     spec: SampleSpec = DEFAULT_SPEC,
+    kind: str = "checkpoint",
 ) -> Path:
     """Merge the ranks' manifest parts and write the commit record atomically; returns its path.
+
+    ``kind="model"`` commits a final model directory (HF weights, no trainer state): the coverage and size
+    checks apply, the checkpoint structure and RNG checks do not.
 
     Refuses (:class:`CommitError`) when a file in the directory is covered by no part, a listed file is gone or
     changed size since its rank measured it (the caller's barrier was missing), two parts disagree about a file,
@@ -361,7 +365,10 @@ def write_commit(
                 f"{name}: {rel} is {size} bytes, rank {merged[rel]['rank']} measured {merged[rel]['size']}"
             )
 
-    structure = _structure(ckpt, stage=stage, expect_step=step)
+    if kind == "model":
+        structure = _Structure()
+    else:
+        structure = _structure(ckpt, stage=stage, expect_step=step)
     if structure.problem:
         raise CommitError(f"{name}: {structure.problem}")
     if structure.world_size is not None and structure.world_size != world_size:
@@ -370,7 +377,7 @@ def write_commit(
         )
     rng = {rel for rel in present if rel == "rng_state.pth" or _RNG_RANK_RE.match(rel)}
     want = {"rng_state.pth"} if world_size == 1 else {f"rng_state_{r}.pth" for r in range(world_size)}
-    if rng and rng != want:  # no RNG files at all is HF's save_only_model; a partial set is a rank that is late
+    if kind != "model" and rng and rng != want:  # no RNG files at all is HF's save_only_model; a partial set is a rank that is late
         odd = sorted(want - rng) or sorted(rng - want)
         raise CommitError(f"{name}: RNG files do not match world size {world_size} ({odd[0]} missing or extra)")
 
@@ -387,6 +394,7 @@ def write_commit(
         "recipe_hash": recipe_hash,
         "tag": structure.tag,
         "checksum": spec.to_json(),
+        "kind": kind,
         "files": dict(sorted(merged.items())),
         "extra": dict(extra or {}),
     }

@@ -1,0 +1,24 @@
+"""Prepare a run directory: render the configs the run will use and write the spec every rank reads."""
+
+from __future__ import annotations
+
+import json
+
+from .plan import Plan
+from .render import render_files, write_files
+from .rundir import RunDir, atomic_write
+from .spec import build_spec
+
+
+def prepare_run(plan: Plan) -> RunDir:
+    """Write ``ftkit/ds_config.json``, ``ftkit/accelerate.yaml`` and ``ftkit/spec.json`` into the run directory.
+
+    The run's copy of the configs uses absolute paths (it is not meant to be checked in), and is rewritten at
+    every launch so a changed recipe (e.g. more steps) takes effect when resuming.
+    """
+    rd = RunDir(plan.recipe["train.output_dir"])
+    files = render_files(plan, rd.meta, ds_path_in_yaml=str(rd.ds_config.resolve()))
+    write_files(rd.meta, files)
+    spec = build_spec(plan, rd.path.resolve(), rd.ds_config.resolve())
+    atomic_write(rd.spec, json.dumps(spec, indent=2, default=str) + "\n")
+    return rd

@@ -1,0 +1,132 @@
+"""The run directory's layout, shared by the supervisor (head node) and the training entry (every rank).
+
+``train.output_dir`` holds everything a run produces::
+
+    checkpoint-N/                 HF Trainer checkpoints; ftkit_commit.json inside once committed
+    final/                        the final model (HF format; adapters for LoRA), committed like a checkpoint
+    events.jsonl                  every supervisor decision, one JSON object per line
+    metrics.jsonl                 rank 0: step, loss, learning rate, time, attempt (one line per logged step)
+    logs/attempt-N/rank-R.log     one log per rank per attempt; launcher.log is the engine's own output
+    ftkit/spec.json               what every rank needs: resolved recipe, plan, TrainingArguments
+    ftkit/ds_config.json          rendered configs used by this run
+    ftkit/accelerate.yaml
+    ftkit/heartbeat/rank-R.json   rewritten every step: progress the supervisor can see
+    ftkit/attempts/N/pids/rank-R.json   host, pid and parent pid of each rank, for teardown by pid
+    ftkit/attempts/N/errors/rank-R.json user errors a rank reported (not worth a restart)
+
+Writes that others read while they change use :func:`atomic_write` (temp file, fsync, rename).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+class RunDir:
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+
+    @property
+    def meta(self) -> Path:
+        return self.path / "ftkit"
+
+    @property
+    def spec(self) -> Path:
+        return self.meta / "spec.json"
+
+    @property
+    def ds_config(self) -> Path:
+        return self.meta / "ds_config.json"
+
+    @property
+    def accelerate_config(self) -> Path:
+        return self.meta / "accelerate.yaml"
+
+    @property
+    def events(self) -> Path:
+        return self.path / "events.jsonl"
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def final(self) -> Path:
+        return self.path / "final"
+
+    @property
+    def heartbeat_dir(self) -> Path:
+        return self.meta / "heartbeat"
+
+    def heartbeat(self, rank: int) -> Path:
+        return self.heartbeat_dir / f"rank-{rank}.json"
+
+    def log_dir(self, attempt: int) -> Path:
+        return self.path / "logs" / f"attempt-{attempt}"
+
+    def rank_log(self, attempt: int, rank: int) -> Path:
+        return self.log_dir(attempt) / f"rank-{rank}.log"
+
+    def attempt_dir(self, attempt: int) -> Path:
+        return self.meta / "attempts" / str(attempt)
+
+    def pid_file(self, attempt: int, rank: int) -> Path:
+        return self.attempt_dir(attempt) / "pids" / f"rank-{rank}.json"
+
+    def error_file(self, attempt: int, rank: int) -> Path:
+        return self.attempt_dir(attempt) / "errors" / f"rank-{rank}.json"
+
+    def read_spec(self) -> dict[str, Any]:
+        return json.loads(self.spec.read_text())
+
+    def heartbeats(self) -> list[dict[str, Any]]:
+        out = []
+        if self.heartbeat_dir.is_dir():
+            for p in sorted(self.heartbeat_dir.glob("rank-*.json")):
+                try:
+                    out.append(json.loads(p.read_text()))
+                except (OSError, ValueError):
+                    continue  # being replaced right now; the next poll reads it
+        return out
+
+    def records(self, kind: str, attempt: int) -> list[dict[str, Any]]:
+        """The pid or error records of one attempt (kind: 'pids' or 'errors')."""
+        out = []
+        d = self.attempt_dir(attempt) / kind
+        if d.is_dir():
+            for p in sorted(d.glob("rank-*.json")):
+                try:
+                    out.append(json.loads(p.read_text()))
+                except (OSError, ValueError):
+                    continue
+        return out
+
+
+def atomic_write(path: Path, data: str | bytes, *, fsync: bool = True) -> None:
+    """Replace ``path`` in one step: readers see the old or the new content, never a torn one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data.encode() if isinstance(data, str) else data)
+            if fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """Append one JSON line; a single write() of a short line is atomic enough for a log read by humans and tools."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps(record, default=str) + "\n"
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(line)
+        fh.flush()

@@ -1,0 +1,77 @@
+"""The run spec: everything a rank needs, computed once on the head node from the Plan and written to
+``ftkit/spec.json`` in the run directory. The training entry builds TrainingArguments from it, so they hold the
+same numbers as the rendered DeepSpeed config and HF Trainer's consistency check passes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .plan import Plan
+
+
+def training_arguments(plan: Plan, output_dir: str, ds_config_path: str) -> dict[str, Any]:
+    """Keyword arguments for ``transformers.TrainingArguments``, from the same plan as ds_config.json."""
+    r = plan.recipe
+    precision = r["train.precision"]
+    args: dict[str, Any] = {
+        "output_dir": output_dir,
+        "per_device_train_batch_size": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.grad_accum,
+        "learning_rate": r["train.learning_rate"],
+        "lr_scheduler_type": r["train.lr_scheduler"],
+        "warmup_steps": r["train.warmup_steps"],
+        "weight_decay": r["train.weight_decay"],
+        "adam_beta1": r["train.adam_beta1"],
+        "adam_beta2": r["train.adam_beta2"],
+        "adam_epsilon": r["train.adam_epsilon"],
+        "max_grad_norm": r["train.max_grad_norm"],
+        "logging_steps": r["train.logging_steps"],
+        "save_strategy": "steps",
+        "save_steps": r["train.save_steps"],
+        "save_total_limit": None,  # ftkit rotates: HF's rotation would count torn checkpoints
+        "seed": r["train.seed"],
+        "data_seed": r["train.seed"],
+        "bf16": precision == "bf16",
+        "fp16": precision == "fp16",
+        "deepspeed": ds_config_path,
+        "gradient_checkpointing": r["model.gradient_checkpointing"],
+        "report_to": [],
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+        "remove_unused_columns": False,
+        "logging_first_step": True,
+        "save_only_model": False,
+    }
+    if r["train.max_steps"] is not None:
+        args["max_steps"] = r["train.max_steps"]
+    else:
+        args["num_train_epochs"] = r["train.epochs"]
+    if r["cluster.accelerator"] == "cpu":
+        args["use_cpu"] = True
+        args["ddp_backend"] = "gloo"
+    return args
+
+
+def build_spec(plan: Plan, run_dir: Path, ds_config_path: Path) -> dict[str, Any]:
+    r = plan.recipe
+    return {
+        "ftkit_version": __version__,
+        "name": r["name"],
+        "recipe": r.to_dict(),
+        "recipe_hash": r.hash(),
+        "world_size": plan.world_size,
+        "hosts": plan.hosts,
+        "stage": plan.stage,
+        "offload_optimizer": plan.offload_optimizer,
+        "offload_params": plan.offload_params,
+        "accelerator": r["cluster.accelerator"],
+        "model_path": r["model.path"],
+        "tokenizer_path": r["model.tokenizer"] or r["model.path"],
+        "peft": r.to_dict()["peft"],
+        "data": {"train": r["data.train"], "max_seq_len": r["data.max_seq_len"], "truncate": r["data.truncate"]},
+        "save_total_limit": r["train.save_total_limit"],
+        "training_args": training_arguments(plan, str(run_dir), str(ds_config_path)),
+    }

@@ -1,0 +1,243 @@
+"""The per-rank training entry: HF Trainer built from the run spec, with commit records and a heartbeat.
+
+Every engine starts this same module on every rank (``python -m ftkit.launch.train RUN_DIR``): the deepspeed
+launcher (``--module --no_local_rank``), ``accelerate launch -m`` and ``torchrun -m``. It reads the rank from the
+environment those engines set (RANK, LOCAL_RANK, WORLD_SIZE), and everything else from ``RUN_DIR/ftkit/spec.json``
+written by ``ftkit launch`` from the same plan as the DeepSpeed config.
+
+What it adds to a plain HF Trainer run:
+
+* **commit records**: after each checkpoint save all ranks gather a manifest of the files they wrote (an
+  all-gather is also the barrier), then rank 0 writes ``ftkit_commit.json`` atomically. A checkpoint without one
+  is torn and is never resumed from. Rotation (``save_total_limit``) is ftkit's, counting committed ones only.
+* **heartbeat**: each rank rewrites ``ftkit/heartbeat/rank-R.json`` every step (step, loss, time), so the
+  supervisor can tell progress from a hang; rank 0 appends losses to ``metrics.jsonl``.
+* **pid records** for teardown by pid, and one log file per rank per attempt.
+* **user errors** (bad data, bad model directory) end the rank with one line, exit code 2 and an error record the
+  supervisor reads: a restart would not fix them.
+
+This is the only module (with ``fixtures``) that imports torch, transformers, peft and deepspeed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ftkit.errors import ExitCode, UserError
+from ftkit.rundir import RunDir, append_jsonl, atomic_write
+
+PROBE_TOKENS = 16  # logits of the first tokens of the first example, saved after training to check the final model
+
+
+def _env_int(*names: str, default: int = 0) -> int:
+    for n in names:
+        if os.environ.get(n, "") != "":
+            return int(os.environ[n])
+    return default
+
+
+class RankContext:
+    def __init__(self, run_dir: Path, attempt: int):
+        self.rd = RunDir(run_dir)
+        self.attempt = attempt
+        self.rank = _env_int("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK")
+        self.local_rank = _env_int("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
+        self.world_size = _env_int("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", default=1)
+        self.host = socket.gethostname()
+        self.last_loss: float | None = None
+
+    def heartbeat(self, phase: str, step: int | None = None, **extra: Any) -> None:
+        rec = {"rank": self.rank, "attempt": self.attempt, "phase": phase, "step": step, "loss": self.last_loss,
+               "time": time.time(), "pid": os.getpid(), "host": self.host, **extra}
+        atomic_write(self.rd.heartbeat(self.rank), json.dumps(rec), fsync=False)
+
+    def record_pid(self) -> None:
+        rec = {"rank": self.rank, "local_rank": self.local_rank, "host": self.host, "pid": os.getpid(),
+               "ppid": os.getppid(), "pgid": os.getpgid(0), "attempt": self.attempt, "time": time.time()}
+        atomic_write(self.rd.pid_file(self.attempt, self.rank), json.dumps(rec), fsync=False)
+
+    def record_error(self, err: UserError) -> None:
+        rec = {"rank": self.rank, "host": self.host, "kind": type(err).__name__, "lines": err.lines(),
+               "exit_code": err.exit_code}
+        atomic_write(self.rd.error_file(self.attempt, self.rank), json.dumps(rec))
+
+
+def _redirect_output(path: Path) -> None:
+    """Send this process's stdout/stderr (including C-level writes from torch/deepspeed) to its own log file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+
+
+def _make_callback(ctx: RankContext, spec: dict[str, Any]):
+    import torch.distributed as dist
+    from transformers import TrainerCallback
+
+    from ftkit.checkpoints import manifest_part, rotate, write_commit
+
+    class FtkitCallback(TrainerCallback):
+        """Heartbeat, metrics and commit records, hooked into HF Trainer's own events."""
+
+        def on_train_begin(self, args, state, control, **kw):  # noqa: ANN001
+            ctx.heartbeat("train", state.global_step, started_at_step=state.global_step)
+
+        def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
+            ctx.heartbeat("train", state.global_step)
+
+        def on_log(self, args, state, control, logs=None, **kw):  # noqa: ANN001
+            logs = logs or {}
+            if "loss" in logs:
+                ctx.last_loss = float(logs["loss"])
+                if ctx.rank == 0:
+                    append_jsonl(ctx.rd.metrics, {
+                        "step": state.global_step, "loss": ctx.last_loss, "lr": logs.get("learning_rate"),
+                        "grad_norm": logs.get("grad_norm"), "attempt": ctx.attempt, "time": time.time(),
+                    })
+            ctx.heartbeat("train", state.global_step)
+
+        def on_save(self, args, state, control, **kw):  # noqa: ANN001
+            ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            t0 = time.time()
+            part = manifest_part(ckpt, ctx.rank, ctx.world_size)
+            parts: list[Any] = [None] * ctx.world_size
+            if dist.is_available() and dist.is_initialized():
+                dist.all_gather_object(parts, part)  # every rank has finished writing: this is the barrier
+            else:
+                parts = [part]
+            if ctx.rank == 0:
+                write_commit(ckpt, parts, step=state.global_step, world_size=ctx.world_size, stage=spec["stage"],
+                             recipe_hash=spec["recipe_hash"], extra={"attempt": ctx.attempt})
+                removed = rotate(args.output_dir, spec["save_total_limit"])
+                append_jsonl(ctx.rd.metrics, {"event": "commit", "step": state.global_step,
+                                              "commit_s": round(time.time() - t0, 3), "attempt": ctx.attempt,
+                                              "rotated": [str(p) for p in removed], "time": time.time()})
+            if dist.is_available() and dist.is_initialized():
+                dist.barrier()  # nobody trains on (or dies) before the commit is on disk
+            ctx.heartbeat("train", state.global_step, committed=state.global_step)
+
+    return FtkitCallback()
+
+
+def _load_model(spec: dict[str, Any], targs: Any):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ftkit.errors import ModelConfigError, Problem
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec["recipe"]["train"]["precision"], torch.float32)
+    path = spec["model_path"]
+    if not (Path(path) / "config.json").is_file():
+        raise ModelConfigError(Problem("no config.json: not a model directory", file=path))
+    # TrainingArguments(deepspeed=...) was built first: at ZeRO-3 from_pretrained partitions weights as it loads.
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if spec["peft"]:
+        from peft import LoraConfig, get_peft_model
+
+        p = spec["peft"]
+        cfg = LoraConfig(r=p["r"], lora_alpha=p["alpha"], lora_dropout=p["dropout"],
+                         target_modules=p["target_modules"], task_type="CAUSAL_LM")
+        try:
+            model = get_peft_model(model, cfg)
+        except ValueError as e:  # e.g. a target module the model does not have
+            raise ModelConfigError(Problem(f"peft.target_modules: {e}".splitlines()[0], file=path)) from None
+        if targs.gradient_checkpointing:
+            model.enable_input_require_grads()
+    return model
+
+
+def _probe(trainer: Any, example: dict[str, Any], ctx: RankContext) -> None:
+    """Logits of the trained model on a fixed input, every rank taking part (ZeRO-3 gathers in forward)."""
+    import torch
+
+    ids = torch.tensor([example["input_ids"][:PROBE_TOKENS]], device=trainer.args.device)
+    model = trainer.model_wrapped
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float().cpu()
+    if ctx.rank == 0:
+        atomic_write(ctx.rd.meta / "probe.json", json.dumps({"input_ids": ids.tolist(), "logits": logits.tolist()}))
+
+
+def train(ctx: RankContext, resume: str | None) -> None:
+    spec = ctx.rd.read_spec()
+    ctx.heartbeat("loading")
+    import functools
+
+    from transformers import AutoTokenizer, Trainer, TrainingArguments, set_seed
+
+    from ftkit.checkpoints import manifest_part, write_commit
+
+    from .data import collate, prepare
+
+    set_seed(spec["training_args"]["seed"])
+    targs = TrainingArguments(**spec["training_args"])  # before the model: enables ZeRO-3 partitioned loading
+    tok_path = spec["tokenizer_path"]
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tok_path)
+    except (OSError, ValueError) as e:
+        from ftkit.errors import ModelConfigError, Problem
+
+        raise ModelConfigError(Problem(f"cannot load a tokenizer: {str(e).splitlines()[0]}", file=tok_path)) from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    data = spec["data"]
+    rows = prepare(data["train"], tokenizer, data["max_seq_len"],
+                   on_too_long="truncate" if data["truncate"] else "error")
+    model = _load_model(spec, targs)
+    trainer = Trainer(model=model, args=targs, train_dataset=rows, processing_class=tokenizer,
+                      data_collator=functools.partial(collate, pad_id=tokenizer.pad_token_id),
+                      callbacks=[_make_callback(ctx, spec)])
+    ctx.heartbeat("train", None)
+    trainer.train(resume_from_checkpoint=resume)
+    ctx.heartbeat("saving", trainer.state.global_step)
+    final = ctx.rd.final
+    trainer.save_model(str(final))  # stage 3: gathers 16-bit weights; LoRA: the adapter only
+    _probe(trainer, rows[0], ctx)
+    if ctx.rank == 0:
+        tokenizer.save_pretrained(str(final))
+        part = manifest_part(final, 0, 1)
+        write_commit(final, [part], step=trainer.state.global_step, world_size=ctx.world_size, stage=spec["stage"], kind="model",
+                     recipe_hash=spec["recipe_hash"], extra={"final": True, "attempt": ctx.attempt})
+    ctx.heartbeat("finished", trainer.state.global_step)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ftkit.launch.train", description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", help="Run directory written by ftkit launch (holds ftkit/spec.json).")
+    ap.add_argument("--attempt", type=int, default=0, help="Attempt number (the supervisor counts restarts).")
+    ap.add_argument("--resume", default=None, help="Checkpoint directory to resume from (already verified).")
+    ap.add_argument("--log-to-console", action="store_true", help="Keep output on the console, no per-rank log.")
+    ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed without --no_local_rank
+    args = ap.parse_args(argv)
+    ctx = RankContext(Path(args.run_dir), args.attempt)
+    if not args.log_to_console:
+        _redirect_output(ctx.rd.rank_log(args.attempt, ctx.rank))
+    ctx.record_pid()
+    ctx.heartbeat("starting")
+    print(f"ftkit rank {ctx.rank}/{ctx.world_size} on {ctx.host} pid {os.getpid()} attempt {args.attempt} "
+          f"resume={args.resume}", flush=True)
+    try:
+        train(ctx, args.resume)
+    except UserError as e:
+        ctx.record_error(e)
+        for line in e.lines():
+            print(f"ftkit: error: {line}", file=sys.stderr, flush=True)
+        return e.exit_code if e.exit_code else ExitCode.USAGE
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
