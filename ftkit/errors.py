@@ -47,7 +47,7 @@ class FtkitError(Exception):
     exit_code = ExitCode.USAGE
 
     def lines(self) -> list[str]:
-        return [str(self)]
+        return str(self).splitlines() or [type(self).__name__]
 
 
 class UserError(FtkitError):

@@ -302,8 +302,11 @@ def estimate(c: Candidate, w: Workload) -> Estimate:
 
     # per-rank element counts, padded as DeepSpeed pads them (rank_partition has the exact per-tensor version)
     if c.stage == 3:
-        part_psi = _stage3_partition(w.shape.tensors, n) if full_ft and w.shape.tensors else _ceil_div(psi, n)
-        part_phi = part_psi if full_ft else _ceil_div(phi, n)
+        tensors = w.shape.tensors
+        base = _stage3_partition(tensors, n) if tensors else _ceil_div(w.shape.total_params, n)
+        adapters = 0 if full_ft else _ceil_div(phi, n)  # adapter tensors are small: one ceil for all of them
+        part_psi = base + adapters
+        part_phi = base if full_ft else adapters
     else:
         part_psi = psi
         part_phi = phi if c.stage == 0 else _flat_partition(phi, n)

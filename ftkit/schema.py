@@ -237,6 +237,7 @@ SECTIONS: tuple[Section, ...] = (
                 choices=("deepspeed", "accelerate", "torchrun"),
             ),
             _f("master_addr", "str|null", None, "Address of rank 0; null: the first host (127.0.0.1 when local)."),
+            _f("ssh_config", "path|null", None, "ssh client config passed as -F to ssh and pdsh; null: ~/.ssh/config."),
             _f("master_port", "int", 29500, "TCP port for the rendezvous on the master host.", minimum=1),
             _f("min_nodes", "int|null", None, "Fewest nodes to continue on after losing hosts; null: all nodes.", minimum=1),
         ),

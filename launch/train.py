@@ -59,8 +59,12 @@ class RankContext:
         atomic_write(self.rd.heartbeat(self.rank), json.dumps(rec), fsync=False)
 
     def record_pid(self) -> None:
-        rec = {"rank": self.rank, "local_rank": self.local_rank, "host": self.host, "pid": os.getpid(),
-               "ppid": os.getppid(), "pgid": os.getpgid(0), "attempt": self.attempt, "time": time.time()}
+        from ftkit.procs import proc_start_time
+
+        pid, ppid = os.getpid(), os.getppid()
+        rec = {"rank": self.rank, "local_rank": self.local_rank, "host": self.host, "pid": pid,
+               "start_time": proc_start_time(pid), "ppid": ppid, "ppid_start_time": proc_start_time(ppid),
+               "pgid": os.getpgid(0), "attempt": self.attempt, "time": time.time()}
         atomic_write(self.rd.pid_file(self.attempt, self.rank), json.dumps(rec), fsync=False)
 
     def record_error(self, err: UserError) -> None:

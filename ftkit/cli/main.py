@@ -41,9 +41,9 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from . import check, explain, init, render, schema
+    from . import check, explain, init, launch, render, schema, status
 
-    for mod in (init, render, check, explain, schema):
+    for mod in (init, render, check, explain, launch, status, schema):
         cli.add_command(mod.command)
 
 

@@ -1,0 +1,224 @@
+"""Launch commands as data: one ``(argv, env)`` per process ftkit starts, for every engine, built here only.
+
+Nothing here reads ``os.environ`` or spawns anything: the caller passes the base environment in, and
+``ftkit launch --dry-run`` prints exactly the value :func:`build_launch` returns. The supervisor spawns it.
+
+Engines (all existing ones, never a home-made launcher):
+
+* ``deepspeed``: one ``deepspeed`` runner on the head node. It fans out over pdsh/ssh for several hosts and
+  starts ``deepspeed.launcher.launch`` locally for one. ftkit passes ``--no_local_rank --module`` and an explicit
+  ``--master_addr``; the environment for remote ranks goes through a fresh per-attempt ``DS_ENV_FILE`` (never
+  appended to ``.deepspeed_env``).
+* ``accelerate``: ``accelerate launch --config_file accelerate.yaml`` on every host (over ssh for remote ones)
+  with its ``--machine_rank``.
+* ``torchrun``: one ``torchrun`` agent per host with c10d rendezvous at ``master_addr:master_port`` (over ssh for
+  remote hosts); ``--max-restarts 0`` because restarts are ftkit's, counted once per incident for the whole job.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TRAIN_MODULE = "ftkit.launch.train"
+
+# Variables forwarded from the head's environment to every rank (glob patterns). Anything else stays behind:
+# a stale or secret variable must not leak into a remote job by accident.
+ENV_ALLOW = (
+    "PATH", "HOME", "USER", "LANG", "LC_*", "TZ", "TMPDIR",
+    "PYTHONPATH", "VIRTUAL_ENV",
+    "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "NCCL_*", "GLOO_*", "TP_SOCKET_IFNAME", "UCX_*",
+    "HF_*", "TRANSFORMERS_*", "HUGGING_FACE_*", "TORCH_*", "TORCHINDUCTOR_*", "PYTORCH_*", "OMP_NUM_THREADS",
+    "MKL_*", "DS_*", "WANDB_*", "MLFLOW_*", "FTKIT_*",
+)
+SECRET = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|_KEY$|CREDENTIAL)", re.IGNORECASE)
+LOCAL_HOSTS = ("localhost", "127.0.0.1")
+
+
+@dataclass(frozen=True)
+class NodeCommand:
+    """One process to start on the head node: ``argv`` with ``env``; ``host`` is where its ranks run."""
+
+    host: str
+    node_rank: int
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    remote: bool = False  # argv is an ssh command that starts the engine on ``host``
+
+
+@dataclass(frozen=True)
+class LaunchCommand:
+    engine: str
+    nodes: tuple[NodeCommand, ...]
+    files: Mapping[str, str] = field(default_factory=dict)  # files to write before spawning (path -> text)
+
+
+@dataclass(frozen=True)
+class LaunchInputs:
+    """Everything a command depends on, as plain data (from the Plan and the run directory)."""
+
+    engine: str
+    hosts: tuple[tuple[str, int], ...]
+    master_addr: str
+    master_port: int
+    run_dir: str
+    attempt: int
+    resume: str | None
+    accelerator: str
+    python: str
+    name: str
+    ssh_config: str | None = None
+    ssh_port: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        return sum(n for _, n in self.hosts)
+
+
+def forwarded_env(base_env: Mapping[str, str], accelerator: str, extra: Mapping[str, str] | None = None) -> dict:
+    """The allow-listed part of ``base_env`` plus what ftkit sets itself (accelerator choice, unbuffered output)."""
+    env = {k: v for k, v in sorted(base_env.items()) if any(fnmatch.fnmatchcase(k, pat) for pat in ENV_ALLOW)}
+    env["PYTHONUNBUFFERED"] = "1"
+    if accelerator == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+        env.setdefault("OMP_NUM_THREADS", "1")  # every engine the same: CPU ranks share the cores
+    else:
+        env.pop("DS_ACCELERATOR", None)
+    env.update(extra or {})
+    return env
+
+
+def redact(env: Mapping[str, str]) -> dict[str, str]:
+    return {k: ("***" if SECRET.search(k) else v) for k, v in env.items()}
+
+
+def _entry_args(inp: LaunchInputs) -> list[str]:
+    args = [inp.run_dir, "--attempt", str(inp.attempt)]
+    if inp.resume:
+        args += ["--resume", inp.resume]
+    return args
+
+
+def _is_local(host: str) -> bool:
+    return host in LOCAL_HOSTS
+
+
+def _ssh(inp: LaunchInputs, host: str, remote_argv: list[str], env: Mapping[str, str]) -> tuple[str, ...]:
+    """ssh HOST 'cd RUN_PARENT && env K=V ... ARGV' — the environment travels inline, visible in --dry-run."""
+    assignments = [f"{k}={shlex.quote(v)}" for k, v in env.items()]
+    cwd = str(Path(inp.run_dir).parent)
+    remote = f"cd {shlex.quote(cwd)} && exec env {' '.join(assignments)} {shlex.join(remote_argv)}"
+    argv = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
+    if inp.ssh_config:
+        argv += ["-F", inp.ssh_config]
+    if inp.ssh_port:
+        argv += ["-p", str(inp.ssh_port)]
+    return tuple([*argv, host, remote])
+
+
+def hostfile_text(hosts: tuple[tuple[str, int], ...]) -> str:
+    return "".join(f"{h} slots={n}\n" for h, n in hosts)
+
+
+def build_launch(inp: LaunchInputs, base_env: Mapping[str, str]) -> LaunchCommand:
+    """The exact commands for one attempt. Raises ValueError only for programming errors (inputs are validated)."""
+    meta = Path(inp.run_dir) / "ftkit"
+    attempt_dir = meta / "attempts" / str(inp.attempt)
+    if inp.engine == "deepspeed":
+        return _deepspeed(inp, base_env, attempt_dir)
+    if inp.engine == "accelerate":
+        return _accelerate(inp, base_env, meta)
+    if inp.engine == "torchrun":
+        return _torchrun(inp, base_env)
+    raise ValueError(f"unknown engine {inp.engine!r}")
+
+
+def _deepspeed(inp: LaunchInputs, base_env: Mapping[str, str], attempt_dir: Path) -> LaunchCommand:
+    hostfile = attempt_dir / "hostfile"
+    env_file = attempt_dir / "ds_env"
+    env = forwarded_env(base_env, inp.accelerator)
+    files = {str(hostfile): hostfile_text(inp.hosts)}
+    multi = len(inp.hosts) > 1
+    argv = [inp.python, "-u", "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile),
+            "--master_addr", inp.master_addr, "--master_port", str(inp.master_port),
+            "--no_local_rank", "--module"]
+    if not multi:
+        argv.append("--no_ssh_check")  # one host: DeepSpeed starts it locally, no ssh involved
+    else:
+        argv += ["--launcher", "pdsh"]
+        if inp.ssh_port:
+            argv += ["--ssh_port", str(inp.ssh_port)]
+        # Remote ranks get exactly this environment: a fresh file per attempt, never ~/.deepspeed_env.
+        remote_env = {k: v for k, v in env.items() if k not in ("PATH", "HOME", "USER")}
+        files[str(env_file)] = "".join(f"{k}={v}\n" for k, v in remote_env.items())
+        env["DS_ENV_FILE"] = str(env_file)
+        env["PDSH_RCMD_TYPE"] = "ssh"
+        if inp.ssh_config:
+            env["PDSH_SSH_ARGS_APPEND"] = f"-F {inp.ssh_config}"
+    argv += [TRAIN_MODULE, *_entry_args(inp)]
+    return LaunchCommand("deepspeed", (NodeCommand(inp.hosts[0][0], 0, tuple(argv), env, remote=False),), files)
+
+
+def _accelerate(inp: LaunchInputs, base_env: Mapping[str, str], meta: Path) -> LaunchCommand:
+    env = forwarded_env(base_env, inp.accelerator)
+    nodes = []
+    for i, (host, _) in enumerate(inp.hosts):
+        argv = [inp.python, "-m", "accelerate.commands.launch", "--config_file", str(meta / "accelerate.yaml"),
+                "--machine_rank", str(i), "--main_process_ip", inp.master_addr,
+                "--main_process_port", str(inp.master_port), "-m", TRAIN_MODULE, *_entry_args(inp)]
+        if _is_local(host) or len(inp.hosts) == 1:
+            nodes.append(NodeCommand(host, i, tuple(argv), env))
+        else:
+            nodes.append(NodeCommand(host, i, _ssh(inp, host, argv, env), {}, remote=True))
+    return LaunchCommand("accelerate", tuple(nodes))
+
+
+def _torchrun(inp: LaunchInputs, base_env: Mapping[str, str]) -> LaunchCommand:
+    env = forwarded_env(base_env, inp.accelerator)
+    nodes = []
+    n = len(inp.hosts)
+    for i, (host, slots) in enumerate(inp.hosts):
+        argv = [inp.python, "-m", "torch.distributed.run", "--nnodes", str(n), "--nproc-per-node", str(slots),
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{inp.master_addr}:{inp.master_port}",
+                "--rdzv-id", f"{inp.name}-{inp.attempt}", "--max-restarts", "0"]
+        if n > 1:
+            # Hosts may share a hostname (containers, namespaces): say explicitly which agent hosts the store.
+            argv += ["--rdzv-conf", f"is_host={1 if i == 0 else 0}"]
+        argv += ["-m", TRAIN_MODULE, *_entry_args(inp)]
+        if n == 1 or _is_local(host):
+            nodes.append(NodeCommand(host, i, tuple(argv), env))
+        else:
+            nodes.append(NodeCommand(host, i, _ssh(inp, host, argv, env), {}, remote=True))
+    return LaunchCommand("torchrun", tuple(nodes))
+
+
+def describe(cmd: LaunchCommand) -> str:
+    """The human-readable form ``--dry-run`` prints: per node, the environment (secrets redacted) and argv."""
+    lines = [f"engine: {cmd.engine}"]
+    for path, text in cmd.files.items():
+        lines.append(f"file {path}:")
+        lines += [f"    {line}" for line in redact_file(text).splitlines()]
+    for node in cmd.nodes:
+        where = f"node {node.node_rank} ({node.host})" + (" over ssh" if node.remote else "")
+        lines.append(f"{where}:")
+        for k, v in redact(node.env).items():
+            lines.append(f"    {k}={v}")
+        lines.append("    " + shlex.join(redact_argv(node.argv)))
+    return "\n".join(lines)
+
+
+def redact_argv(argv: tuple[str, ...]) -> list[str]:
+    return [_redact_assignments(a) for a in argv]
+
+
+def _redact_assignments(text: str) -> str:
+    return re.sub(r"(\b[A-Za-z_][A-Za-z0-9_]*)=(\S+)",
+                  lambda m: f"{m.group(1)}=***" if SECRET.search(m.group(1)) else m.group(0), text)
+
+
+def redact_file(text: str) -> str:
+    return "\n".join(_redact_assignments(line) for line in text.splitlines())

@@ -1,0 +1,211 @@
+"""Processes of a run: what an exit code means, whether a recorded pid is still ours, and teardown by pid.
+
+Teardown never matches command lines: it signals the process groups ftkit spawned and the pids the ranks
+recorded themselves (with their start time, so a recycled pid is never signalled), on every host, first SIGTERM,
+then after a grace period SIGKILL, and reports what is left and which hosts could not be reached.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+LOCAL_HOSTS = {"localhost", "127.0.0.1"}
+
+
+def exit_meaning(code: int | None) -> str:
+    """Say what an engine's exit code means: engines report a rank killed by signal N in different ways.
+
+    Popen gives -N for a signal; shells and torchrun's agent 128+N; DeepSpeed's launcher exits with the rank's
+    code modulo 256, so a SIGKILLed rank (-9) becomes 247 (256-9).
+    """
+    if code is None:
+        return "still running"
+    if code == 0:
+        return "exit 0 (success)"
+    if code < 0:
+        return f"killed by {_signame(-code)}"
+    if 256 - 64 < code < 256:
+        return f"exit {code} (a rank killed by {_signame(256 - code)}, as DeepSpeed's launcher reports it)"
+    if 128 < code < 128 + 64:
+        return f"exit {code} (killed by {_signame(code - 128)})"
+    return f"exit {code}"
+
+
+def _signame(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
+
+
+def proc_start_time(pid: int) -> int | None:
+    """Start time of a local process in clock ticks since boot (field 22 of /proc/PID/stat), None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    rest = stat.rsplit(")", 1)[1].split()
+    state = rest[0]
+    if state in ("Z", "X"):
+        return None  # a zombie is dead for our purposes
+    return int(rest[19])
+
+
+def is_alive(pid: int, start_time: int | None = None) -> bool:
+    st = proc_start_time(pid)
+    if st is None:
+        return False
+    return start_time is None or st == start_time
+
+
+@dataclass
+class Target:
+    """A process to stop: pid on host, with its start time when known (guards against pid reuse)."""
+
+    host: str
+    pid: int
+    start_time: int | None = None
+    what: str = ""
+
+
+@dataclass
+class TeardownResult:
+    signalled: list[str] = field(default_factory=list)
+    killed: list[str] = field(default_factory=list)  # needed SIGKILL
+    left: list[str] = field(default_factory=list)  # still alive after SIGKILL
+    unreachable: list[str] = field(default_factory=list)  # hosts ssh could not reach
+
+    @property
+    def clean(self) -> bool:
+        return not self.left and not self.unreachable
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"signalled": self.signalled, "killed": self.killed, "left": self.left,
+                "unreachable": self.unreachable, "clean": self.clean}
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _remote_script(targets: list[Target], sig: str) -> str:
+    """A POSIX sh snippet that signals each pid only if its start time still matches, then lists the living."""
+    parts = []
+    for t in targets:
+        check = f'[ "$(cut -d" " -f22 /proc/{t.pid}/stat 2>/dev/null)" = "{t.start_time}" ]' if t.start_time \
+            else f"[ -e /proc/{t.pid} ]"
+        parts.append(f"if {check}; then kill -{sig} {t.pid} 2>/dev/null; echo alive {t.pid}; fi")
+    return "; ".join(parts) + "; true"
+
+
+def ssh_run(host: str, script: str, ssh_args: list[str], timeout: float) -> tuple[bool, str]:
+    """Run ``script`` on ``host``; (reachable, stdout)."""
+    argv = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={max(1, int(timeout))}", *ssh_args, host, script]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout + 2, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return False, ""
+    if out.returncode == 255:  # ssh's own failure: the host cannot be reached
+        return False, out.stderr.strip()
+    return True, out.stdout
+
+
+def teardown(groups: Iterable[int], targets: Iterable[Target], *, grace_s: float, ssh_args: list[str],
+             ssh_timeout: float = 10.0, sleep=time.sleep, clock=time.monotonic) -> TeardownResult:
+    """SIGTERM every group and target, wait up to ``grace_s``, SIGKILL what is left, report the result."""
+    res = TeardownResult()
+    groups = list(groups)
+    by_host: dict[str, list[Target]] = {}
+    for t in targets:
+        by_host.setdefault("localhost" if t.host in LOCAL_HOSTS or t.host == os.uname().nodename else t.host,
+                           []).append(t)
+    local = by_host.pop("localhost", [])
+
+    def local_alive() -> list[Target]:
+        return [t for t in local if is_alive(t.pid, t.start_time)]
+
+    def groups_alive() -> list[int]:
+        alive = []
+        for g in groups:
+            try:
+                os.killpg(g, 0)
+                alive.append(g)
+            except (ProcessLookupError, PermissionError):
+                pass
+        return alive
+
+    for g in groups:
+        signal_group(g, signal.SIGTERM)
+        res.signalled.append(f"group {g}")
+    for t in local_alive():
+        try:
+            os.kill(t.pid, signal.SIGTERM)
+            res.signalled.append(f"{t.what or 'pid'} {t.pid}")
+        except ProcessLookupError:
+            pass
+    remote_left: dict[str, list[Target]] = {}
+    for host, ts in by_host.items():
+        ok, out = ssh_run(host, _remote_script(ts, "TERM"), ssh_args, ssh_timeout)
+        if not ok:
+            res.unreachable.append(host)
+            continue
+        res.signalled += [f"{host}:{line.split()[1]}" for line in out.splitlines() if line.startswith("alive")]
+        remote_left[host] = ts
+
+    deadline = clock() + grace_s
+    while clock() < deadline and (local_alive() or groups_alive()):
+        sleep(0.2)
+    if remote_left and clock() < deadline:
+        sleep(max(0.0, min(2.0, deadline - clock())))
+
+    for g in groups_alive():
+        signal_group(g, signal.SIGKILL)
+        res.killed.append(f"group {g}")
+    for t in local_alive():
+        try:
+            os.kill(t.pid, signal.SIGKILL)
+            res.killed.append(f"{t.what or 'pid'} {t.pid}")
+        except ProcessLookupError:
+            pass
+    for host, ts in remote_left.items():
+        ok, out = ssh_run(host, _remote_script(ts, "KILL"), ssh_args, ssh_timeout)
+        if not ok:
+            res.unreachable.append(host)
+            continue
+        res.killed += [f"{host}:{line.split()[1]}" for line in out.splitlines() if line.startswith("alive")]
+    # Give the kernel a moment to reap, then check nothing of ours is left.
+    end = clock() + 5.0
+    while clock() < end and (local_alive() or groups_alive()):
+        sleep(0.1)
+    res.left += [f"{t.what or 'pid'} {t.pid}" for t in local_alive()]
+    res.left += [f"group {g}" for g in groups_alive()]
+    for host, ts in remote_left.items():
+        if host in res.unreachable:
+            continue
+        ok, out = ssh_run(host, _remote_script(ts, "0"), ssh_args, ssh_timeout)
+        if ok:
+            res.left += [f"{host}:{line.split()[1]}" for line in out.splitlines() if line.startswith("alive")]
+        else:
+            res.unreachable.append(host)
+    return res
+
+
+def targets_from_records(records: Iterable[Mapping[str, Any]]) -> list[Target]:
+    """Rank pid records -> teardown targets (the rank itself; its parent too when that is a per-node agent)."""
+    out = []
+    for r in records:
+        out.append(Target(r["host"], int(r["pid"]), r.get("start_time"), what=f"rank {r['rank']}"))
+        if r.get("ppid_start_time") is not None and int(r.get("ppid", 1)) > 1:
+            # The per-node agent (torchrun, deepspeed.launcher.launch): on a remote host nothing else stops it.
+            out.append(Target(r["host"], int(r["ppid"]), r["ppid_start_time"], what=f"agent of rank {r['rank']}"))
+    return out
