@@ -377,7 +377,9 @@ def write_commit(
         )
     rng = {rel for rel in present if rel == "rng_state.pth" or _RNG_RANK_RE.match(rel)}
     want = {"rng_state.pth"} if world_size == 1 else {f"rng_state_{r}.pth" for r in range(world_size)}
-    if kind != "model" and rng and rng != want:  # no RNG files at all is HF's save_only_model; a partial set is a rank that is late
+    if (
+        kind != "model" and rng and rng != want
+    ):  # no RNG files at all is HF's save_only_model; a partial set is a rank that is late
         odd = sorted(want - rng) or sorted(rng - want)
         raise CommitError(f"{name}: RNG files do not match world size {world_size} ({odd[0]} missing or extra)")
 

@@ -29,11 +29,33 @@ TRAIN_MODULE = "ftkit.launch.train"
 # Variables forwarded from the head's environment to every rank (glob patterns). Anything else stays behind:
 # a stale or secret variable must not leak into a remote job by accident.
 ENV_ALLOW = (
-    "PATH", "HOME", "USER", "LANG", "LC_*", "TZ", "TMPDIR",
-    "PYTHONPATH", "VIRTUAL_ENV",
-    "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "NCCL_*", "GLOO_*", "TP_SOCKET_IFNAME", "UCX_*",
-    "HF_*", "TRANSFORMERS_*", "HUGGING_FACE_*", "TORCH_*", "TORCHINDUCTOR_*", "PYTORCH_*", "OMP_NUM_THREADS",
-    "MKL_*", "DS_*", "WANDB_*", "MLFLOW_*", "FTKIT_*",
+    "PATH",
+    "HOME",
+    "USER",
+    "LANG",
+    "LC_*",
+    "TZ",
+    "TMPDIR",
+    "PYTHONPATH",
+    "VIRTUAL_ENV",
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_ORDER",
+    "NCCL_*",
+    "GLOO_*",
+    "TP_SOCKET_IFNAME",
+    "UCX_*",
+    "HF_*",
+    "TRANSFORMERS_*",
+    "HUGGING_FACE_*",
+    "TORCH_*",
+    "TORCHINDUCTOR_*",
+    "PYTORCH_*",
+    "OMP_NUM_THREADS",
+    "MKL_*",
+    "DS_*",
+    "WANDB_*",
+    "MLFLOW_*",
+    "FTKIT_*",
 )
 SECRET = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|_KEY$|CREDENTIAL)", re.IGNORECASE)
 LOCAL_HOSTS = ("localhost", "127.0.0.1")
@@ -143,9 +165,20 @@ def _deepspeed(inp: LaunchInputs, base_env: Mapping[str, str], attempt_dir: Path
     env = forwarded_env(base_env, inp.accelerator)
     files = {str(hostfile): hostfile_text(inp.hosts)}
     multi = len(inp.hosts) > 1
-    argv = [inp.python, "-u", "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile),
-            "--master_addr", inp.master_addr, "--master_port", str(inp.master_port),
-            "--no_local_rank", "--module"]
+    argv = [
+        inp.python,
+        "-u",
+        "-m",
+        "deepspeed.launcher.runner",
+        "--hostfile",
+        str(hostfile),
+        "--master_addr",
+        inp.master_addr,
+        "--master_port",
+        str(inp.master_port),
+        "--no_local_rank",
+        "--module",
+    ]
     if not multi:
         argv.append("--no_ssh_check")  # one host: DeepSpeed starts it locally, no ssh involved
     else:
@@ -167,9 +200,22 @@ def _accelerate(inp: LaunchInputs, base_env: Mapping[str, str], meta: Path) -> L
     env = forwarded_env(base_env, inp.accelerator)
     nodes = []
     for i, (host, _) in enumerate(inp.hosts):
-        argv = [inp.python, "-m", "accelerate.commands.launch", "--config_file", str(meta / "accelerate.yaml"),
-                "--machine_rank", str(i), "--main_process_ip", inp.master_addr,
-                "--main_process_port", str(inp.master_port), "-m", TRAIN_MODULE, *_entry_args(inp)]
+        argv = [
+            inp.python,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(meta / "accelerate.yaml"),
+            "--machine_rank",
+            str(i),
+            "--main_process_ip",
+            inp.master_addr,
+            "--main_process_port",
+            str(inp.master_port),
+            "-m",
+            TRAIN_MODULE,
+            *_entry_args(inp),
+        ]
         if _is_local(host) or len(inp.hosts) == 1:
             nodes.append(NodeCommand(host, i, tuple(argv), env))
         else:
@@ -182,9 +228,23 @@ def _torchrun(inp: LaunchInputs, base_env: Mapping[str, str]) -> LaunchCommand:
     nodes = []
     n = len(inp.hosts)
     for i, (host, slots) in enumerate(inp.hosts):
-        argv = [inp.python, "-m", "torch.distributed.run", "--nnodes", str(n), "--nproc-per-node", str(slots),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{inp.master_addr}:{inp.master_port}",
-                "--rdzv-id", f"{inp.name}-{inp.attempt}", "--max-restarts", "0"]
+        argv = [
+            inp.python,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(n),
+            "--nproc-per-node",
+            str(slots),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{inp.master_addr}:{inp.master_port}",
+            "--rdzv-id",
+            f"{inp.name}-{inp.attempt}",
+            "--max-restarts",
+            "0",
+        ]
         if n > 1:
             # Hosts may share a hostname (containers, namespaces): say explicitly which agent hosts the store.
             argv += ["--rdzv-conf", f"is_host={1 if i == 0 else 0}"]
@@ -216,8 +276,11 @@ def redact_argv(argv: tuple[str, ...]) -> list[str]:
 
 
 def _redact_assignments(text: str) -> str:
-    return re.sub(r"(\b[A-Za-z_][A-Za-z0-9_]*)=(\S+)",
-                  lambda m: f"{m.group(1)}=***" if SECRET.search(m.group(1)) else m.group(0), text)
+    return re.sub(
+        r"(\b[A-Za-z_][A-Za-z0-9_]*)=(\S+)",
+        lambda m: f"{m.group(1)}=***" if SECRET.search(m.group(1)) else m.group(0),
+        text,
+    )
 
 
 def redact_file(text: str) -> str:

@@ -75,8 +75,7 @@ def resolve_hosts(recipe: Recipe, include: str | None = None, exclude: str | Non
     hostfile = recipe["cluster.hostfile"]
     if hostfile is None:
         if include or exclude:
-            raise RecipeError(Problem("--include/--exclude need a hostfile (cluster.hostfile or --hostfile)",
-                                      file=CLI))
+            raise RecipeError(Problem("--include/--exclude need a hostfile (cluster.hostfile or --hostfile)", file=CLI))
         n = recipe["cluster.num_nodes"]
         if n == 1:
             return [("localhost", recipe["cluster.gpus_per_node"])]
@@ -89,41 +88,46 @@ def resolve_hosts(recipe: Recipe, include: str | None = None, exclude: str | Non
     return [(h.name, h.slots) for h in hf.hosts]
 
 
-def build_plan(recipe: Recipe, *, include: str | None = None, exclude: str | None = None,
-               hosts: list[tuple[str, int]] | None = None, with_memory: bool = True) -> Plan:
-    """Compute every derived value of the run; raises RecipeError naming the numbers when they do not fit."""
+def build_plan(
+    recipe: Recipe,
+    *,
+    include: str | None = None,
+    exclude: str | None = None,
+    hosts: list[tuple[str, int]] | None = None,
+    with_memory: bool = True,
+    strict: bool = True,
+) -> Plan:
+    """Compute every derived value of the run; raises RecipeError naming the numbers when they do not fit.
+
+    ``strict=False`` (``ftkit plan``) keeps going when ``auto`` finds nothing that fits: the plan then carries
+    the slowest candidate so the table and the suggestions can still be printed.
+    """
     from .params import hidden_size, load_model_config
 
     problems: list[Problem] = []
     if hosts is None:
         hosts = resolve_hosts(recipe, include, exclude)
     world = sum(n for _, n in hosts)
-    rfile = str(recipe.path) if recipe.path else None
-
-    def line_of(key: str) -> int | None:
-        s = recipe.sources.get(key, "")
-        if s and s not in (CLI, DEFAULT) and ":" in s:
-            tail = s.rsplit(":", 1)[1]
-            return int(tail) if tail.isdigit() else None
-        return None
 
     def problem(key: str, message: str) -> None:
-        if recipe.sources.get(key) == CLI:
-            problems.append(Problem(message, file=CLI, key=key))
-        else:
-            problems.append(Problem(message, file=rfile, line=line_of(key), key=key))
+        problems.append(recipe.problem(key, message))
 
     micro = recipe["train.micro_batch_size"]
     gbs = recipe["train.global_batch_size"]
     per_step = micro * world
     if gbs % per_step != 0:
-        problem("train.global_batch_size",
-                f"{gbs} is not divisible by micro_batch_size {micro} x world size {world} = {per_step}; "
-                f"use a multiple of {per_step} (e.g. {max(per_step, gbs - gbs % per_step)}) or change micro_batch_size")
+        problem(
+            "train.global_batch_size",
+            f"{gbs} is not divisible by micro_batch_size {micro} x world size {world} = {per_step}; "
+            f"use a multiple of {per_step} (e.g. {max(per_step, gbs - gbs % per_step)}) or change micro_batch_size",
+        )
     engine = recipe["cluster.engine"]
     if engine in ("torchrun", "accelerate") and len({n for _, n in hosts}) > 1:
-        problem("cluster.engine", f"{engine} needs the same number of processes on every host; the hostfile has "
-                                  f"{', '.join(f'{h}={n}' for h, n in hosts)} (use engine: deepspeed)")
+        problem(
+            "cluster.engine",
+            f"{engine} needs the same number of processes on every host; the hostfile has "
+            f"{', '.join(f'{h}={n}' for h, n in hosts)} (use engine: deepspeed)",
+        )
     min_nodes = recipe["cluster.min_nodes"]
     if min_nodes is not None and min_nodes > len(hosts):
         problem("cluster.min_nodes", f"{min_nodes} is more than the {len(hosts)} host(s) in the cluster")
@@ -134,8 +138,10 @@ def build_plan(recipe: Recipe, *, include: str | None = None, exclude: str | Non
         if len(hosts) == 1 and first in LOCAL_NAMES:
             master, master_why = "127.0.0.1", "single local node"
         elif recipe["cluster.hostfile"] is None:
-            problem("cluster.master_addr", f"required when num_nodes is {len(hosts)} without a hostfile: "
-                                           "the address of the first node")
+            problem(
+                "cluster.master_addr",
+                f"required when num_nodes is {len(hosts)} without a hostfile: the address of the first node",
+            )
             master, master_why = "", ""
         else:
             master, master_why = first, "first host of the hostfile"
@@ -153,27 +159,43 @@ def build_plan(recipe: Recipe, *, include: str | None = None, exclude: str | Non
         raise RecipeError(problems)
 
     plan = Plan(
-        recipe=recipe, hosts=hosts, master_addr=master, master_port=recipe["cluster.master_port"],
-        micro_batch_size=micro, grad_accum=gbs // per_step, global_batch_size=gbs,
-        stage=0, offload_optimizer="none", offload_params="none", hidden_size=h, model_config=cfg,
+        recipe=recipe,
+        hosts=hosts,
+        master_addr=master,
+        master_port=recipe["cluster.master_port"],
+        micro_batch_size=micro,
+        grad_accum=gbs // per_step,
+        global_batch_size=gbs,
+        stage=0,
+        offload_optimizer="none",
+        offload_params="none",
+        hidden_size=h,
+        model_config=cfg,
     )
     plan.note("world_size", world, f"{len(hosts)} node(s): " + ", ".join(f"{n} on {h_}" for h_, n in hosts))
     plan.note("master_addr", master, master_why)
-    plan.note("train_micro_batch_size_per_gpu", micro, f"train.micro_batch_size ({_src(recipe, 'train.micro_batch_size')})")
-    plan.note("gradient_accumulation_steps", plan.grad_accum,
-              f"global_batch_size {gbs} / (micro {micro} x world {world})")
+    plan.note(
+        "train_micro_batch_size_per_gpu", micro, f"train.micro_batch_size ({_src(recipe, 'train.micro_batch_size')})"
+    )
+    plan.note(
+        "gradient_accumulation_steps", plan.grad_accum, f"global_batch_size {gbs} / (micro {micro} x world {world})"
+    )
     plan.note("train_batch_size", gbs, f"train.global_batch_size ({_src(recipe, 'train.global_batch_size')})")
     plan.note("hidden_size", h, f"{recipe['model.path']}/config.json")
 
-    _resolve_zero(plan, with_memory)
+    _resolve_zero(plan, with_memory, strict)
     return plan
 
 
-def _resolve_zero(plan: Plan, with_memory: bool) -> None:
+def _resolve_zero(plan: Plan, with_memory: bool, strict: bool = True) -> None:
     r = plan.recipe
     stage, opt = r["zero.stage"], r["zero.offload_optimizer"]
-    needs_memory = stage == "auto" or opt == "auto" or r["zero.overlap_comm"] == "auto" \
+    needs_memory = (
+        stage == "auto"
+        or opt == "auto"
+        or r["zero.overlap_comm"] == "auto"
         or r["zero.allgather_bucket_size"] == "auto"
+    )
     report = None
     if needs_memory and with_memory:
         from .memory_plan import plan_memory
@@ -182,22 +204,28 @@ def _resolve_zero(plan: Plan, with_memory: bool) -> None:
         plan.memory = report
     if stage == "auto" or opt == "auto":
         if report is None:  # pragma: no cover - with_memory=False is only used where stage is concrete
-            raise RecipeError(Problem("zero.stage/offload_optimizer auto needs the memory planner", key="zero.stage"))
-        chosen = report.choice_for(stage, opt)
+            raise RecipeError(r.problem("zero.stage", "auto needs the memory planner"))
+        chosen = report.choice_for(stage, opt, strict=strict)
         stage_v, opt_v = chosen.stage, chosen.offload_optimizer
         why = f"auto: {report.choice_reason}"
         plan.stage = plan.note("zero_optimization.stage", stage_v, why if stage == "auto" else _src(r, "zero.stage"))
-        plan.offload_optimizer = plan.note("offload_optimizer", opt_v,
-                                           why if opt == "auto" else _src(r, "zero.offload_optimizer"))
+        plan.offload_optimizer = plan.note(
+            "offload_optimizer", opt_v, why if opt == "auto" else _src(r, "zero.offload_optimizer")
+        )
+        par_auto = stage == "auto" and "zero.offload_params" not in r.explicit
+        plan.offload_params = plan.note(
+            "offload_param", chosen.offload_params, why if par_auto else _src(r, "zero.offload_params")
+        )
     else:
         plan.stage = plan.note("zero_optimization.stage", stage, _src(r, "zero.stage"))
         plan.offload_optimizer = plan.note("offload_optimizer", opt, _src(r, "zero.offload_optimizer"))
+        plan.offload_params = plan.note("offload_param", r["zero.offload_params"], _src(r, "zero.offload_params"))
     if plan.offload_optimizer != "none" and plan.stage == 0:
-        raise RecipeError(Problem("optimizer offload needs ZeRO stage 1 or higher", key="zero.offload_optimizer"))
-    plan.offload_params = plan.note("offload_param", r["zero.offload_params"], _src(r, "zero.offload_params"))
+        raise RecipeError(r.problem("zero.offload_optimizer", "optimizer offload needs ZeRO stage 1 or higher"))
     if plan.offload_params != "none" and plan.stage != 3:
-        raise RecipeError(Problem(f"parameter offload needs ZeRO stage 3 (resolved stage is {plan.stage})",
-                                  key="zero.offload_params"))
+        raise RecipeError(
+            r.problem("zero.offload_params", f"parameter offload needs ZeRO stage 3 (resolved stage is {plan.stage})")
+        )
 
     h = plan.hidden_size
     if r["zero.reduce_bucket_size"] == "auto":

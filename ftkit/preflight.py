@@ -72,8 +72,16 @@ def run_dir_writable(path: Path) -> str | None:
     return None
 
 
-def run_preflight(*, hosts: list[tuple[str, int]], master_addr: str, master_port: int, run_dir: Path,
-                  engine: str, ssh_args: list[str], python: str = sys.executable) -> PreflightReport:
+def run_preflight(
+    *,
+    hosts: list[tuple[str, int]],
+    master_addr: str,
+    master_port: int,
+    run_dir: Path,
+    engine: str,
+    ssh_args: list[str],
+    python: str = sys.executable,
+) -> PreflightReport:
     problems: list[Problem] = []
     checks: list[str] = []
     mine = local_versions()
@@ -88,17 +96,31 @@ def run_preflight(*, hosts: list[tuple[str, int]], master_addr: str, master_port
             problems.append(Problem(f"{name} is not installed on this machine (pip install {name})"))
     remote = [h for h, _ in hosts if h not in LOCAL_HOSTS]
     for host in remote:
-        ok, out = ssh_run(host, f"{python} -c {_sh_quote(VERSION_PROBE)} && test -w {_sh_quote(str(run_dir))} "
-                                f"&& echo run_dir=writable", ssh_args, 15)
+        ok, out = ssh_run(
+            host,
+            f"{python} -c {_sh_quote(VERSION_PROBE)} && test -w {_sh_quote(str(run_dir))} && echo run_dir=writable",
+            ssh_args,
+            15,
+        )
         if not ok:
-            problems.append(Problem(f"host {host} is not reachable over ssh ({out or 'timed out'}); "
-                                    "check the hostfile and passwordless ssh", key="cluster.hostfile"))
+            problems.append(
+                Problem(
+                    f"host {host} is not reachable over ssh ({out or 'timed out'}); "
+                    "check the hostfile and passwordless ssh",
+                    key="cluster.hostfile",
+                )
+            )
             continue
         theirs = _parse_versions(out)
         versions[host] = theirs
         if theirs.get("run_dir") != "writable":
-            problems.append(Problem(f"host {host}: run directory {run_dir} missing or not writable there "
-                                    "(it must be on storage every host shares)", key="train.output_dir"))
+            problems.append(
+                Problem(
+                    f"host {host}: run directory {run_dir} missing or not writable there "
+                    "(it must be on storage every host shares)",
+                    key="train.output_dir",
+                )
+            )
         if "python" not in theirs:
             problems.append(Problem(f"host {host}: {python} did not run there (same path on every host needed)"))
             continue
@@ -115,11 +137,20 @@ def run_preflight(*, hosts: list[tuple[str, int]], master_addr: str, master_port
         else:
             checks.append(f"master port {master_addr}:{master_port} free")
     elif remote:
-        ok, out = ssh_run(hosts[0][0], f"{python} -c \"import socket; s=socket.socket(); "
-                                       f"s.bind(('{master_addr}', {master_port})); print('free')\"", ssh_args, 15)
+        ok, out = ssh_run(
+            hosts[0][0],
+            f'{python} -c "import socket; s=socket.socket(); '
+            f"s.bind(('{master_addr}', {master_port})); print('free')\"",
+            ssh_args,
+            15,
+        )
         if ok and "free" not in out:
-            problems.append(Problem(f"port {master_port} on {master_addr} is already in use; set cluster.master_port",
-                                    key="cluster.master_port"))
+            problems.append(
+                Problem(
+                    f"port {master_port} on {master_addr} is already in use; set cluster.master_port",
+                    key="cluster.master_port",
+                )
+            )
         elif ok:
             checks.append(f"master port {master_addr}:{master_port} free")
     if problems:
@@ -140,4 +171,3 @@ def _sh_quote(s: str) -> str:
     import shlex
 
     return shlex.quote(s)
-

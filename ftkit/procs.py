@@ -87,8 +87,13 @@ class TeardownResult:
         return not self.left and not self.unreachable
 
     def as_dict(self) -> dict[str, Any]:
-        return {"signalled": self.signalled, "killed": self.killed, "left": self.left,
-                "unreachable": self.unreachable, "clean": self.clean}
+        return {
+            "signalled": self.signalled,
+            "killed": self.killed,
+            "left": self.left,
+            "unreachable": self.unreachable,
+            "clean": self.clean,
+        }
 
 
 def signal_group(pgid: int, sig: int) -> None:
@@ -102,8 +107,11 @@ def _remote_script(targets: list[Target], sig: str) -> str:
     """A POSIX sh snippet that signals each pid only if its start time still matches, then lists the living."""
     parts = []
     for t in targets:
-        check = f'[ "$(cut -d" " -f22 /proc/{t.pid}/stat 2>/dev/null)" = "{t.start_time}" ]' if t.start_time \
+        check = (
+            f'[ "$(cut -d" " -f22 /proc/{t.pid}/stat 2>/dev/null)" = "{t.start_time}" ]'
+            if t.start_time
             else f"[ -e /proc/{t.pid} ]"
+        )
         parts.append(f"if {check}; then kill -{sig} {t.pid} 2>/dev/null; echo alive {t.pid}; fi")
     return "; ".join(parts) + "; true"
 
@@ -120,15 +128,24 @@ def ssh_run(host: str, script: str, ssh_args: list[str], timeout: float) -> tupl
     return True, out.stdout
 
 
-def teardown(groups: Iterable[int], targets: Iterable[Target], *, grace_s: float, ssh_args: list[str],
-             ssh_timeout: float = 10.0, sleep=time.sleep, clock=time.monotonic) -> TeardownResult:
+def teardown(
+    groups: Iterable[int],
+    targets: Iterable[Target],
+    *,
+    grace_s: float,
+    ssh_args: list[str],
+    ssh_timeout: float = 10.0,
+    sleep=time.sleep,
+    clock=time.monotonic,
+) -> TeardownResult:
     """SIGTERM every group and target, wait up to ``grace_s``, SIGKILL what is left, report the result."""
     res = TeardownResult()
     groups = list(groups)
     by_host: dict[str, list[Target]] = {}
     for t in targets:
-        by_host.setdefault("localhost" if t.host in LOCAL_HOSTS or t.host == os.uname().nodename else t.host,
-                           []).append(t)
+        by_host.setdefault(
+            "localhost" if t.host in LOCAL_HOSTS or t.host == os.uname().nodename else t.host, []
+        ).append(t)
     local = by_host.pop("localhost", [])
 
     def local_alive() -> list[Target]:

@@ -49,6 +49,20 @@ class Recipe:
     def get(self, key: str, default: Any = None) -> Any:
         return self.values.get(key, default)
 
+    def where(self, key: str) -> tuple[str | None, int | None]:
+        """(file, line) where ``key`` was set: the recipe file and line, the command line, or the file alone."""
+        src = self.sources.get(key, DEFAULT)
+        if src == CLI:
+            return CLI, None
+        if src != DEFAULT and ":" in src:
+            file, _, line = src.rpartition(":")
+            return file, int(line) if line.isdigit() else None
+        return (str(self.path) if self.path else None), None
+
+    def problem(self, key: str, message: str) -> Problem:
+        file, line = self.where(key)
+        return Problem(message, file=file, line=line, key=key)
+
     @property
     def base_dir(self) -> Path:
         return self.path.parent if self.path else Path.cwd()
@@ -233,8 +247,11 @@ def load_recipe(path: str | os.PathLike[str] | None, overrides: list[str] | tupl
             except yaml.YAMLError as e:
                 raise RecipeError(Problem(f"invalid YAML: {e}", file=filename)) from None
             if not isinstance(data, dict):
-                raise RecipeError(Problem("the recipe must be a mapping of sections (model:, data:, train: ...)",
-                                          file=filename, line=1))
+                raise RecipeError(
+                    Problem(
+                        "the recipe must be a mapping of sections (model:, data:, train: ...)", file=filename, line=1
+                    )
+                )
             raw = data
 
     def where(key: str) -> Problem:
@@ -258,8 +275,11 @@ def load_recipe(path: str | os.PathLike[str] | None, overrides: list[str] | tupl
             continue
         section = SECTION_BY_NAME.get(key)
         if section is None:
-            add(key, f"unknown section{_suggest(key, [*SECTION_BY_NAME, *top_names])}; "
-                     f"sections are {', '.join(SECTION_BY_NAME)}")
+            add(
+                key,
+                f"unknown section{_suggest(key, [*SECTION_BY_NAME, *top_names])}; "
+                f"sections are {', '.join(SECTION_BY_NAME)}",
+            )
             continue
         if value is None and section.optional:
             continue
@@ -271,8 +291,10 @@ def load_recipe(path: str | os.PathLike[str] | None, overrides: list[str] | tupl
         for sub, v in value.items():
             dotted = f"{key}.{sub}"
             if section.get(str(sub)) is None:
-                add(dotted, f"unknown key{_suggest(str(sub), section.names)}; {section.name} has "
-                            f"{', '.join(section.names)}")
+                add(
+                    dotted,
+                    f"unknown key{_suggest(str(sub), section.names)}; {section.name} has {', '.join(section.names)}",
+                )
                 continue
             given[dotted] = (v, f"{filename}:{lines.get(dotted, '?')}")
 
@@ -336,8 +358,16 @@ def _field(key: str) -> Field | None:
     return FIELD_BY_KEY.get(key)
 
 
-def _resolve(key: str, f: Field, given: dict, values: dict, sources: dict, explicit: set, add: Any,
-             section_line: int | None = None) -> None:
+def _resolve(
+    key: str,
+    f: Field,
+    given: dict,
+    values: dict,
+    sources: dict,
+    explicit: set,
+    add: Any,
+    section_line: int | None = None,
+) -> None:
     if key in given:
         value, source = given[key]
         coerced, problem = _coerce(f, value)
@@ -370,30 +400,50 @@ def _cross_checks(r: Recipe, add: Any) -> None:
     v = r.values
     stage = v["zero.stage"]
     if v["zero.offload_params"] != "none" and stage not in (3, "auto"):
-        add("zero.offload_params", f"parameter offload needs ZeRO stage 3 (zero.stage is {stage}); "
-                                   "set zero.stage: 3 or offload_params: none", src("zero.offload_params"))
+        add(
+            "zero.offload_params",
+            f"parameter offload needs ZeRO stage 3 (zero.stage is {stage}); set zero.stage: 3 or offload_params: none",
+            src("zero.offload_params"),
+        )
     if v["zero.offload_optimizer"] != "none" and stage == 0:
-        add("zero.offload_optimizer", "optimizer offload needs ZeRO stage 1 or higher (zero.stage is 0)",
-            src("zero.offload_optimizer"))
+        add(
+            "zero.offload_optimizer",
+            "optimizer offload needs ZeRO stage 1 or higher (zero.stage is 0)",
+            src("zero.offload_optimizer"),
+        )
     uses_nvme = "nvme" in (v["zero.offload_optimizer"], v["zero.offload_params"])
     if uses_nvme and not v["zero.nvme_path"]:
         add("zero.nvme_path", "required when offloading to nvme: a local NVMe directory", src("zero.nvme_path"))
     if v["train.max_steps"] is None and v["train.epochs"] is None:
         add("train.max_steps", "set train.max_steps or train.epochs", src("train.max_steps"))
-    if v["train.max_steps"] is not None and v["train.epochs"] is not None and "train.epochs" in r.explicit \
-            and "train.max_steps" in r.explicit:
-        add("train.epochs", "set only one of train.max_steps and train.epochs (max_steps: null to use epochs)",
-            src("train.epochs"))
+    if (
+        v["train.max_steps"] is not None
+        and v["train.epochs"] is not None
+        and "train.epochs" in r.explicit
+        and "train.max_steps" in r.explicit
+    ):
+        add(
+            "train.epochs",
+            "set only one of train.max_steps and train.epochs (max_steps: null to use epochs)",
+            src("train.epochs"),
+        )
     if v["train.global_batch_size"] % v["train.micro_batch_size"] != 0:
-        add("train.global_batch_size",
-            f"{v['train.global_batch_size']} is not a multiple of train.micro_batch_size "
-            f"{v['train.micro_batch_size']}", src("train.global_batch_size"))
-    if v["cluster.min_nodes"] is not None and v["cluster.hostfile"] is None and \
-            v["cluster.min_nodes"] > v["cluster.num_nodes"]:
-        add("cluster.min_nodes", f"{v['cluster.min_nodes']} is more than cluster.num_nodes {v['cluster.num_nodes']}",
-            src("cluster.min_nodes"))
+        add(
+            "train.global_batch_size",
+            f"{v['train.global_batch_size']} is not a multiple of train.micro_batch_size {v['train.micro_batch_size']}",
+            src("train.global_batch_size"),
+        )
+    if (
+        v["cluster.min_nodes"] is not None
+        and v["cluster.hostfile"] is None
+        and v["cluster.min_nodes"] > v["cluster.num_nodes"]
+    ):
+        add(
+            "cluster.min_nodes",
+            f"{v['cluster.min_nodes']} is more than cluster.num_nodes {v['cluster.num_nodes']}",
+            src("cluster.min_nodes"),
+        )
     if v["cluster.accelerator"] == "cpu" and v["train.precision"] == "fp16":
-        add("train.precision", "fp16 is not supported on the cpu accelerator; use bf16 or fp32",
-            src("train.precision"))
+        add("train.precision", "fp16 is not supported on the cpu accelerator; use bf16 or fp32", src("train.precision"))
     if r.has_peft and v["peft.dropout"] is not None and v["peft.dropout"] >= 1:
         add("peft.dropout", "must be below 1", src("peft.dropout"))

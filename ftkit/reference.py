@@ -84,8 +84,15 @@ def markdown_reference() -> str:
     for f in TOP_LEVEL:
         lines.append(_row(f.name, f))
     for s in SECTIONS:
-        lines += ["", f"## `{s.name}`" + (" (optional section)" if s.optional else ""), "", s.doc, "",
-                  "| key | type | default | meaning |", "|---|---|---|---|"]
+        lines += [
+            "",
+            f"## `{s.name}`" + (" (optional section)" if s.optional else ""),
+            "",
+            s.doc,
+            "",
+            "| key | type | default | meaning |",
+            "|---|---|---|---|",
+        ]
         lines += [_row(f"{s.name}.{f.name}", f) for f in s.fields]
     return "\n".join(lines) + "\n"
 

@@ -71,12 +71,18 @@ def summarize(run_dir: str | Path, *, checksums: bool = False) -> RunSummary:
             outcome = e.get("message") or e["event"]
             break
     return RunSummary(
-        run_dir=rd.path, attempts=len(launches), restarts=len(restarts),
+        run_dir=rd.path,
+        attempts=len(launches),
+        restarts=len(restarts),
         step=losses[-1][0] if losses else None,
         max_steps=(spec.get("training_args") or {}).get("max_steps"),
-        first_loss=losses[0][1] if losses else None, last_loss=losses[-1][1] if losses else None,
-        losses=losses, restart_steps=[int(e.get("step") or 0) for e in resumed],
-        checkpoints=ckpts, final=rd.final if (rd.final / COMMIT_FILE).exists() else None, outcome=outcome,
+        first_loss=losses[0][1] if losses else None,
+        last_loss=losses[-1][1] if losses else None,
+        losses=losses,
+        restart_steps=[int(e.get("step") or 0) for e in resumed],
+        checkpoints=ckpts,
+        final=rd.final if (rd.final / COMMIT_FILE).exists() else None,
+        outcome=outcome,
         failures=[e.get("message", "") for e in events if e.get("event") == "failure"],
     )
 

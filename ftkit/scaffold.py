@@ -66,7 +66,10 @@ def split_header(text: str) -> list[str]:
 RECIPE_TEMPLATES = {
     "lora": ("lora.yaml", "LoRA fine-tuning on GPUs (ZeRO-2)."),
     "full": ("full.yaml", "Full fine-tuning on GPUs (ZeRO stage chosen by ftkit plan)."),
-    "cpu-demo": ("cpu-demo.yaml", "Full fine-tuning of a tiny model with 2 CPU processes (ZeRO-2); what make demo runs."),
+    "cpu-demo": (
+        "cpu-demo.yaml",
+        "Full fine-tuning of a tiny model with 2 CPU processes (ZeRO-2); what make demo runs.",
+    ),
 }
 HOSTFILE_TEMPLATE = "hostfile"
 

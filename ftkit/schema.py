@@ -65,7 +65,12 @@ SECTIONS: tuple[Section, ...] = (
         "model",
         "The model to fine-tune.",
         (
-            _f("path", "path", REQUIRED, "Local model directory with config.json (a hub id only where a network exists)."),
+            _f(
+                "path",
+                "path",
+                REQUIRED,
+                "Local model directory with config.json (a hub id only where a network exists).",
+            ),
             _f("tokenizer", "path|null", None, "Tokenizer directory; null: the model directory."),
             _f(
                 "gradient_checkpointing",
@@ -183,7 +188,13 @@ SECTIONS: tuple[Section, ...] = (
                 "Where optimizer states live; auto: decided with the stage by ftkit plan.",
                 choices=("none", "cpu", "nvme", "auto"),
             ),
-            _f("offload_params", "choice", "none", "Where parameters live (stage 3 only).", choices=("none", "cpu", "nvme")),
+            _f(
+                "offload_params",
+                "choice",
+                "none",
+                "Where parameters live (stage 3 only).",
+                choices=("none", "cpu", "nvme"),
+            ),
             _f("nvme_path", "path|null", None, "Local NVMe directory for nvme offload (required with nvme)."),
             _f(
                 "overlap_comm",
@@ -212,7 +223,13 @@ SECTIONS: tuple[Section, ...] = (
         "Where the job runs.",
         (
             _f("hostfile", "path|null", None, "DeepSpeed-style hostfile (host slots=N); null: this machine only."),
-            _f("num_nodes", "int", 1, "Nodes (ignored when a hostfile is given: it counts the hosts).", exclusive_minimum=0),
+            _f(
+                "num_nodes",
+                "int",
+                1,
+                "Nodes (ignored when a hostfile is given: it counts the hosts).",
+                exclusive_minimum=0,
+            ),
             _f(
                 "gpus_per_node",
                 "int",
@@ -220,8 +237,14 @@ SECTIONS: tuple[Section, ...] = (
                 "Processes per node (CPU ranks when accelerator is cpu); a hostfile's slots override it.",
                 exclusive_minimum=0,
             ),
-            _f("gpu_memory_gb", "float", 80, "Memory per GPU in GB (10^9 bytes), for ftkit plan.", exclusive_minimum=0),
-            _f("host_memory_gb", "float", 256, "Host RAM per node in GB, for offload planning.", exclusive_minimum=0),
+            _f(
+                "gpu_memory_gb",
+                "float",
+                80,
+                "Memory per GPU in GiB (per CPU rank when accelerator is cpu), for ftkit plan.",
+                exclusive_minimum=0,
+            ),
+            _f("host_memory_gb", "float", 256, "Host RAM per node in GiB, for offload planning.", exclusive_minimum=0),
             _f(
                 "accelerator",
                 "choice",
@@ -239,7 +262,13 @@ SECTIONS: tuple[Section, ...] = (
             _f("master_addr", "str|null", None, "Address of rank 0; null: the first host (127.0.0.1 when local)."),
             _f("ssh_config", "path|null", None, "ssh client config passed as -F to ssh and pdsh; null: ~/.ssh/config."),
             _f("master_port", "int", 29500, "TCP port for the rendezvous on the master host.", minimum=1),
-            _f("min_nodes", "int|null", None, "Fewest nodes to continue on after losing hosts; null: all nodes.", minimum=1),
+            _f(
+                "min_nodes",
+                "int|null",
+                None,
+                "Fewest nodes to continue on after losing hosts; null: all nodes.",
+                minimum=1,
+            ),
         ),
     ),
     Section(
@@ -247,7 +276,13 @@ SECTIONS: tuple[Section, ...] = (
         "Supervision and restarts.",
         (
             _f("max_restarts", "int", 3, "Restarts allowed for the whole job (one per incident).", minimum=0),
-            _f("hang_timeout_s", "float", 600, "Seconds without a step before the run counts as hung.", exclusive_minimum=0),
+            _f(
+                "hang_timeout_s",
+                "float",
+                600,
+                "Seconds without a step before the run counts as hung.",
+                exclusive_minimum=0,
+            ),
             _f(
                 "startup_timeout_s",
                 "float",

@@ -72,7 +72,7 @@ class RestartPolicy:
 
     def backoff(self) -> float:
         """Exponential backoff with jitter: base x 2^k, capped, then scaled by a random 0.5-1.0."""
-        base = min(self.backoff_max_s, self.backoff_s * (2 ** self.used))
+        base = min(self.backoff_max_s, self.backoff_s * (2**self.used))
         return base * self.rng.uniform(0.5, 1.0)
 
     def on_failure(self, step: int | None, newest_commit: int | None) -> Decision:
@@ -83,12 +83,21 @@ class RestartPolicy:
             self.no_progress = 0
         self.last_failure = point
         if self.no_progress + 1 >= NO_PROGRESS_LIMIT + 1:
-            return Decision(False, 0.0, f"failed {self.no_progress + 1} times in a row at step {step} with no new "
-                                        f"committed checkpoint: giving up (restarts used {self.used} of "
-                                        f"{self.max_restarts})", ExitCode.BUDGET_EXHAUSTED)
+            return Decision(
+                False,
+                0.0,
+                f"failed {self.no_progress + 1} times in a row at step {step} with no new "
+                f"committed checkpoint: giving up (restarts used {self.used} of "
+                f"{self.max_restarts})",
+                ExitCode.BUDGET_EXHAUSTED,
+            )
         if self.used >= self.max_restarts:
-            return Decision(False, 0.0, f"restart budget exhausted ({self.used} of {self.max_restarts} used)",
-                            ExitCode.BUDGET_EXHAUSTED)
+            return Decision(
+                False,
+                0.0,
+                f"restart budget exhausted ({self.used} of {self.max_restarts} used)",
+                ExitCode.BUDGET_EXHAUSTED,
+            )
         delay = self.backoff()
         self.used += 1
         return Decision(True, delay, f"restart {self.used} of {self.max_restarts} in {delay:.1f}s")
@@ -112,10 +121,22 @@ class Spawned:
 
 
 class Supervisor:
-    def __init__(self, *, rd: RunDir, inputs: LaunchInputs, base_env: Mapping[str, str], resilience: Mapping[str, Any],
-                 stage: int, world_size: int, max_steps: int | None, ssh_args: list[str],
-                 echo: Callable[[str], None] = print, poll_s: float = 0.5, grace_s: float = 10.0,
-                 rng: random.Random | None = None):
+    def __init__(
+        self,
+        *,
+        rd: RunDir,
+        inputs: LaunchInputs,
+        base_env: Mapping[str, str],
+        resilience: Mapping[str, Any],
+        stage: int,
+        world_size: int,
+        max_steps: int | None,
+        ssh_args: list[str],
+        echo: Callable[[str], None] = print,
+        poll_s: float = 0.5,
+        grace_s: float = 10.0,
+        rng: random.Random | None = None,
+    ):
         self.rd = rd
         self.inputs = inputs
         self.base_env = dict(base_env)
@@ -128,8 +149,9 @@ class Supervisor:
         self.poll_s = poll_s
         self.grace_s = grace_s
         self.events = Events(rd, echo)
-        self.policy = RestartPolicy(self.res["max_restarts"], self.res["backoff_s"], self.res["backoff_max_s"],
-                                    rng or random.Random())
+        self.policy = RestartPolicy(
+            self.res["max_restarts"], self.res["backoff_s"], self.res["backoff_max_s"], rng or random.Random()
+        )
         self.interrupted: int | None = None
         self._metrics_pos = 0
 
@@ -137,30 +159,51 @@ class Supervisor:
 
     def choose_checkpoint(self) -> tuple[str | None, int | None]:
         """(checkpoint to resume from or None for a fresh start, exit code when the run cannot continue)."""
-        sel = select_resume(self.rd.path, checksums=bool(self.res.get("verify_checksums")), require_commit=True,
-                            world_size=self.world_size, stage=self.stage)
+        sel = select_resume(
+            self.rd.path,
+            checksums=bool(self.res.get("verify_checksums")),
+            require_commit=True,
+            world_size=self.world_size,
+            stage=self.stage,
+        )
         for v in sel.rejected:
-            self.events("checkpoint_rejected", f"skipping {v.path.name if v.path else '?'}: {v.reason}",
-                        checkpoint=str(v.path), reason=v.reason, kind=v.kind)
+            self.events(
+                "checkpoint_rejected",
+                f"skipping {v.path.name if v.path else '?'}: {v.reason}",
+                checkpoint=str(v.path),
+                reason=v.reason,
+                kind=v.kind,
+            )
         incompatible = [v for v in sel.rejected if v.incompatible]
         if incompatible:
             v = incompatible[0]
-            self.events("refused", f"{v.reason}; resuming on a different world size or stage needs DeepSpeed's "
-                                   "universal checkpoint, which ftkit does not convert yet: launch with the "
-                                   "original cluster, or use a new train.output_dir", checkpoint=str(v.path))
+            self.events(
+                "refused",
+                f"{v.reason}; resuming on a different world size or stage needs DeepSpeed's "
+                "universal checkpoint, which ftkit does not convert yet: launch with the "
+                "original cluster, or use a new train.output_dir",
+                checkpoint=str(v.path),
+            )
             return None, ExitCode.NO_CHECKPOINT
         if sel.chosen is None and any(v.kind != "no_commit" for v in sel.rejected):
-            self.events("no_valid_checkpoint", "no checkpoint verifies (reasons above) and some were complete once: "
-                                               "refusing to start over and overwrite them; move them away or use a "
-                                               "new train.output_dir")
+            self.events(
+                "no_valid_checkpoint",
+                "no checkpoint verifies (reasons above) and some were complete once: "
+                "refusing to start over and overwrite them; move them away or use a "
+                "new train.output_dir",
+            )
             return None, ExitCode.NO_CHECKPOINT
         for dst in set_aside_newer(self.rd.path, sel):
             self.events("set_aside", f"moved {dst.name.split('.rejected')[0]} aside to {dst.name}", dst=str(dst))
         if sel.chosen is None:
             self.events("fresh_start", None)
             return None, None
-        self.events("checkpoint_chosen", f"resuming from {sel.chosen.name} (step {sel.step}, commit verified)",
-                    checkpoint=str(sel.chosen), step=sel.step)
+        self.events(
+            "checkpoint_chosen",
+            f"resuming from {sel.chosen.name} (step {sel.step}, commit verified)",
+            checkpoint=str(sel.chosen),
+            step=sel.step,
+        )
         return str(sel.chosen), None
 
     def spawn(self, cmd: LaunchCommand, attempt: int) -> list[Spawned]:
@@ -172,13 +215,26 @@ class Supervisor:
         for node in cmd.nodes:
             log = log_dir / f"launcher-node{node.node_rank}.log"
             fh = open(log, "ab")  # noqa: SIM115 - the child keeps it; closed when the Popen is collected
-            proc = subprocess.Popen(list(node.argv), env=dict(node.env) if node.env else None, stdout=fh,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                    cwd=str(self.rd.path.parent))
+            proc = subprocess.Popen(
+                list(node.argv),
+                env=dict(node.env) if node.env else None,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=str(self.rd.path.parent),
+            )
             fh.close()
             out.append(Spawned(node.node_rank, node.host, proc, log))
-            self.events("spawn", None, node=node.node_rank, host=node.host, pid=proc.pid, remote=node.remote,
-                        argv=list(node.argv))
+            self.events(
+                "spawn",
+                None,
+                node=node.node_rank,
+                host=node.host,
+                pid=proc.pid,
+                remote=node.remote,
+                argv=list(node.argv),
+            )
         return out
 
     def monitor(self, procs: list[Spawned], attempt: int, started: float) -> Failure | None:
@@ -196,16 +252,23 @@ class Supervisor:
             errors = self.rd.records("errors", attempt)
             if errors:
                 lines = [line for e in errors for line in e.get("lines", [])]
-                return Failure("user_error", "a rank reported an error a restart cannot fix",
-                               user_error_lines=sorted(set(lines), key=lines.index))
+                return Failure(
+                    "user_error",
+                    "a rank reported an error a restart cannot fix",
+                    user_error_lines=sorted(set(lines), key=lines.index),
+                )
             bad = [(p, c) for p, c in zip(procs, codes, strict=True) if c not in (None, 0)]
             if bad:
                 p, c = bad[0]
                 time.sleep(0.3)  # let a rank finish writing its error record before we look again
                 if self.rd.records("errors", attempt):
                     continue
-                return Failure("exit", f"node {p.node_rank} ({p.host}) engine ended: {exit_meaning(c)}",
-                               step=self._step(attempt), exit_code=c)
+                return Failure(
+                    "exit",
+                    f"node {p.node_rank} ({p.host}) engine ended: {exit_meaning(c)}",
+                    step=self._step(attempt),
+                    exit_code=c,
+                )
             if all(c == 0 for c in codes):
                 return None
             now = time.monotonic()
@@ -219,12 +282,19 @@ class Supervisor:
                         first_step_seen = True
                         last_progress = now
             if not first_step_seen and now - started > startup:
-                return Failure("startup", f"no training step within startup_timeout_s={startup:g}s "
-                                          f"(ranks heard from: {sorted(seen) or 'none'})", step=self._step(attempt))
+                return Failure(
+                    "startup",
+                    f"no training step within startup_timeout_s={startup:g}s "
+                    f"(ranks heard from: {sorted(seen) or 'none'})",
+                    step=self._step(attempt),
+                )
             if first_step_seen and now - last_progress > hang:
-                return Failure("hang", f"no progress for {now - last_progress:.0f}s "
-                                       f"(hang_timeout_s={hang:g}) at step {self._step(attempt)}",
-                               step=self._step(attempt))
+                return Failure(
+                    "hang",
+                    f"no progress for {now - last_progress:.0f}s "
+                    f"(hang_timeout_s={hang:g}) at step {self._step(attempt)}",
+                    step=self._step(attempt),
+                )
             time.sleep(self.poll_s)
 
     def teardown(self, procs: list[Spawned], attempt: int) -> None:
@@ -304,33 +374,43 @@ class Supervisor:
                 return self._interrupted_code()
             inputs = LaunchInputs(**{**self.inputs.__dict__, "attempt": attempt, "resume": resume})
             cmd = build_launch(inputs, self.base_env)
-            self.events("launch", f"attempt {attempt}: starting {cmd.engine} on "
-                                  f"{', '.join(h for h, _ in inputs.hosts)}"
-                                  + (f", resuming from {Path(resume).name}" if resume else ""),
-                        engine=cmd.engine, resume=resume)
+            self.events(
+                "launch",
+                f"attempt {attempt}: starting {cmd.engine} on "
+                f"{', '.join(h for h, _ in inputs.hosts)}" + (f", resuming from {Path(resume).name}" if resume else ""),
+                engine=cmd.engine,
+                resume=resume,
+            )
             started = time.monotonic()
             procs = self.spawn(cmd, attempt)
             failure = self.monitor(procs, attempt, started)
             if failure is None:
                 self.teardown(procs, attempt)  # nothing should be left; make sure of it
                 if not (self.rd.final / "ftkit_commit.json").exists():
-                    self.events("failed", "the engine exited 0 but no committed final model was written",
-                                attempt=attempt)
+                    self.events(
+                        "failed", "the engine exited 0 but no committed final model was written", attempt=attempt
+                    )
                     return ExitCode.TRAINING_FAILED
                 self.events("finished", f"finished: final model in {self.rd.final}", step=self._step(attempt))
                 return ExitCode.OK
-            self.events("failure", f"attempt {attempt} failed: {failure.message}", kind=failure.kind,
-                        step=failure.step, exit_code=failure.exit_code,
-                        exit_meaning=exit_meaning(failure.exit_code) if failure.exit_code is not None else None,
-                        dead_ranks=self._dead_ranks(attempt))
+            self.events(
+                "failure",
+                f"attempt {attempt} failed: {failure.message}",
+                kind=failure.kind,
+                step=failure.step,
+                exit_code=failure.exit_code,
+                exit_meaning=exit_meaning(failure.exit_code) if failure.exit_code is not None else None,
+                dead_ranks=self._dead_ranks(attempt),
+            )
             self.teardown(procs, attempt)
             if failure.kind == "interrupted":
                 return self._interrupted_code()
             if failure.kind == "user_error":
                 for line in failure.user_error_lines:
                     self.echo(f"ftkit: error: {line}")
-                self.events("gave_up", "not restarting: fix the error above and launch again",
-                            errors=failure.user_error_lines)
+                self.events(
+                    "gave_up", "not restarting: fix the error above and launch again", errors=failure.user_error_lines
+                )
                 return ExitCode.USAGE
             self._echo_log_tail(procs, attempt)
             decision = self.policy.on_failure(failure.step, self._newest_commit())
@@ -354,8 +434,11 @@ class Supervisor:
         base = self.rd.meta / "attempts"
         nums = [int(p.name) for p in base.iterdir() if p.name.isdigit()] if base.is_dir() else []
         logs = self.rd.path / "logs"
-        nums += [int(p.name.split("-")[1]) for p in logs.glob("attempt-*") if p.name.split("-")[1].isdigit()] \
-            if logs.is_dir() else []
+        nums += (
+            [int(p.name.split("-")[1]) for p in logs.glob("attempt-*") if p.name.split("-")[1].isdigit()]
+            if logs.is_dir()
+            else []
+        )
         return max(nums) + 1 if nums else 0
 
     def _dead_ranks(self, attempt: int) -> list[int]:
@@ -386,4 +469,3 @@ def _hostname() -> str:
     import os
 
     return os.uname().nodename
-

@@ -33,7 +33,8 @@ from typing import Any
 from ftkit.errors import ExitCode, UserError
 from ftkit.rundir import RunDir, append_jsonl, atomic_write
 
-PROBE_TOKENS = 16  # logits of the first tokens of the first example, saved after training to check the final model
+PROBE_TOKENS = 16
+FAULT_ENV = "FTKIT_FAULT_INJECT"  # logits of the first tokens of the first example, saved after training to check the final model
 
 
 def _env_int(*names: str, default: int = 0) -> int:
@@ -54,22 +55,45 @@ class RankContext:
         self.last_loss: float | None = None
 
     def heartbeat(self, phase: str, step: int | None = None, **extra: Any) -> None:
-        rec = {"rank": self.rank, "attempt": self.attempt, "phase": phase, "step": step, "loss": self.last_loss,
-               "time": time.time(), "pid": os.getpid(), "host": self.host, **extra}
+        rec = {
+            "rank": self.rank,
+            "attempt": self.attempt,
+            "phase": phase,
+            "step": step,
+            "loss": self.last_loss,
+            "time": time.time(),
+            "pid": os.getpid(),
+            "host": self.host,
+            **extra,
+        }
         atomic_write(self.rd.heartbeat(self.rank), json.dumps(rec), fsync=False)
 
     def record_pid(self) -> None:
         from ftkit.procs import proc_start_time
 
         pid, ppid = os.getpid(), os.getppid()
-        rec = {"rank": self.rank, "local_rank": self.local_rank, "host": self.host, "pid": pid,
-               "start_time": proc_start_time(pid), "ppid": ppid, "ppid_start_time": proc_start_time(ppid),
-               "pgid": os.getpgid(0), "attempt": self.attempt, "time": time.time()}
+        rec = {
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "host": self.host,
+            "pid": pid,
+            "start_time": proc_start_time(pid),
+            "ppid": ppid,
+            "ppid_start_time": proc_start_time(ppid),
+            "pgid": os.getpgid(0),
+            "attempt": self.attempt,
+            "time": time.time(),
+        }
         atomic_write(self.rd.pid_file(self.attempt, self.rank), json.dumps(rec), fsync=False)
 
     def record_error(self, err: UserError) -> None:
-        rec = {"rank": self.rank, "host": self.host, "kind": type(err).__name__, "lines": err.lines(),
-               "exit_code": err.exit_code}
+        rec = {
+            "rank": self.rank,
+            "host": self.host,
+            "kind": type(err).__name__,
+            "lines": err.lines(),
+            "exit_code": err.exit_code,
+        }
         atomic_write(self.rd.error_file(self.attempt, self.rank), json.dumps(rec))
 
 
@@ -86,7 +110,57 @@ def _redirect_output(path: Path) -> None:
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
 
 
-def _make_callback(ctx: RankContext, spec: dict[str, Any]):
+class Fault:
+    """Test-only fault injection, from ``FTKIT_FAULT_INJECT=ACTION:RANK:STEP[:ATTEMPT]`` (ATTEMPT: a number or
+    ``every``; default 0, so a restarted attempt runs clean).
+
+    ACTION is ``exit`` (exit 13 after that step), ``kill`` (SIGKILL itself after that step), ``stop`` (SIGSTOP
+    itself: a hang) or ``kill_in_save`` (SIGKILL itself in the middle of saving checkpoint STEP, after DeepSpeed
+    wrote its shards and before the RNG state and trainer_state.json: a torn checkpoint). The processes are real
+    and really die; only the moment is chosen, so tests are not races against a millisecond-long save.
+    """
+
+    def __init__(self, spec: str | None, ctx: RankContext):
+        self.action = None
+        if not spec:
+            return
+        parts = spec.split(":")
+        action, rank, step = parts[0], int(parts[1]), int(parts[2])
+        attempt = parts[3] if len(parts) > 3 else "0"
+        if rank == ctx.rank and (attempt == "every" or int(attempt) == ctx.attempt):
+            self.action, self.step = action, step
+
+    def after_step(self, step: int) -> None:
+        if self.action is None or step != self.step:
+            return
+        import signal
+
+        print(f"ftkit fault injection: {self.action} at step {step}", flush=True)
+        if self.action == "exit":
+            os._exit(13)
+        if self.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    def install_save_kill(self, trainer_cls: Any) -> None:
+        if self.action != "kill_in_save":
+            return
+        import signal
+
+        original = trainer_cls._save_rng_state
+        fault = self
+
+        def _save_rng_state(trainer: Any, output_dir: str) -> None:
+            if trainer.state.global_step == fault.step:
+                print(f"ftkit fault injection: SIGKILL while saving {output_dir}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(trainer, output_dir)
+
+        trainer_cls._save_rng_state = _save_rng_state
+
+
+def _make_callback(ctx: RankContext, spec: dict[str, Any], fault: Fault):
     import torch.distributed as dist
     from transformers import TrainerCallback
 
@@ -100,16 +174,24 @@ def _make_callback(ctx: RankContext, spec: dict[str, Any]):
 
         def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
             ctx.heartbeat("train", state.global_step)
+            fault.after_step(state.global_step)
 
         def on_log(self, args, state, control, logs=None, **kw):  # noqa: ANN001
             logs = logs or {}
             if "loss" in logs:
                 ctx.last_loss = float(logs["loss"])
                 if ctx.rank == 0:
-                    append_jsonl(ctx.rd.metrics, {
-                        "step": state.global_step, "loss": ctx.last_loss, "lr": logs.get("learning_rate"),
-                        "grad_norm": logs.get("grad_norm"), "attempt": ctx.attempt, "time": time.time(),
-                    })
+                    append_jsonl(
+                        ctx.rd.metrics,
+                        {
+                            "step": state.global_step,
+                            "loss": ctx.last_loss,
+                            "lr": logs.get("learning_rate"),
+                            "grad_norm": logs.get("grad_norm"),
+                            "attempt": ctx.attempt,
+                            "time": time.time(),
+                        },
+                    )
             ctx.heartbeat("train", state.global_step)
 
         def on_save(self, args, state, control, **kw):  # noqa: ANN001
@@ -122,12 +204,27 @@ def _make_callback(ctx: RankContext, spec: dict[str, Any]):
             else:
                 parts = [part]
             if ctx.rank == 0:
-                write_commit(ckpt, parts, step=state.global_step, world_size=ctx.world_size, stage=spec["stage"],
-                             recipe_hash=spec["recipe_hash"], extra={"attempt": ctx.attempt})
+                write_commit(
+                    ckpt,
+                    parts,
+                    step=state.global_step,
+                    world_size=ctx.world_size,
+                    stage=spec["stage"],
+                    recipe_hash=spec["recipe_hash"],
+                    extra={"attempt": ctx.attempt},
+                )
                 removed = rotate(args.output_dir, spec["save_total_limit"])
-                append_jsonl(ctx.rd.metrics, {"event": "commit", "step": state.global_step,
-                                              "commit_s": round(time.time() - t0, 3), "attempt": ctx.attempt,
-                                              "rotated": [str(p) for p in removed], "time": time.time()})
+                append_jsonl(
+                    ctx.rd.metrics,
+                    {
+                        "event": "commit",
+                        "step": state.global_step,
+                        "commit_s": round(time.time() - t0, 3),
+                        "attempt": ctx.attempt,
+                        "rotated": [str(p) for p in removed],
+                        "time": time.time(),
+                    },
+                )
             if dist.is_available() and dist.is_initialized():
                 dist.barrier()  # nobody trains on (or dies) before the commit is on disk
             ctx.heartbeat("train", state.global_step, committed=state.global_step)
@@ -151,8 +248,13 @@ def _load_model(spec: dict[str, Any], targs: Any):
         from peft import LoraConfig, get_peft_model
 
         p = spec["peft"]
-        cfg = LoraConfig(r=p["r"], lora_alpha=p["alpha"], lora_dropout=p["dropout"],
-                         target_modules=p["target_modules"], task_type="CAUSAL_LM")
+        cfg = LoraConfig(
+            r=p["r"],
+            lora_alpha=p["alpha"],
+            lora_dropout=p["dropout"],
+            target_modules=p["target_modules"],
+            task_type="CAUSAL_LM",
+        )
         try:
             model = get_peft_model(model, cfg)
         except ValueError as e:  # e.g. a target module the model does not have
@@ -198,12 +300,20 @@ def train(ctx: RankContext, resume: str | None) -> None:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     data = spec["data"]
-    rows = prepare(data["train"], tokenizer, data["max_seq_len"],
-                   on_too_long="truncate" if data["truncate"] else "error")
+    rows = prepare(
+        data["train"], tokenizer, data["max_seq_len"], on_too_long="truncate" if data["truncate"] else "error"
+    )
     model = _load_model(spec, targs)
-    trainer = Trainer(model=model, args=targs, train_dataset=rows, processing_class=tokenizer,
-                      data_collator=functools.partial(collate, pad_id=tokenizer.pad_token_id),
-                      callbacks=[_make_callback(ctx, spec)])
+    fault = Fault(os.environ.get(FAULT_ENV), ctx)
+    fault.install_save_kill(Trainer)
+    trainer = Trainer(
+        model=model,
+        args=targs,
+        train_dataset=rows,
+        processing_class=tokenizer,
+        data_collator=functools.partial(collate, pad_id=tokenizer.pad_token_id),
+        callbacks=[_make_callback(ctx, spec, fault)],
+    )
     ctx.heartbeat("train", None)
     trainer.train(resume_from_checkpoint=resume)
     ctx.heartbeat("saving", trainer.state.global_step)
@@ -213,8 +323,16 @@ def train(ctx: RankContext, resume: str | None) -> None:
     if ctx.rank == 0:
         tokenizer.save_pretrained(str(final))
         part = manifest_part(final, 0, 1)
-        write_commit(final, [part], step=trainer.state.global_step, world_size=ctx.world_size, stage=spec["stage"], kind="model",
-                     recipe_hash=spec["recipe_hash"], extra={"final": True, "attempt": ctx.attempt})
+        write_commit(
+            final,
+            [part],
+            step=trainer.state.global_step,
+            world_size=ctx.world_size,
+            stage=spec["stage"],
+            kind="model",
+            recipe_hash=spec["recipe_hash"],
+            extra={"final": True, "attempt": ctx.attempt},
+        )
     ctx.heartbeat("finished", trainer.state.global_step)
 
 
@@ -231,8 +349,11 @@ def main(argv: list[str] | None = None) -> int:
         _redirect_output(ctx.rd.rank_log(args.attempt, ctx.rank))
     ctx.record_pid()
     ctx.heartbeat("starting")
-    print(f"ftkit rank {ctx.rank}/{ctx.world_size} on {ctx.host} pid {os.getpid()} attempt {args.attempt} "
-          f"resume={args.resume}", flush=True)
+    print(
+        f"ftkit rank {ctx.rank}/{ctx.world_size} on {ctx.host} pid {os.getpid()} attempt {args.attempt} "
+        f"resume={args.resume}",
+        flush=True,
+    )
     try:
         train(ctx, args.resume)
     except UserError as e:

@@ -13,11 +13,14 @@ from ..errors import ExitCode
 from .options import out_option, overrides_argument, recipe_argument
 
 
-@click.command("check", epilog="""\b
+@click.command(
+    "check",
+    epilog="""\b
 Examples:
   ftkit check recipe.yaml            # in CI: exit 0 in sync, 1 drifted (diff printed), 2 bad recipe
   ftkit check recipe.yaml -o deploy
-""")
+""",
+)
 @recipe_argument
 @out_option
 @overrides_argument
@@ -36,8 +39,12 @@ def command(recipe: str, out: str | None, overrides: tuple[str, ...]) -> None:
             continue
         if on_disk != fresh:
             drifted += 1
-            diff = difflib.unified_diff(on_disk.splitlines(keepends=True), fresh.splitlines(keepends=True),
-                                        fromfile=f"{path} (on disk)", tofile=f"{path} (rendered from {recipe})")
+            diff = difflib.unified_diff(
+                on_disk.splitlines(keepends=True),
+                fresh.splitlines(keepends=True),
+                fromfile=f"{path} (on disk)",
+                tofile=f"{path} (rendered from {recipe})",
+            )
             click.echo("".join(diff), nl=False)
         else:
             click.echo(f"{path}: in sync")

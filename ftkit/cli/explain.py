@@ -11,11 +11,14 @@ from ..recipe import DEFAULT
 from .options import json_option, overrides_argument, recipe_argument
 
 
-@click.command("explain", epilog="""\b
+@click.command(
+    "explain",
+    epilog="""\b
 Examples:
   ftkit explain recipe.yaml
   ftkit explain recipe.yaml zero.stage=3 --json
-""")
+""",
+)
 @recipe_argument
 @overrides_argument
 @json_option

@@ -13,21 +13,33 @@ from ..scaffold import HOSTFILE_TEMPLATE, RECIPE_TEMPLATES, read_template
 TEMPLATE_HELP = "; ".join(f"{name}: {desc}" for name, (_, desc) in RECIPE_TEMPLATES.items())
 
 
-@click.command("init", epilog="""\b
+@click.command(
+    "init",
+    epilog="""\b
 Examples:
   ftkit init myjob                      # LoRA template
   ftkit init myjob --template full      # full fine-tuning
   ftkit init . --template cpu-demo --force
-""")
+""",
+)
 @click.argument("directory", default=".", type=click.Path(file_okay=False, path_type=str))
-@click.option("--template", "-t", "template", type=click.Choice(list(RECIPE_TEMPLATES)), default="lora",
-              show_default=True, help=TEMPLATE_HELP)
+@click.option(
+    "--template",
+    "-t",
+    "template",
+    type=click.Choice(list(RECIPE_TEMPLATES)),
+    default="lora",
+    show_default=True,
+    help=TEMPLATE_HELP,
+)
 @click.option("--force", is_flag=True, help="Overwrite an existing recipe.yaml / hostfile.")
 def command(directory: str, template: str, force: bool) -> None:
     """Write DIRECTORY/recipe.yaml (every key with its one-line doc above it) and DIRECTORY/hostfile."""
     out = Path(directory)
-    targets = {"recipe.yaml": read_template(RECIPE_TEMPLATES[template][0]),
-               "hostfile": read_template(HOSTFILE_TEMPLATE)}
+    targets = {
+        "recipe.yaml": read_template(RECIPE_TEMPLATES[template][0]),
+        "hostfile": read_template(HOSTFILE_TEMPLATE),
+    }
     existing = [out / name for name in targets if (out / name).exists()]
     if existing and not force:
         raise UserError([Problem("already exists; pass --force to overwrite", file=str(p)) for p in existing])

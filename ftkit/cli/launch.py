@@ -12,16 +12,30 @@ from ..checkpoints import select_resume
 from ..command import LaunchInputs, build_launch, describe
 from ..configs import load_and_plan
 from ..plan import Plan
-from .options import cli_overrides, engine_option, exclude_option, hostfile_option, include_option, overrides_argument
-from .options import recipe_argument
+from .options import (
+    cli_overrides,
+    engine_option,
+    exclude_option,
+    hostfile_option,
+    include_option,
+    overrides_argument,
+    recipe_argument,
+)
 
 
 def launch_inputs(plan: Plan, attempt: int = 0, resume: str | None = None) -> LaunchInputs:
     r = plan.recipe
     return LaunchInputs(
-        engine=r["cluster.engine"], hosts=tuple(plan.hosts), master_addr=plan.master_addr,
-        master_port=plan.master_port, run_dir=str(Path(r["train.output_dir"]).resolve()), attempt=attempt,
-        resume=resume, accelerator=r["cluster.accelerator"], python=sys.executable, name=r["name"],
+        engine=r["cluster.engine"],
+        hosts=tuple(plan.hosts),
+        master_addr=plan.master_addr,
+        master_port=plan.master_port,
+        run_dir=str(Path(r["train.output_dir"]).resolve()),
+        attempt=attempt,
+        resume=resume,
+        accelerator=r["cluster.accelerator"],
+        python=sys.executable,
+        name=r["name"],
         ssh_config=r["cluster.ssh_config"],
     )
 
@@ -32,13 +46,17 @@ def plan_summary(plan: Plan) -> str:
     off += f", parameter offload {plan.offload_params}" if plan.offload_params != "none" else ""
     r = plan.recipe
     steps = f"{r['train.max_steps']} steps" if r["train.max_steps"] else f"{r['train.epochs']} epochs"
-    return (f"plan: {r['cluster.engine']} on {plan.num_nodes} node(s): {hosts}; world size {plan.world_size}; "
-            f"ZeRO-{plan.stage}{off}; batch {plan.global_batch_size} = micro {plan.micro_batch_size} x accum "
-            f"{plan.grad_accum} x {plan.world_size} ranks; {steps}; {'LoRA' if r.has_peft else 'full fine-tuning'}, "
-            f"{r['train.precision']}\nrun directory: {r['train.output_dir']}")
+    return (
+        f"plan: {r['cluster.engine']} on {plan.num_nodes} node(s): {hosts}; world size {plan.world_size}; "
+        f"ZeRO-{plan.stage}{off}; batch {plan.global_batch_size} = micro {plan.micro_batch_size} x accum "
+        f"{plan.grad_accum} x {plan.world_size} ranks; {steps}; {'LoRA' if r.has_peft else 'full fine-tuning'}, "
+        f"{r['train.precision']}\nrun directory: {r['train.output_dir']}"
+    )
 
 
-@click.command("launch", epilog="""\b
+@click.command(
+    "launch",
+    epilog="""\b
 Examples:
   ftkit launch recipe.yaml                               # this machine
   ftkit launch recipe.yaml --hostfile hostfile           # several hosts (ssh/pdsh)
@@ -47,16 +65,26 @@ Examples:
 \b
 Exit codes: 0 success, 2 bad recipe/hostfile/data, 3 preflight failed, 4 restart budget exhausted,
 5 no valid checkpoint, 6 training failed otherwise, 130/143 interrupted (SIGINT/SIGTERM).
-""")
+""",
+)
 @recipe_argument
 @overrides_argument
 @hostfile_option
 @include_option
 @exclude_option
 @engine_option
-@click.option("--dry-run", is_flag=True, help="Print the plan and the exact per-node argv and environment; start nothing.")
-def command(recipe: str, overrides: tuple[str, ...], hostfile: str | None, include: str | None,
-            exclude: str | None, engine: str | None, dry_run: bool) -> None:
+@click.option(
+    "--dry-run", is_flag=True, help="Print the plan and the exact per-node argv and environment; start nothing."
+)
+def command(
+    recipe: str,
+    overrides: tuple[str, ...],
+    hostfile: str | None,
+    include: str | None,
+    exclude: str | None,
+    engine: str | None,
+    dry_run: bool,
+) -> None:
     """Launch RECIPE: validate, plan, render into the run directory, preflight, start, supervise, recover."""
     plan = load_and_plan(recipe, cli_overrides(overrides, hostfile, engine), include=include, exclude=exclude)
     click.echo(plan_summary(plan))
@@ -74,13 +102,26 @@ def command(recipe: str, overrides: tuple[str, ...], hostfile: str | None, inclu
     from ..supervise import Supervisor
 
     rd = RunDir(r["train.output_dir"])
-    report = run_preflight(hosts=plan.hosts, master_addr=plan.master_addr, master_port=plan.master_port,
-                           run_dir=rd.path, engine=r["cluster.engine"], ssh_args=ssh_args)
+    report = run_preflight(
+        hosts=plan.hosts,
+        master_addr=plan.master_addr,
+        master_port=plan.master_port,
+        run_dir=rd.path,
+        engine=r["cluster.engine"],
+        ssh_args=ssh_args,
+    )
     prepare_run(plan)
-    sup = Supervisor(rd=rd, inputs=launch_inputs(plan), base_env=dict(os.environ),
-                     resilience={k.split(".", 1)[1]: v for k, v in r.values.items() if k.startswith("resilience.")},
-                     stage=plan.stage, world_size=plan.world_size, max_steps=r["train.max_steps"], ssh_args=ssh_args,
-                     echo=lambda s: click.echo(s))
+    sup = Supervisor(
+        rd=rd,
+        inputs=launch_inputs(plan),
+        base_env=dict(os.environ),
+        resilience={k.split(".", 1)[1]: v for k, v in r.values.items() if k.startswith("resilience.")},
+        stage=plan.stage,
+        world_size=plan.world_size,
+        max_steps=r["train.max_steps"],
+        ssh_args=ssh_args,
+        echo=lambda s: click.echo(s),
+    )
     sup.events("preflight", "preflight passed: " + "; ".join(report.checks), versions=report.versions)
     code = sup.run()
     from ..runstatus import format_summary, summarize

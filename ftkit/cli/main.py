@@ -41,9 +41,9 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from . import check, explain, init, launch, render, schema, status
+    from . import check, explain, init, launch, plan, render, schema, status
 
-    for mod in (init, render, check, explain, launch, status, schema):
+    for mod in (init, render, check, explain, plan, launch, status, schema):
         cli.add_command(mod.command)
 
 

@@ -7,18 +7,28 @@ import click
 recipe_argument = click.argument("recipe", type=click.Path(dir_okay=False, path_type=str), metavar="RECIPE")
 overrides_argument = click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 out_option = click.option(
-    "-o", "--out", "out", type=click.Path(file_okay=False, path_type=str), default=None,
+    "-o",
+    "--out",
+    "out",
+    type=click.Path(file_okay=False, path_type=str),
+    default=None,
     help="Directory for ds_config.json and accelerate.yaml (default: configs/ beside the recipe).",
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table.")
 hostfile_option = click.option(
-    "--hostfile", type=click.Path(dir_okay=False, path_type=str), default=None,
+    "--hostfile",
+    type=click.Path(dir_okay=False, path_type=str),
+    default=None,
     help="Hostfile (host slots=N per line); same as cluster.hostfile=FILE.",
 )
 include_option = click.option("--include", default=None, help="DeepSpeed-style host filter, e.g. 'node1@node2:0,1'.")
-exclude_option = click.option("--exclude", default=None, help="DeepSpeed-style host filter of hosts/slots to leave out.")
+exclude_option = click.option(
+    "--exclude", default=None, help="DeepSpeed-style host filter of hosts/slots to leave out."
+)
 engine_option = click.option(
-    "--engine", type=click.Choice(["deepspeed", "accelerate", "torchrun"]), default=None,
+    "--engine",
+    type=click.Choice(["deepspeed", "accelerate", "torchrun"]),
+    default=None,
     help="Launcher to use; same as cluster.engine=NAME.",
 )
 

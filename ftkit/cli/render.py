@@ -11,11 +11,14 @@ from ..render import write_files
 from .options import out_option, overrides_argument, recipe_argument
 
 
-@click.command("render", epilog="""\b
+@click.command(
+    "render",
+    epilog="""\b
 Examples:
   ftkit render recipe.yaml                      # -> configs/ds_config.json, configs/accelerate.yaml
   ftkit render recipe.yaml -o deploy zero.stage=3 train.precision=fp16
-""")
+""",
+)
 @recipe_argument
 @out_option
 @overrides_argument

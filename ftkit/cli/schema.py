@@ -9,11 +9,14 @@ import click
 from ..reference import json_schema, markdown_reference
 
 
-@click.command("schema", epilog="""\b
+@click.command(
+    "schema",
+    epilog="""\b
 Examples:
-  ftkit schema > ftkit-recipe.schema.json   # then in the recipe: # yaml-language-server: $schema=ftkit-recipe.schema.json
+  ftkit schema > recipe.schema.json   # editor hint: # yaml-language-server: $schema=recipe.schema.json
   ftkit schema --markdown > docs/recipe.md
-""")
+""",
+)
 @click.option("--markdown", is_flag=True, help="Print the Markdown recipe reference instead of the JSON Schema.")
 def command(markdown: bool) -> None:
     """Print the JSON Schema of a recipe (every field, type, default and doc), generated from the recipe model."""

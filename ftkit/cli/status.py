@@ -12,15 +12,22 @@ from ..runstatus import format_summary, plot_losses, summarize
 from .options import json_option
 
 
-@click.command("status", epilog="""\b
+@click.command(
+    "status",
+    epilog="""\b
 Examples:
   ftkit status runs/demo
   ftkit status runs/demo --plot loss.png     # loss against step, restarts marked
   ftkit status runs/demo --verify --json
-""")
+""",
+)
 @click.argument("run_dir", type=click.Path(file_okay=False, path_type=str))
-@click.option("--plot", type=click.Path(dir_okay=False, path_type=str), default=None,
-              help="Write a PNG of loss against step with each restart marked.")
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=str),
+    default=None,
+    help="Write a PNG of loss against step with each restart marked.",
+)
 @click.option("--verify", is_flag=True, help="Verify checkpoint checksums too (reads a sample of every file).")
 @json_option
 def command(run_dir: str, plot: str | None, verify: bool, as_json: bool) -> None:

@@ -81,8 +81,10 @@ def render_deepspeed(plan: Plan) -> dict[str, Any]:
         z["allgather_partitions"] = True
         z["allgather_bucket_size"] = k["allgather_bucket_size"].value
         z["round_robin_gradients"] = plan.note(
-            "round_robin_gradients", plan.offload_optimizer != "none",
-            "on only with optimizer offload at stage 1/2" if plan.offload_optimizer != "none" else "no offload")
+            "round_robin_gradients",
+            plan.offload_optimizer != "none",
+            "on only with optimizer offload at stage 1/2" if plan.offload_optimizer != "none" else "no offload",
+        )
         if plan.offload_optimizer != "none":
             z["offload_optimizer"] = _offload(plan, plan.offload_optimizer, "offload_optimizer")
     elif stage == 3:
@@ -95,7 +97,8 @@ def render_deepspeed(plan: Plan) -> dict[str, Any]:
         z["stage3_max_reuse_distance"] = k["stage3_max_reuse_distance"].value
         z["sub_group_size"] = plan.note("sub_group_size", int(1e9), "1e9")
         z["stage3_gather_16bit_weights_on_model_save"] = plan.note(
-            "stage3_gather_16bit_weights_on_model_save", True, "the final model must load with from_pretrained")
+            "stage3_gather_16bit_weights_on_model_save", True, "the final model must load with from_pretrained"
+        )
         if plan.offload_optimizer != "none":
             z["offload_optimizer"] = _offload(plan, plan.offload_optimizer, "offload_optimizer")
         if plan.offload_params != "none":

@@ -1,0 +1,160 @@
+"""Helpers for tests that run real multi-process jobs: fixtures on disk, recipes, launching, killing, checking.
+
+Multi-process tests take ``/tmp/ftkit-mp.lock`` (see ``mp_lock``) so two suites never share the 2 cores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from ftkit.procs import is_alive
+from ftkit.rundir import RunDir
+
+REPO = Path(__file__).resolve().parent.parent
+LOCK = "/tmp/ftkit-mp.lock"
+
+
+@contextlib.contextmanager
+def mp_lock() -> Iterator[None]:
+    with open(LOCK, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def make_fixtures(root: Path, kind: str = "text") -> dict[str, Path]:
+    """Tiny model, tokenizer and learnable data under root (built in a subprocess: no torch in the test process)."""
+    out = subprocess.run([sys.executable, "-m", "ftkit.launch.fixtures", str(root), "--kind", kind, "--json"],
+                         capture_output=True, text=True, timeout=300, check=True)
+    return {k: Path(v) for k, v in json.loads(out.stdout).items()}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_recipe(directory: Path, fixtures: dict[str, Path], **overrides: Any) -> Path:
+    """A 2-rank CPU recipe (the cpu-demo template's values) with ``section__key=value`` overrides."""
+    values: dict[str, dict[str, Any]] = {
+        "model": {"path": str(fixtures["model"])},
+        "data": {"train": str(fixtures["data"]), "max_seq_len": 128},
+        "train": {"output_dir": str(directory / "run"), "precision": "fp32", "micro_batch_size": 4,
+                  "global_batch_size": 16, "max_steps": 12, "learning_rate": 1e-3, "lr_scheduler": "constant",
+                  "logging_steps": 1, "save_steps": 4, "save_total_limit": 2, "seed": 7},
+        "zero": {"stage": 2},
+        "cluster": {"gpus_per_node": 2, "accelerator": "cpu", "gpu_memory_gb": 8, "host_memory_gb": 16,
+                    "master_port": free_port()},
+        "resilience": {"max_restarts": 3, "hang_timeout_s": 30, "startup_timeout_s": 240, "backoff_s": 0.5,
+                       "backoff_max_s": 2},
+    }
+    for key, value in overrides.items():
+        section, _, name = key.partition("__")
+        if value is None and not name:
+            values.pop(section, None)
+            continue
+        values.setdefault(section, {})[name] = value
+    import yaml
+
+    path = directory / "recipe.yaml"
+    path.write_text(yaml.safe_dump(values, sort_keys=False))
+    return path
+
+
+def ftkit(*args: str, env: dict[str, str] | None = None, timeout: float = 600,
+          cwd: Path | None = None) -> subprocess.CompletedProcess:
+    e = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "ftkit", *args], capture_output=True, text=True, env=e,
+                          timeout=timeout, cwd=cwd)
+
+
+def start_ftkit(*args: str, env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen:
+    """Start ``ftkit ...`` in the background (its own session, so a test can signal it like a terminal would)."""
+    e = {**os.environ, **(env or {})}
+    out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115
+    return subprocess.Popen([sys.executable, "-m", "ftkit", *args], stdout=out, stderr=subprocess.STDOUT, env=e,
+                            start_new_session=True)
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, poll: float = 0.1) -> Any:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def heartbeat_step(run_dir: Path, rank: int, attempt: int = 0) -> int:
+    for hb in RunDir(run_dir).heartbeats():
+        if hb.get("rank") == rank and hb.get("attempt") == attempt and hb.get("step") is not None:
+            return int(hb["step"])
+    return -1
+
+
+def rank_pid(run_dir: Path, rank: int, attempt: int = 0) -> int | None:
+    for rec in RunDir(run_dir).records("pids", attempt):
+        if rec["rank"] == rank:
+            return int(rec["pid"])
+    return None
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Per-step training loss; where a step was recomputed after a restart, the later attempt's value."""
+    out: dict[int, float] = {}
+    path = RunDir(run_dir).metrics
+    for line in path.read_text().splitlines():
+        m = json.loads(line)
+        if "loss" in m:
+            out[int(m["step"])] = float(m["loss"])
+    return out
+
+
+def events(run_dir: Path) -> list[dict[str, Any]]:
+    p = RunDir(run_dir).events
+    return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+
+
+def assert_no_process_left(run_dir: Path, extra_pids: tuple[int, ...] = ()) -> None:
+    """Every rank (and per-node agent) any attempt recorded, and every spawned launcher, is gone."""
+    rd = RunDir(run_dir)
+    left = []
+    for attempt_dir in sorted((rd.meta / "attempts").glob("*")):
+        for rec in rd.records("pids", int(attempt_dir.name)):
+            if is_alive(int(rec["pid"]), rec.get("start_time")):
+                left.append(f"rank {rec['rank']} pid {rec['pid']}")
+            if rec.get("ppid_start_time") and is_alive(int(rec["ppid"]), rec["ppid_start_time"]):
+                left.append(f"agent of rank {rec['rank']} pid {rec['ppid']}")
+    for e in events(run_dir):
+        if e.get("event") == "spawn":
+            try:
+                os.killpg(int(e["pid"]), 0)
+                left.append(f"launcher group {e['pid']}")
+            except ProcessLookupError:
+                pass
+    for pid in extra_pids:
+        if is_alive(pid):
+            left.append(f"pid {pid}")
+    assert not left, f"processes left: {left}"
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """Last-resort cleanup for a test that failed half-way."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
