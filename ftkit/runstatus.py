@@ -31,7 +31,8 @@ class RunSummary:
     max_steps: int | None
     first_loss: float | None
     last_loss: float | None
-    losses: list[tuple[int, float, int]]  # (step, loss, attempt)
+    losses: list[tuple[int, float, int]]  # (step, loss, attempt): the latest attempt's value per step
+    all_losses: list[tuple[int, float, int]]  # every logged value, including steps a restart recomputed
     restart_steps: list[int]  # the step each restarted attempt resumed from
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
     final: Path | None = None
@@ -57,6 +58,8 @@ def summarize(run_dir: str | Path, *, checksums: bool = False) -> RunSummary:
         if "loss" in m and "step" in m:
             by_step[int(m["step"])] = (float(m["loss"]), int(m.get("attempt", 0)))
     losses = [(s, loss, a) for s, (loss, a) in sorted(by_step.items())]
+    all_losses = [(int(m["step"]), float(m["loss"]), int(m.get("attempt", 0))) for m in metrics
+                  if "loss" in m and "step" in m]
     spec = json.loads(rd.spec.read_text()) if rd.spec.exists() else {}
     resumed = [e for e in events if e.get("event") == "checkpoint_chosen"]
     ckpts = []
@@ -79,6 +82,7 @@ def summarize(run_dir: str | Path, *, checksums: bool = False) -> RunSummary:
         first_loss=losses[0][1] if losses else None,
         last_loss=losses[-1][1] if losses else None,
         losses=losses,
+        all_losses=all_losses,
         restart_steps=[int(e.get("step") or 0) for e in resumed],
         checkpoints=ckpts,
         final=rd.final if (rd.final / COMMIT_FILE).exists() else None,
@@ -116,15 +120,16 @@ def plot_losses(s: RunSummary, out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    attempts = sorted({a for _, _, a in s.losses})
+    attempts = sorted({a for _, _, a in s.all_losses})
     for a in attempts:
-        pts = [(st, loss) for st, loss, att in s.losses if att == a]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=f"attempt {a}")
+        pts = [(st, loss) for st, loss, att in s.all_losses if att == a]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=f"attempt {a}", alpha=0.85)
     for i, st in enumerate(s.restart_steps):
-        ax.axvline(st, color="red", linestyle="--", alpha=0.7, label="restart (resumed here)" if i == 0 else None)
+        ax.axvline(st, color="red", linestyle="--", alpha=0.7,
+                   label="restart: resumed from this step's checkpoint" if i == 0 else None)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.set_title(f"{s.run_dir.name}: {s.restarts} restart(s)")
+    ax.set_title(f"{s.run_dir.name}: {s.restarts} restart(s); steps after a restart line were recomputed")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
