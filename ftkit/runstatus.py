@@ -114,8 +114,12 @@ def format_summary(s: RunSummary) -> str:
 
 def plot_losses(s: RunSummary, out: Path) -> Path:
     """Loss against step, one colour per attempt, a dashed line where a restart resumed. Needs matplotlib."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        from .errors import UserError
 
+        raise UserError("--plot needs matplotlib: pip install 'ftkit[plot]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -1,0 +1,55 @@
+"""Every command in the README's ``sh`` blocks runs as written, in order, in an empty directory."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runs import assert_no_process_left, mp_lock
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def readme_commands() -> list[str]:
+    text = (REPO / "README.md").read_text()
+    blocks = re.findall(r"```sh\n(.*?)```", text, flags=re.S)
+    cmds = []
+    for block in blocks[1:]:  # the first block is the two set-up commands (make demo / make test)
+        for line in block.splitlines():
+            line = line.split("  #")[0].strip() if not line.startswith("#") else ""
+            if line:
+                cmds.append(line)
+    return cmds
+
+
+def test_readme_opens_with_the_two_commands():
+    text = (REPO / "README.md").read_text()
+    first = re.search(r"```sh\n(.*?)```", text, flags=re.S).group(1)
+    assert [line.split("#")[0].strip() for line in first.splitlines()] == ["make demo", "make test"]
+    assert text.index("```sh") < text.index("ftkit is for")
+
+
+def test_readme_commands_are_covered():
+    cmds = readme_commands()
+    for verb in ("init", "plan", "render", "check", "explain", "launch", "status", "schema"):
+        assert any(c.startswith(f"ftkit {verb}") for c in cmds), verb
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_readme_commands_run_as_written(tmp_path):
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    with mp_lock():
+        for cmd in readme_commands():
+            out = subprocess.run(["bash", "-c", cmd.replace("python ", f"{sys.executable} ", 1)], cwd=tmp_path,
+                                 env=env, capture_output=True, text=True, timeout=600)
+            assert out.returncode == 0, f"{cmd}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+            assert "Traceback" not in out.stderr, cmd
+    assert (tmp_path / "myjob" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "myjob" / "runs" / "cpu-demo" / "final" / "ftkit_commit.json").exists()
+    assert_no_process_left(tmp_path / "myjob" / "runs" / "cpu-demo")
