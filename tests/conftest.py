@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from netns import netns2  # noqa: F401 - the two-host fixture, for tests/test_multinode.py
+
 REPO = Path(__file__).resolve().parent.parent
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],

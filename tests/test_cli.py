@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, run_ftkit
 from ftkit.reference import json_schema, markdown_reference
 from ftkit.scaffold import RECIPE_TEMPLATES, regenerated
+
+from conftest import REPO, run_ftkit
 
 HEAVY = ("torch", "deepspeed", "transformers", "accelerate", "peft")
 

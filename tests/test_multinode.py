@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from netns import NetnsCluster, netns2  # noqa: F401 - the fixture
+from netns import NetnsCluster
 from runs import (
     assert_no_process_left,
     events,

@@ -15,7 +15,8 @@ import pytest
 from ftkit.configs import load_and_plan
 from ftkit.prepare import prepare_run
 from ftkit.rundir import RunDir
-from runs import ftkit, free_port, losses, make_fixtures, mp_lock, write_recipe
+
+from runs import free_port, ftkit, losses, make_fixtures, mp_lock, write_recipe
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import sys
 
 import click
 
-from ..errors import ExitCode
 from ..configs import load_and_plan
+from ..errors import ExitCode
 from ..memory_plan import HEADROOM, full_table
 from .options import json_option, overrides_argument, recipe_argument
 
@@ -46,7 +46,8 @@ def command(recipe: str, overrides: tuple[str, ...], as_json: bool) -> None:
                f"vocab {m['vocab_size']:,}; counted {m['count_source']}")
     w = rep.workload
     click.echo(f"workload: {w.world_size} ranks ({w.gpus_per_node} per node), micro batch {w.micro_batch_size}, "
-               f"sequence {w.seq_len}, {w.precision}, gradient checkpointing {'on' if w.gradient_checkpointing else 'off'}"
+               f"sequence {w.seq_len}, {w.precision}, "
+               f"gradient checkpointing {'on' if w.gradient_checkpointing else 'off'}"
                f"; limit {rep.gpu_memory_gb:g} GiB/GPU and {rep.host_memory_gb:g} GiB host RAM/node, "
                f"{HEADROOM:.0%} headroom")
     sel = plan.memory.selected if plan.memory is not None else None
