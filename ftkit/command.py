@@ -164,25 +164,15 @@ def _deepspeed(inp: LaunchInputs, base_env: Mapping[str, str], attempt_dir: Path
     env_file = attempt_dir / "ds_env"
     env = forwarded_env(base_env, inp.accelerator)
     files = {str(hostfile): hostfile_text(inp.hosts)}
-    multi = len(inp.hosts) > 1
-    argv = [
-        inp.python,
-        "-u",
-        "-m",
-        "deepspeed.launcher.runner",
-        "--hostfile",
-        str(hostfile),
-        "--master_addr",
-        inp.master_addr,
-        "--master_port",
-        str(inp.master_port),
-        "--no_local_rank",
-        "--module",
-    ]
-    if not multi:
-        argv.append("--no_ssh_check")  # one host: DeepSpeed starts it locally, no ssh involved
-    else:
+    argv = [inp.python, "-u", "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile),
+            "--master_addr", inp.master_addr, "--master_port", str(inp.master_port), "--no_local_rank", "--module"]
+    remote = len(inp.hosts) > 1 or not _is_local(inp.hosts[0][0])
+    # ftkit's preflight checks ssh itself (with cluster.ssh_config); DeepSpeed's own check would ignore that config.
+    argv.append("--no_ssh_check")
+    if remote:
         argv += ["--launcher", "pdsh"]
+        if len(inp.hosts) == 1:
+            argv.append("--force_multi")  # one remote host is still reached over pdsh, never started locally
         if inp.ssh_port:
             argv += ["--ssh_port", str(inp.ssh_port)]
         # Remote ranks get exactly this environment: a fresh file per attempt, never ~/.deepspeed_env.
@@ -216,7 +206,7 @@ def _accelerate(inp: LaunchInputs, base_env: Mapping[str, str], meta: Path) -> L
             TRAIN_MODULE,
             *_entry_args(inp),
         ]
-        if _is_local(host) or len(inp.hosts) == 1:
+        if _is_local(host):
             nodes.append(NodeCommand(host, i, tuple(argv), env))
         else:
             nodes.append(NodeCommand(host, i, _ssh(inp, host, argv, env), {}, remote=True))
@@ -249,7 +239,7 @@ def _torchrun(inp: LaunchInputs, base_env: Mapping[str, str]) -> LaunchCommand:
             # Hosts may share a hostname (containers, namespaces): say explicitly which agent hosts the store.
             argv += ["--rdzv-conf", f"is_host={1 if i == 0 else 0}"]
         argv += ["-m", TRAIN_MODULE, *_entry_args(inp)]
-        if n == 1 or _is_local(host):
+        if _is_local(host):
             nodes.append(NodeCommand(host, i, tuple(argv), env))
         else:
             nodes.append(NodeCommand(host, i, _ssh(inp, host, argv, env), {}, remote=True))

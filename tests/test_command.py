@@ -43,7 +43,7 @@ def test_deepspeed_multinode_uses_pdsh_and_a_fresh_env_file():
     cmd = build_launch(_inputs("deepspeed", hosts=(("n0", 1), ("n1", 1)), master_addr="10.0.0.1",
                                ssh_config="/cfg/ssh"), BASE_ENV)
     (node,) = cmd.nodes
-    assert "--no_ssh_check" not in node.argv and ("--launcher", "pdsh") == node.argv[12:14]
+    assert "--no_ssh_check" in node.argv and ("--launcher", "pdsh") == node.argv[13:15]
     env_file = "/r/run/ftkit/attempts/1/ds_env"
     assert node.env["DS_ENV_FILE"] == env_file and node.env["PDSH_SSH_ARGS_APPEND"] == "-F /cfg/ssh"
     assert "DS_ACCELERATOR=cpu\n" in cmd.files[env_file] and "RANDOM_VAR" not in cmd.files[env_file]
@@ -65,6 +65,13 @@ def test_torchrun_per_host_over_ssh_golden():
                 "ftkit.launch.train /r/run --attempt 1 --resume /r/run/checkpoint-8") in remote
         assert "DS_ACCELERATOR=cpu" in remote and "RANDOM_VAR" not in remote
     assert "hf_secret" not in describe(cmd) and "HF_TOKEN=***" in describe(cmd)
+
+
+def test_a_single_remote_host_is_still_remote():
+    ds = build_launch(_inputs("deepspeed", hosts=(("n0", 2),), master_addr="10.0.0.1"), BASE_ENV).nodes[0]
+    assert "--force_multi" in ds.argv and "pdsh" in ds.argv
+    tr = build_launch(_inputs("torchrun", hosts=(("n0", 2),), master_addr="10.0.0.1"), BASE_ENV).nodes[0]
+    assert tr.remote and tr.argv[0] == "ssh"
 
 
 def test_accelerate_machine_ranks():
