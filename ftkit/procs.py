@@ -96,6 +96,34 @@ class TeardownResult:
         }
 
 
+def group_alive(pgid: int) -> bool:
+    """Does process group ``pgid`` still have a living member? Zombies do not count.
+
+    ``killpg(pgid, 0)`` is not enough: it succeeds while the group's leader is an unreaped zombie, which is
+    exactly the state of the engine launcher ftkit spawned (its Popen is reaped only after teardown), so
+    teardown would wait the whole grace period, SIGKILL nothing and report the group as left.
+    """
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return True  # no procfs: trust killpg
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", encoding="ascii", errors="replace") as fh:
+                rest = fh.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if rest[0] not in ("Z", "X") and int(rest[2]) == pgid:  # fields: state, ppid, pgrp
+            return True
+    return False
+
+
 def signal_group(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
@@ -112,7 +140,8 @@ def _remote_script(targets: list[Target], sig: str) -> str:
             if t.start_time
             else f"[ -e /proc/{t.pid} ]"
         )
-        parts.append(f"if {check}; then kill -{sig} {t.pid} 2>/dev/null; echo alive {t.pid}; fi")
+        cont = f"kill -CONT {t.pid} 2>/dev/null; " if sig == "TERM" else ""  # a stopped process acts on TERM only then
+        parts.append(f"if {check}; then kill -{sig} {t.pid} 2>/dev/null; {cont}echo alive {t.pid}; fi")
     return "; ".join(parts) + "; true"
 
 
@@ -138,7 +167,7 @@ def teardown(
     sleep=time.sleep,
     clock=time.monotonic,
 ) -> TeardownResult:
-    """SIGTERM every group and target, wait up to ``grace_s``, SIGKILL what is left, report the result."""
+    """SIGTERM (+SIGCONT) every group and target, wait up to ``grace_s``, SIGKILL what is left, report the result."""
     res = TeardownResult()
     groups = list(groups)
     by_host: dict[str, list[Target]] = {}
@@ -152,21 +181,18 @@ def teardown(
         return [t for t in local if is_alive(t.pid, t.start_time)]
 
     def groups_alive() -> list[int]:
-        alive = []
-        for g in groups:
-            try:
-                os.killpg(g, 0)
-                alive.append(g)
-            except (ProcessLookupError, PermissionError):
-                pass
-        return alive
+        return [g for g in groups if group_alive(g)]
 
+    # SIGTERM, then SIGCONT: a stopped process (SIGSTOP, a debugger, a frozen rank) keeps SIGTERM pending until it
+    # is continued, so without SIGCONT it would use up the whole grace period and need SIGKILL.
     for g in groups:
         signal_group(g, signal.SIGTERM)
+        signal_group(g, signal.SIGCONT)
         res.signalled.append(f"group {g}")
     for t in local_alive():
         try:
             os.kill(t.pid, signal.SIGTERM)
+            os.kill(t.pid, signal.SIGCONT)
             res.signalled.append(f"{t.what or 'pid'} {t.pid}")
         except ProcessLookupError:
             pass
