@@ -169,7 +169,7 @@ class Supervisor:
         for v in sel.rejected:
             self.events(
                 "checkpoint_rejected",
-                f"skipping {v.path.name if v.path else '?'}: {v.reason}",
+                f"skipping {v.reason}",  # the reason starts with the checkpoint's name
                 checkpoint=str(v.path),
                 reason=v.reason,
                 kind=v.kind,
@@ -308,6 +308,11 @@ class Supervisor:
                 p.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
+        # Ranks orphaned by their agent's death are zombies until init reaps them, a moment later; until then
+        # killpg(group, 0) still finds them. Wait for that, so that when ftkit returns nothing of the run is left.
+        end = time.monotonic() + 5.0
+        while time.monotonic() < end and any(_group_exists(p.proc.pid) for p in procs):
+            time.sleep(0.05)
         msg = None
         if res.unreachable:
             msg = f"teardown could not reach host(s) {', '.join(sorted(set(res.unreachable)))}"
@@ -463,6 +468,17 @@ class Supervisor:
                 for x in tail:
                     self.echo(f"    {x[:200]}")
         self.echo(f"  logs of every rank: {self.rd.log_dir(attempt)}")
+
+
+def _group_exists(pgid: int) -> bool:
+    """Any member at all, zombies included (procs.group_alive ignores those: they need no signal)."""
+    import os
+
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def _hostname() -> str:
