@@ -18,7 +18,8 @@ class ExitCode:
     PREFLIGHT = 3  # a preflight check failed before anything was started
     BUDGET_EXHAUSTED = 4  # the restart budget ran out (or failures repeated without progress)
     NO_CHECKPOINT = 5  # a restart needed a valid checkpoint and none verified
-    TRAINING_FAILED = 6  # the job failed in a way a restart cannot fix (e.g. a rank reported a user error)
+    TRAINING_FAILED = 6  # the job failed in a way a restart cannot fix (e.g. the engine exited 0 without a model)
+    HOST_LOST = 7  # a host was lost and cluster.min_nodes does not allow continuing without it
     SIGINT = 130
     SIGTERM = 143
 
@@ -97,3 +98,7 @@ class NoValidCheckpoint(FtkitError):
 
 class TrainingFailed(FtkitError):
     exit_code = ExitCode.TRAINING_FAILED
+
+
+class HostLost(FtkitError):
+    exit_code = ExitCode.HOST_LOST

@@ -10,14 +10,20 @@ from .rundir import RunDir, atomic_write
 from .spec import build_spec
 
 
-def prepare_run(plan: Plan) -> RunDir:
+def prepare_run(plan: Plan, *, load_universal: bool = False) -> RunDir:
     """Write ``ftkit/ds_config.json``, ``ftkit/accelerate.yaml`` and ``ftkit/spec.json`` into the run directory.
 
     The run's copy of the configs uses absolute paths (it is not meant to be checked in), and is rewritten at
-    every launch so a changed recipe (e.g. more steps) takes effect when resuming.
+    every launch so a changed recipe (e.g. more steps) takes effect when resuming. ``load_universal`` adds
+    DeepSpeed's ``checkpoint.load_universal`` for the one attempt that resumes a converted checkpoint on a
+    different world size (see :mod:`ftkit.universal`).
     """
     rd = RunDir(plan.recipe["train.output_dir"])
     files = render_files(plan, rd.meta, ds_path_in_yaml=str(rd.ds_config.resolve()))
+    if load_universal:
+        cfg = json.loads(files["ds_config.json"])
+        cfg["checkpoint"] = {"load_universal": True}
+        files["ds_config.json"] = json.dumps(cfg, indent=2) + "\n"
     write_files(rd.meta, files)
     spec = build_spec(plan, rd.path.resolve(), rd.ds_config.resolve())
     atomic_write(rd.spec, json.dumps(spec, indent=2, default=str) + "\n")

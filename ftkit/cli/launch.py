@@ -64,7 +64,7 @@ Examples:
   ftkit launch recipe.yaml train.max_steps=2000          # continue a finished run for more steps
 \b
 Exit codes: 0 success, 2 bad recipe/hostfile/data, 3 preflight failed, 4 restart budget exhausted,
-5 no valid checkpoint, 6 training failed otherwise, 130/143 interrupted (SIGINT/SIGTERM).
+5 no valid checkpoint, 6 training failed otherwise, 7 host lost (cluster.min_nodes), 130/143 interrupted.
 """,
 )
 @recipe_argument
