@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checkpoints import select_resume, set_aside_newer
+from .checkpoints import read_commit, select_resume, set_aside_newer
 from .command import LaunchCommand, LaunchInputs, build_launch
 from .errors import ExitCode
 from .procs import exit_meaning, targets_from_records, teardown
@@ -349,6 +349,14 @@ class Supervisor:
             elif m.get("event") == "commit" and m.get("attempt") == attempt:
                 self.echo(f"  committed checkpoint-{m['step']} ({m.get('commit_s', 0):.2f}s)")
 
+    def _final_committed(self, attempt: int) -> bool:
+        """final/ committed by *this* attempt: a relaunch of a finished run finds the old record still there."""
+        try:
+            rec = read_commit(self.rd.final)
+        except (OSError, ValueError):
+            return False
+        return bool(rec) and (rec.get("extra") or {}).get("attempt") == attempt
+
     def _newest_commit(self) -> int | None:
         sel = select_resume(self.rd.path, require_commit=True, world_size=self.world_size, stage=self.stage)
         return sel.step
@@ -391,7 +399,7 @@ class Supervisor:
             failure = self.monitor(procs, attempt, started)
             if failure is None:
                 self.teardown(procs, attempt)  # nothing should be left; make sure of it
-                if not (self.rd.final / "ftkit_commit.json").exists():
+                if not self._final_committed(attempt):
                     self.events(
                         "failed", "the engine exited 0 but no committed final model was written", attempt=attempt
                     )
