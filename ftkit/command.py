@@ -187,9 +187,9 @@ def _deepspeed(inp: LaunchInputs, base_env: Mapping[str, str], attempt_dir: Path
 
 
 def _accelerate(inp: LaunchInputs, base_env: Mapping[str, str], meta: Path) -> LaunchCommand:
-    env = forwarded_env(base_env, inp.accelerator)
     nodes = []
     for i, (host, _) in enumerate(inp.hosts):
+        env = forwarded_env(base_env, inp.accelerator, {"FTKIT_NODE": host})
         argv = [
             inp.python,
             "-m",
@@ -214,10 +214,10 @@ def _accelerate(inp: LaunchInputs, base_env: Mapping[str, str], meta: Path) -> L
 
 
 def _torchrun(inp: LaunchInputs, base_env: Mapping[str, str]) -> LaunchCommand:
-    env = forwarded_env(base_env, inp.accelerator)
     nodes = []
     n = len(inp.hosts)
     for i, (host, slots) in enumerate(inp.hosts):
+        env = forwarded_env(base_env, inp.accelerator, {"FTKIT_NODE": host})
         argv = [
             inp.python,
             "-m",

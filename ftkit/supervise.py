@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import signal
 import subprocess
 import time
@@ -136,8 +137,15 @@ class Supervisor:
         poll_s: float = 0.5,
         grace_s: float = 10.0,
         rng: random.Random | None = None,
+        min_nodes: int | None = None,
+        replan: Callable[[list[tuple[str, int]]], Any] | None = None,
+        prepare: Callable[[Any, bool], Any] | None = None,
     ):
         self.rd = rd
+        self.min_nodes = min_nodes
+        self.replan = replan  # hosts -> Plan (raises RecipeError when the global batch cannot be kept)
+        self.prepare = prepare  # (Plan, load_universal) -> writes the run's configs and spec
+        self._convert_from_world: int | None = None  # set after a shrink: checkpoints of that size get converted
         self.inputs = inputs
         self.base_env = dict(base_env)
         self.res = dict(resilience)
@@ -154,6 +162,8 @@ class Supervisor:
         )
         self.interrupted: int | None = None
         self._metrics_pos = 0
+        self._plan: Any = None
+        self._universal_attempt = False
 
     # ------------------------------------------------------------------------------------------------ phases
 
@@ -175,6 +185,13 @@ class Supervisor:
                 kind=v.kind,
             )
         incompatible = [v for v in sel.rejected if v.incompatible]
+        if incompatible and self._convert_from_world is not None:
+            converted = self._convert_newest(sel, incompatible)
+            if isinstance(converted, int):
+                return None, converted
+            if converted is not None:
+                return converted, None
+            incompatible = []
         if incompatible:
             v = incompatible[0]
             self.events(
@@ -205,6 +222,90 @@ class Supervisor:
             step=sel.step,
         )
         return str(sel.chosen), None
+
+    def _convert_newest(self, sel: Any, incompatible: list[Any]) -> str | int | None:
+        """After losing hosts: convert the newest intact checkpoint (newer than any compatible one) to DeepSpeed's
+        universal format and resume from it on the new world size. Returns its path, an exit code, or None when a
+        compatible checkpoint is newer anyway."""
+        from .universal import ConversionError, convert_to_universal
+
+        v = max(incompatible, key=lambda x: x.step or -1)
+        if sel.step is not None and (v.step or -1) <= sel.step:
+            return None
+        if v.kind != "world_size_mismatch":
+            self.events("refused", f"{v.reason}: a different ZeRO stage cannot be resumed; launch with the "
+                                   "original zero.stage", checkpoint=str(v.path))
+            return ExitCode.NO_CHECKPOINT
+        record = v.record or {}
+        tag = record.get("tag") or (v.path / "latest").read_text().strip()
+        t0 = time.monotonic()
+        try:
+            convert_to_universal(v.path, tag)
+        except ConversionError as e:
+            self.events("refused", f"{e}; cannot resume on {self.world_size} rank(s)", checkpoint=str(v.path))
+            return ExitCode.NO_CHECKPOINT
+        self.events("converted", f"converted {v.path.name} ({record.get('world_size')} ranks) to DeepSpeed's "
+                                 f"universal checkpoint for {self.world_size} rank(s) in {time.monotonic() - t0:.1f}s",
+                    checkpoint=str(v.path), from_world_size=record.get("world_size"), to_world_size=self.world_size)
+        # Newer torn checkpoints are moved aside as usual; older compatible ones stay.
+        for dst in set_aside_newer(self.rd.path, type(sel)(chosen=v.path, step=v.step, verdict=v, rejected=[])):
+            self.events("set_aside", f"moved {dst.name.split('.rejected')[0]} aside to {dst.name}", dst=str(dst))
+        self.events("checkpoint_chosen", f"resuming from {v.path.name} (step {v.step}, commit verified, "
+                                         "universal format)", checkpoint=str(v.path), step=v.step, universal=True)
+        if self.prepare is not None and self._plan is not None:
+            self.prepare(self._plan, True)
+            self._universal_attempt = True
+        return str(v.path)
+
+    def probe_hosts(self) -> list[str]:
+        """Remote hosts of the current cluster that ssh cannot reach now (ssh `true`, 10 s timeout each)."""
+        from .procs import LOCAL_HOSTS, ssh_run
+
+        lost = []
+        for host, _ in self.inputs.hosts:
+            if host in LOCAL_HOSTS:
+                continue
+            ok, _ = ssh_run(host, "true", self.ssh_args, 10)
+            if not ok:
+                lost.append(host)
+        return lost
+
+    def handle_lost_hosts(self) -> int | None:
+        """Continue without unreachable hosts when cluster.min_nodes allows it (keeping the global batch), else
+        stop with exit 7. None: carry on (nothing lost, or shrunk)."""
+        lost = self.probe_hosts()
+        if not lost:
+            return None
+        hosts = list(self.inputs.hosts)
+        self.events("host_lost", f"lost host(s) {', '.join(lost)}: not reachable over ssh", hosts=lost)
+        remaining = [(h, n) for h, n in hosts if h not in lost]
+        need = self.min_nodes if self.min_nodes is not None else len(hosts)
+        if len(remaining) < need or not remaining or self.replan is None:
+            self.events("gave_up", f"{len(remaining)} of {len(hosts)} node(s) left and cluster.min_nodes is "
+                                   f"{self.min_nodes if self.min_nodes is not None else 'null (all nodes)'}: stopping; "
+                                   "bring the host(s) back and launch again (the run resumes from its newest "
+                                   "committed checkpoint), or allow fewer nodes with cluster.min_nodes",
+                        hosts=lost)
+            return ExitCode.HOST_LOST
+        from .errors import UserError
+
+        try:
+            plan = self.replan(remaining)
+        except UserError as e:
+            self.events("gave_up", f"cannot continue on {', '.join(h for h, _ in remaining)}: {e.lines()[0]}")
+            return ExitCode.HOST_LOST
+        self._plan = plan
+        if self.prepare is not None:
+            self.prepare(plan, False)
+        self._convert_from_world = self.world_size
+        self.world_size = plan.world_size
+        self.inputs = LaunchInputs(**{**self.inputs.__dict__, "hosts": tuple(plan.hosts),
+                                      "master_addr": plan.master_addr})
+        self.events("shrink", f"continuing on {', '.join(h for h, _ in plan.hosts)}: world size {plan.world_size}, "
+                              f"global batch {plan.global_batch_size} kept with gradient accumulation "
+                              f"{plan.grad_accum}", hosts=[list(h) for h in plan.hosts], world_size=plan.world_size,
+                    global_batch_size=plan.global_batch_size, gradient_accumulation_steps=plan.grad_accum)
+        return None
 
     def spawn(self, cmd: LaunchCommand, attempt: int) -> list[Spawned]:
         for path, text in cmd.files.items():
@@ -265,7 +366,7 @@ class Supervisor:
                     continue
                 return Failure(
                     "exit",
-                    f"node {p.node_rank} ({p.host}) engine ended: {exit_meaning(c)}",
+                    f"node {p.node_rank} ({p.host}) engine ended: {exit_meaning(c)}" + _root_cause(p.log),
                     step=self._step(attempt),
                     exit_code=c,
                 )
@@ -375,7 +476,7 @@ class Supervisor:
                 signal.signal(s, h)
 
     def _run(self) -> int:
-        attempt = self._next_attempt()
+        attempt = self.next_attempt()
         if self.rd.metrics.exists():
             self._metrics_pos = self.rd.metrics.stat().st_size
         while True:
@@ -436,6 +537,12 @@ class Supervisor:
                 time.sleep(0.1)
             if self.interrupted:
                 return self._interrupted_code()
+            if self._universal_attempt and self.prepare is not None:
+                self.prepare(self._plan, False)  # later attempts load the new world size's own checkpoints
+                self._universal_attempt = False
+            code = self.handle_lost_hosts()
+            if code is not None:
+                return code
             attempt += 1
 
     def _interrupted_code(self) -> int:
@@ -443,7 +550,7 @@ class Supervisor:
         self.events("interrupted", f"interrupted: run torn down, exit {code}")
         return code
 
-    def _next_attempt(self) -> int:
+    def next_attempt(self) -> int:
         base = self.rd.meta / "attempts"
         nums = [int(p.name) for p in base.iterdir() if p.name.isdigit()] if base.is_dir() else []
         logs = self.rd.path / "logs"
@@ -476,6 +583,23 @@ class Supervisor:
                 for x in tail:
                     self.echo(f"    {x[:200]}")
         self.echo(f"  logs of every rank: {self.rd.log_dir(attempt)}")
+
+
+_TORCHRUN_FAILURE = re.compile(r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", re.S)
+
+
+def _root_cause(log: Path) -> str:
+    """torchrun (and accelerate, which runs it) exits 1 whatever happened; its summary names the rank that failed
+    first and that rank's own exit code (-9: SIGKILL). Map it back so the event says what really happened."""
+    try:
+        text = log.read_text(errors="replace")[-20000:]
+    except OSError:
+        return ""
+    tail = text.split("Root Cause (first observed failure):")[-1] if "Root Cause" in text else ""
+    m = _TORCHRUN_FAILURE.search(tail)
+    if not m:
+        return ""
+    return f"; root cause: rank {m.group(1)} {exit_meaning(int(m.group(2)))}"
 
 
 def _group_exists(pgid: int) -> bool:

@@ -52,6 +52,19 @@ class RankContext:
         self.local_rank = _env_int("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
         self.world_size = _env_int("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", default=1)
         self.host = socket.gethostname()
+        # The node's name as the hostfile (and so ssh) knows it: teardown reaches this rank through that name.
+        # ftkit sets FTKIT_NODE per node for torchrun/accelerate (c10d numbers nodes by arrival, not hostfile
+        # order); DeepSpeed's launcher passes the hostfile index as CROSS_RANK.
+        self.node_rank = _env_int("CROSS_RANK", "GROUP_RANK", "NODE_RANK")
+        self.node_host = os.environ.get("FTKIT_NODE", "")
+        if not self.node_host:
+            self.node_host = "localhost"
+            try:
+                hosts = self.rd.read_spec().get("hosts") or []
+                if 0 <= self.node_rank < len(hosts):
+                    self.node_host = hosts[self.node_rank][0]
+            except (OSError, ValueError):
+                pass
         self.last_loss: float | None = None
 
     def heartbeat(self, phase: str, step: int | None = None, **extra: Any) -> None:
@@ -277,6 +290,22 @@ def _probe(trainer: Any, example: dict[str, Any], ctx: RankContext) -> None:
         atomic_write(ctx.rd.meta / "probe.json", json.dumps({"input_ids": ids.tolist(), "logits": logits.tolist()}))
 
 
+def _share_process_group_with_deepspeed(targs: Any) -> None:
+    """On CPU (``use_cpu``) TrainingArguments starts torch.distributed through Accelerate's MULTI_CPU path, which
+    leaves ``deepspeed.comm`` uninitialized; ZeRO-3's ``zero.Init`` inside ``from_pretrained`` then reads world
+    size 1 and fails DeepSpeed's batch-size check (16 != 4 x 2 x 1). Hand the existing group to DeepSpeed first
+    (a no-op on GPU, where Accelerate already went through DeepSpeed)."""
+    import torch.distributed as tdist
+
+    if not (targs.deepspeed and tdist.is_available() and tdist.is_initialized()):
+        return
+    import deepspeed
+    from deepspeed import comm
+
+    if not comm.is_initialized():
+        deepspeed.init_distributed(dist_backend=targs.ddp_backend or None)
+
+
 def train(ctx: RankContext, resume: str | None) -> None:
     spec = ctx.rd.read_spec()
     ctx.heartbeat("loading")
@@ -290,6 +319,7 @@ def train(ctx: RankContext, resume: str | None) -> None:
 
     set_seed(spec["training_args"]["seed"])
     targs = TrainingArguments(**spec["training_args"])  # before the model: enables ZeRO-3 partitioned loading
+    _share_process_group_with_deepspeed(targs)
     tok_path = spec["tokenizer_path"]
     try:
         tokenizer = AutoTokenizer.from_pretrained(tok_path)

@@ -11,7 +11,7 @@ import click
 from ..checkpoints import select_resume
 from ..command import LaunchInputs, build_launch, describe
 from ..configs import load_and_plan
-from ..plan import Plan
+from ..plan import Plan, build_plan
 from .options import (
     cli_overrides,
     engine_option,
@@ -121,7 +121,11 @@ def command(
         max_steps=r["train.max_steps"],
         ssh_args=ssh_args,
         echo=lambda s: click.echo(s),
+        min_nodes=r["cluster.min_nodes"],
+        replan=lambda hosts: build_plan(r, hosts=hosts),
+        prepare=lambda p, universal: prepare_run(p, load_universal=universal),
     )
+    sup.events.attempt = sup.next_attempt()
     sup.events("preflight", "preflight passed: " + "; ".join(report.checks), versions=report.versions)
     code = sup.run()
     from ..runstatus import format_summary, summarize
