@@ -82,13 +82,22 @@ class RankContext:
         atomic_write(self.rd.heartbeat(self.rank), json.dumps(rec), fsync=False)
 
     def record_pid(self) -> None:
+        """pid, start time, parent (the per-node agent) and the node's hostfile name: teardown works from this.
+        The allow-listed environment (secrets left out) shows what really reached this rank."""
+        import fnmatch
+
+        from ftkit.command import ENV_ALLOW, SECRET
         from ftkit.procs import proc_start_time
 
         pid, ppid = os.getpid(), os.getppid()
+        env = {k: v for k, v in sorted(os.environ.items())
+               if any(fnmatch.fnmatchcase(k, pat) for pat in ENV_ALLOW) and not SECRET.search(k) and k != "PATH"}
         rec = {
             "rank": self.rank,
             "local_rank": self.local_rank,
-            "host": self.host,
+            "node_rank": self.node_rank,
+            "host": self.node_host,
+            "hostname": self.host,
             "pid": pid,
             "start_time": proc_start_time(pid),
             "ppid": ppid,
@@ -96,6 +105,8 @@ class RankContext:
             "pgid": os.getpgid(0),
             "attempt": self.attempt,
             "time": time.time(),
+            "env": env,
+            "env_keys": sorted(os.environ),
         }
         atomic_write(self.rd.pid_file(self.attempt, self.rank), json.dumps(rec), fsync=False)
 
