@@ -236,8 +236,9 @@ def _torchrun(inp: LaunchInputs, base_env: Mapping[str, str]) -> LaunchCommand:
             "0",
         ]
         if n > 1:
-            # Hosts may share a hostname (containers, namespaces): say explicitly which agent hosts the store.
-            argv += ["--rdzv-conf", f"is_host={1 if i == 0 else 0}"]
+            # Hosts may share a hostname (containers, namespaces): say explicitly which agent hosts the store, and
+            # advertise the node by its hostfile name (which every node resolves) instead of its own FQDN.
+            argv += ["--rdzv-conf", f"is_host={1 if i == 0 else 0}", "--local-addr", host]
         argv += ["-m", TRAIN_MODULE, *_entry_args(inp)]
         if _is_local(host):
             nodes.append(NodeCommand(host, i, tuple(argv), env))
