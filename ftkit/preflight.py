@@ -51,6 +51,9 @@ def _parse_versions(text: str) -> dict[str, str]:
 def port_free(addr: str, port: int) -> str | None:
     """None when ``port`` can be bound on ``addr`` (the master host is this machine), else why not."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As torch's TCPStore does: connections of a run that just ended linger in TIME_WAIT for a minute and
+        # must not block a relaunch; a port something is listening on is still refused.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((addr if addr not in ("localhost",) else "127.0.0.1", port))
         except OSError as e:
@@ -140,6 +143,7 @@ def run_preflight(
         ok, out = ssh_run(
             hosts[0][0],
             f'{python} -c "import socket; s=socket.socket(); '
+            f"s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
             f"s.bind(('{master_addr}', {master_port})); print('free')\"",
             ssh_args,
             15,

@@ -33,8 +33,8 @@ from typing import Any
 from ftkit.errors import ExitCode, UserError
 from ftkit.rundir import RunDir, append_jsonl, atomic_write
 
-PROBE_TOKENS = 16
-FAULT_ENV = "FTKIT_FAULT_INJECT"  # logits of the first tokens of the first example, saved after training to check the final model
+PROBE_TOKENS = 16  # logits of the first tokens of the first example, saved after training to check the final model
+FAULT_ENV = "FTKIT_FAULT_INJECT"  # test-only fault injection, see Fault
 
 
 def _env_int(*names: str, default: int = 0) -> int:

@@ -61,8 +61,9 @@ def test_torchrun_per_host_over_ssh_golden():
         remote = node.argv[-1]
         assert remote.startswith("cd /r && exec env ")
         assert (f"/py -m torch.distributed.run --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint "
-                f"10.0.0.1:29500 --rdzv-id demo-1 --max-restarts 0 --rdzv-conf is_host={is_host} --local-addr {node.host} -m "
-                "ftkit.launch.train /r/run --attempt 1 --resume /r/run/checkpoint-8") in remote
+                f"10.0.0.1:29500 --rdzv-id demo-1 --max-restarts 0 --rdzv-conf is_host={is_host} "
+                f"--local-addr {node.host} -m ftkit.launch.train /r/run --attempt 1 --resume /r/run/checkpoint-8"
+                ) in remote
         assert "DS_ACCELERATOR=cpu" in remote and "RANDOM_VAR" not in remote
     assert "hf_secret" not in describe(cmd) and "HF_TOKEN=***" in describe(cmd)
 

@@ -101,6 +101,12 @@ def command(
     from ..rundir import RunDir
     from ..supervise import Supervisor
 
+    data = Path(r["data.train"])
+    if not data.is_file():
+        from ..errors import RecipeError
+
+        what = "is a directory, expected a file" if data.is_dir() else "file not found"
+        raise RecipeError(r.problem("data.train", f"{data}: {what}"))
     rd = RunDir(r["train.output_dir"])
     report = run_preflight(
         hosts=plan.hosts,
