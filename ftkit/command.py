@@ -142,6 +142,13 @@ def _ssh(inp: LaunchInputs, host: str, remote_argv: list[str], env: Mapping[str,
     return tuple([*argv, host, remote])
 
 
+def _node_command(inp: LaunchInputs, i: int, host: str, argv: list[str], env: dict[str, str]) -> NodeCommand:
+    """Start ``argv`` directly for this machine, or over ssh (environment inlined) for a remote host."""
+    if _is_local(host):
+        return NodeCommand(host, i, tuple(argv), env)
+    return NodeCommand(host, i, _ssh(inp, host, argv, env), {}, remote=True)
+
+
 def hostfile_text(hosts: tuple[tuple[str, int], ...]) -> str:
     return "".join(f"{h} slots={n}\n" for h, n in hosts)
 
@@ -206,10 +213,7 @@ def _accelerate(inp: LaunchInputs, base_env: Mapping[str, str], meta: Path) -> L
             TRAIN_MODULE,
             *_entry_args(inp),
         ]
-        if _is_local(host):
-            nodes.append(NodeCommand(host, i, tuple(argv), env))
-        else:
-            nodes.append(NodeCommand(host, i, _ssh(inp, host, argv, env), {}, remote=True))
+        nodes.append(_node_command(inp, i, host, argv, env))
     return LaunchCommand("accelerate", tuple(nodes))
 
 
@@ -240,10 +244,7 @@ def _torchrun(inp: LaunchInputs, base_env: Mapping[str, str]) -> LaunchCommand:
             # advertise the node by its hostfile name (which every node resolves) instead of its own FQDN.
             argv += ["--rdzv-conf", f"is_host={1 if i == 0 else 0}", "--local-addr", host]
         argv += ["-m", TRAIN_MODULE, *_entry_args(inp)]
-        if _is_local(host):
-            nodes.append(NodeCommand(host, i, tuple(argv), env))
-        else:
-            nodes.append(NodeCommand(host, i, _ssh(inp, host, argv, env), {}, remote=True))
+        nodes.append(_node_command(inp, i, host, argv, env))
     return LaunchCommand("torchrun", tuple(nodes))
 
 
