@@ -1,4 +1,5 @@
 # ftkit developer entry points. `make demo` and `make test` install everything they need from a clean clone.
+SHELL  := /bin/bash
 PYTHON ?= python3
 VENV   ?= .venv
 # The pinned CPU build (a local wheel on the dev machines). Override for a GPU box, e.g. TORCH='torch==2.13.0'.
@@ -9,12 +10,17 @@ PYTEST := DS_ACCELERATOR=cpu $(PY) -m pytest
 
 .PHONY: install test test-fast test-slow test-multinode demo bench lint format templates docs clean
 
+# pip can sit on one package for minutes (building deepspeed): a ticker keeps the output moving.
+TICK = ( while sleep 20; do echo "    ... still installing ($$(date +%T))"; done ) & tick=$$!;
+
 $(STAMP): setup.cfg pyproject.toml
 	@echo "==> creating $(VENV) and installing $(TORCH) first (never the multi-GB CUDA build), then ftkit"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev]"
+	@$(TICK) $(PY) -m pip install --progress-bar off "$(TORCH)"; rc=$$?; kill $$tick; exit $$rc
+	@echo "==> installing ftkit and its dependencies (deepspeed, accelerate, transformers, peft, ...)"
+	@$(TICK) $(PY) -m pip install --progress-bar off -e ".[dev]" | grep -E "^(Collecting|Building|Successfully)" ; \
+		rc=$${PIPESTATUS[0]}; kill $$tick; exit $$rc
 	@touch $(STAMP)
 
 install: $(STAMP)
