@@ -527,6 +527,9 @@ class Supervisor:
                 )
                 return ExitCode.USAGE
             self._echo_log_tail(procs, attempt)
+            code = self.handle_lost_hosts()  # before the restart decision: a lost host may end the job here
+            if code is not None:
+                return code
             decision = self.policy.on_failure(failure.step, self._newest_commit())
             if not decision.restart:
                 self.events("gave_up", decision.reason, restarts=self.policy.used)
@@ -540,9 +543,6 @@ class Supervisor:
             if self._universal_attempt and self.prepare is not None:
                 self.prepare(self._plan, False)  # later attempts load the new world size's own checkpoints
                 self._universal_attempt = False
-            code = self.handle_lost_hosts()
-            if code is not None:
-                return code
             attempt += 1
 
     def _interrupted_code(self) -> int:
