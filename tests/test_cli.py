@@ -166,3 +166,22 @@ def test_wheel_ships_templates_and_launch(tmp_path):
                            env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}, cwd=tmp_path, timeout=60)
     assert probe.returncode == 0, probe.stderr
     assert str(target) in probe.stdout and "# LoRA fine-tuning" in probe.stdout
+
+
+def test_shell_completion_works():
+    """click's completion, as the README documents it: the script, and completing a command name and a template."""
+    import os
+
+    env = {**os.environ, "_FTKIT_COMPLETE": "bash_source"}
+    exe = str(Path(sys.executable).parent / "ftkit")  # the console script pip installed, as a user runs it
+    script = subprocess.run([exe], env=env, capture_output=True, text=True, timeout=60)
+    assert "complete -o nosort -F _ftkit_completion ftkit" in script.stdout, script.stdout[:500]
+
+    def complete(words: str) -> list[str]:
+        env = {**os.environ, "_FTKIT_COMPLETE": "bash_complete", "COMP_WORDS": words,
+               "COMP_CWORD": str(len(words.split()) - (0 if words.endswith(" ") else 1))}
+        out = subprocess.run([exe], env=env, capture_output=True, text=True, timeout=60)
+        return [line.split(",", 1)[1] for line in out.stdout.splitlines() if "," in line]
+
+    assert "render" in complete("ftkit re")
+    assert complete("ftkit init --template cp") == ["cpu-demo"]
