@@ -53,14 +53,21 @@ def main() -> int:
         print(f"median of {args.runs} runs each")
         for label, argv in rows:
             print(f"  {label:<38} {median_time(argv, args.runs) * 1000:7.1f} ms")
-        out = subprocess.run([sys.executable, "-X", "importtime", "-c", "import ftkit.cli.main"],
-                             capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-X", "importtime", "-c", "import ftkit.cli.main"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         last = [line for line in out.stderr.splitlines() if line.rstrip().endswith("ftkit.cli.main")]
         if last:
             cumulative_us = int(last[-1].split("|")[1])
             print(f"  import ftkit.cli.main (cumulative, -X importtime) {cumulative_us / 1000:7.1f} ms")
-        heavy = [m for m in ("torch", "deepspeed", "transformers", "accelerate", "peft")
-                 if any(line.rstrip().endswith(f" {m}") for line in out.stderr.splitlines())]
+        heavy = [
+            m
+            for m in ("torch", "deepspeed", "transformers", "accelerate", "peft")
+            if any(line.rstrip().endswith(f" {m}") for line in out.stderr.splitlines())
+        ]
         print(f"  heavy modules imported by the CLI: {heavy or 'none'}")
     return 0
 

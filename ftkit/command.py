@@ -171,8 +171,20 @@ def _deepspeed(inp: LaunchInputs, base_env: Mapping[str, str], attempt_dir: Path
     env_file = attempt_dir / "ds_env"
     env = forwarded_env(base_env, inp.accelerator)
     files = {str(hostfile): hostfile_text(inp.hosts)}
-    argv = [inp.python, "-u", "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile),
-            "--master_addr", inp.master_addr, "--master_port", str(inp.master_port), "--no_local_rank", "--module"]
+    argv = [
+        inp.python,
+        "-u",
+        "-m",
+        "deepspeed.launcher.runner",
+        "--hostfile",
+        str(hostfile),
+        "--master_addr",
+        inp.master_addr,
+        "--master_port",
+        str(inp.master_port),
+        "--no_local_rank",
+        "--module",
+    ]
     remote = len(inp.hosts) > 1 or not _is_local(inp.hosts[0][0])
     # ftkit's preflight checks ssh itself (with cluster.ssh_config); DeepSpeed's own check would ignore that config.
     argv.append("--no_ssh_check")

@@ -29,8 +29,11 @@ def say(msg: str) -> None:
 
 
 def run(argv: list[str], *, show: bool = True) -> subprocess.CompletedProcess:
-    print("$ " + " ".join(argv[2:] if argv[:3] == [sys.executable, "-m", "ftkit"] else argv).replace(
-        sys.executable, "python"), flush=True)
+    print(
+        "$ "
+        + " ".join(argv[2:] if argv[:3] == [sys.executable, "-m", "ftkit"] else argv).replace(sys.executable, "python"),
+        flush=True,
+    )
     out = subprocess.run(argv, text=True, capture_output=not show)
     if out.returncode != 0:
         if not show:
@@ -90,9 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     out = run(ftkit("status", str(run_dir), "--plot", str(plot), "--json"), show=False)
     s = json.loads(out.stdout.split("\nwrote ")[0])
     print(f"steps:        {s['step']}/{s['max_steps']}")
-    print(f"restarts:     {s['restarts']}" + (f" (rank 1, pid {killed}, SIGKILLed at step {KILL_AT_STEP}; "
-                                               f"resumed from step {s['restart_steps'][-1]})" if killed and
-                                              s['restart_steps'] else ""))
+    print(
+        f"restarts:     {s['restarts']}"
+        + (
+            f" (rank 1, pid {killed}, SIGKILLed at step {KILL_AT_STEP}; resumed from step {s['restart_steps'][-1]})"
+            if killed and s["restart_steps"]
+            else ""
+        )
+    )
     print(f"loss:         {s['first_loss']:.4f} at step 1 -> {s['last_loss']:.4f} at step {s['step']}")
     committed = [Path(c["path"]).name for c in s["checkpoints"] if c["committed"]]
     print(f"checkpoints:  {', '.join(committed)} in {run_dir} (each with ftkit_commit.json)")

@@ -194,12 +194,22 @@ def full_table(plan: Any) -> MemoryReport:
     """Every candidate (not only those the recipe allows), each judged on its own, for ``ftkit plan``'s table."""
     rep = plan.memory if plan.memory is not None else plan_memory(plan)
     w = rep.workload
-    judged = tuple(judge(e, rep.gpu_memory_gb, rep.host_memory_gb, HEADROOM)
-                   for e in estimate_all(w, candidates(include_stage0=True)))
+    judged = tuple(
+        judge(e, rep.gpu_memory_gb, rep.host_memory_gb, HEADROOM)
+        for e in estimate_all(w, candidates(include_stage0=True))
+    )
     anything = any(e.fits for e in judged)
-    tips = [] if anything else suggestions(
-        w, rep.gpu_memory_gb, rep.host_memory_gb, HEADROOM,
-        lora_params=_default_lora(rep.shape) if w.lora_params is None else None)
+    tips = (
+        []
+        if anything
+        else suggestions(
+            w,
+            rep.gpu_memory_gb,
+            rep.host_memory_gb,
+            HEADROOM,
+            lora_params=_default_lora(rep.shape) if w.lora_params is None else None,
+        )
+    )
     return replace(rep, choice=Choice(rep.choice.chosen, judged), suggestions=tips or rep.suggestions)
 
 

@@ -412,8 +412,11 @@ def _cross_checks(r: Recipe, add: Any) -> None:
             src("zero.offload_optimizer"),
         )
     if v["zero.offload_optimizer"] == "nvme" and stage not in (3, "auto"):
-        add("zero.offload_optimizer", f"nvme optimizer offload needs ZeRO stage 3 (zero.stage is {stage}); use cpu "
-                                      "at stage 1/2", src("zero.offload_optimizer"))
+        add(
+            "zero.offload_optimizer",
+            f"nvme optimizer offload needs ZeRO stage 3 (zero.stage is {stage}); use cpu at stage 1/2",
+            src("zero.offload_optimizer"),
+        )
     uses_nvme = "nvme" in (v["zero.offload_optimizer"], v["zero.offload_params"])
     if uses_nvme and not v["zero.nvme_path"]:
         add("zero.nvme_path", "required when offloading to nvme: a local NVMe directory", src("zero.nvme_path"))

@@ -58,8 +58,9 @@ def summarize(run_dir: str | Path, *, checksums: bool = False) -> RunSummary:
         if "loss" in m and "step" in m:
             by_step[int(m["step"])] = (float(m["loss"]), int(m.get("attempt", 0)))
     losses = [(s, loss, a) for s, (loss, a) in sorted(by_step.items())]
-    all_losses = [(int(m["step"]), float(m["loss"]), int(m.get("attempt", 0))) for m in metrics
-                  if "loss" in m and "step" in m]
+    all_losses = [
+        (int(m["step"]), float(m["loss"]), int(m.get("attempt", 0))) for m in metrics if "loss" in m and "step" in m
+    ]
     spec = json.loads(rd.spec.read_text()) if rd.spec.exists() else {}
     resumed = [e for e in events if e.get("event") == "checkpoint_chosen"]
     ckpts = []
@@ -129,8 +130,13 @@ def plot_losses(s: RunSummary, out: Path) -> Path:
         pts = [(st, loss) for st, loss, att in s.all_losses if att == a]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=f"attempt {a}", alpha=0.85)
     for i, st in enumerate(s.restart_steps):
-        ax.axvline(st, color="red", linestyle="--", alpha=0.7,
-                   label="restart: resumed from this step's checkpoint" if i == 0 else None)
+        ax.axvline(
+            st,
+            color="red",
+            linestyle="--",
+            alpha=0.7,
+            label="restart: resumed from this step's checkpoint" if i == 0 else None,
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_title(f"{s.run_dir.name}: {s.restarts} restart(s); steps after a restart line were recomputed")

@@ -233,8 +233,11 @@ class Supervisor:
         if sel.step is not None and (v.step or -1) <= sel.step:
             return None
         if v.kind != "world_size_mismatch":
-            self.events("refused", f"{v.reason}: a different ZeRO stage cannot be resumed; launch with the "
-                                   "original zero.stage", checkpoint=str(v.path))
+            self.events(
+                "refused",
+                f"{v.reason}: a different ZeRO stage cannot be resumed; launch with the original zero.stage",
+                checkpoint=str(v.path),
+            )
             return ExitCode.NO_CHECKPOINT
         record = v.record or {}
         tag = record.get("tag") or (v.path / "latest").read_text().strip()
@@ -244,14 +247,24 @@ class Supervisor:
         except ConversionError as e:
             self.events("refused", f"{e}; cannot resume on {self.world_size} rank(s)", checkpoint=str(v.path))
             return ExitCode.NO_CHECKPOINT
-        self.events("converted", f"converted {v.path.name} ({record.get('world_size')} ranks) to DeepSpeed's "
-                                 f"universal checkpoint for {self.world_size} rank(s) in {time.monotonic() - t0:.1f}s",
-                    checkpoint=str(v.path), from_world_size=record.get("world_size"), to_world_size=self.world_size)
+        self.events(
+            "converted",
+            f"converted {v.path.name} ({record.get('world_size')} ranks) to DeepSpeed's "
+            f"universal checkpoint for {self.world_size} rank(s) in {time.monotonic() - t0:.1f}s",
+            checkpoint=str(v.path),
+            from_world_size=record.get("world_size"),
+            to_world_size=self.world_size,
+        )
         # Newer torn checkpoints are moved aside as usual; older compatible ones stay.
         for dst in set_aside_newer(self.rd.path, type(sel)(chosen=v.path, step=v.step, verdict=v, rejected=[])):
             self.events("set_aside", f"moved {dst.name.split('.rejected')[0]} aside to {dst.name}", dst=str(dst))
-        self.events("checkpoint_chosen", f"resuming from {v.path.name} (step {v.step}, commit verified, "
-                                         "universal format)", checkpoint=str(v.path), step=v.step, universal=True)
+        self.events(
+            "checkpoint_chosen",
+            f"resuming from {v.path.name} (step {v.step}, commit verified, universal format)",
+            checkpoint=str(v.path),
+            step=v.step,
+            universal=True,
+        )
         if self.prepare is not None and self._plan is not None:
             self.prepare(self._plan, True)
             self._universal_attempt = True
@@ -281,11 +294,14 @@ class Supervisor:
         remaining = [(h, n) for h, n in hosts if h not in lost]
         need = self.min_nodes if self.min_nodes is not None else len(hosts)
         if len(remaining) < need or not remaining or self.replan is None:
-            self.events("gave_up", f"{len(remaining)} of {len(hosts)} node(s) left and cluster.min_nodes is "
-                                   f"{self.min_nodes if self.min_nodes is not None else 'null (all nodes)'}: stopping; "
-                                   "bring the host(s) back and launch again (the run resumes from its newest "
-                                   "committed checkpoint), or allow fewer nodes with cluster.min_nodes",
-                        hosts=lost)
+            self.events(
+                "gave_up",
+                f"{len(remaining)} of {len(hosts)} node(s) left and cluster.min_nodes is "
+                f"{self.min_nodes if self.min_nodes is not None else 'null (all nodes)'}: stopping; "
+                "bring the host(s) back and launch again (the run resumes from its newest "
+                "committed checkpoint), or allow fewer nodes with cluster.min_nodes",
+                hosts=lost,
+            )
             return ExitCode.HOST_LOST
         from .errors import UserError
 
@@ -299,12 +315,19 @@ class Supervisor:
             self.prepare(plan, False)
         self._convert_from_world = self.world_size
         self.world_size = plan.world_size
-        self.inputs = LaunchInputs(**{**self.inputs.__dict__, "hosts": tuple(plan.hosts),
-                                      "master_addr": plan.master_addr})
-        self.events("shrink", f"continuing on {', '.join(h for h, _ in plan.hosts)}: world size {plan.world_size}, "
-                              f"global batch {plan.global_batch_size} kept with gradient accumulation "
-                              f"{plan.grad_accum}", hosts=[list(h) for h in plan.hosts], world_size=plan.world_size,
-                    global_batch_size=plan.global_batch_size, gradient_accumulation_steps=plan.grad_accum)
+        self.inputs = LaunchInputs(
+            **{**self.inputs.__dict__, "hosts": tuple(plan.hosts), "master_addr": plan.master_addr}
+        )
+        self.events(
+            "shrink",
+            f"continuing on {', '.join(h for h, _ in plan.hosts)}: world size {plan.world_size}, "
+            f"global batch {plan.global_batch_size} kept with gradient accumulation "
+            f"{plan.grad_accum}",
+            hosts=[list(h) for h in plan.hosts],
+            world_size=plan.world_size,
+            global_batch_size=plan.global_batch_size,
+            gradient_accumulation_steps=plan.grad_accum,
+        )
         return None
 
     def spawn(self, cmd: LaunchCommand, attempt: int) -> list[Spawned]:

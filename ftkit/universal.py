@@ -30,17 +30,29 @@ def universal_tag(tag: str) -> str:
     return f"{tag}_universal"
 
 
-def convert_to_universal(ckpt: Path, tag: str, *, python: str = sys.executable, timeout: float = 3600,
-                         env: dict[str, str] | None = None) -> Path:
+def convert_to_universal(
+    ckpt: Path, tag: str, *, python: str = sys.executable, timeout: float = 3600, env: dict[str, str] | None = None
+) -> Path:
     """Convert ``ckpt/tag`` into ``ckpt/tag_universal`` (reused when already complete); returns that directory."""
     out = ckpt / universal_tag(tag)
-    if (ckpt / LATEST_UNIVERSAL).is_file() and (ckpt / LATEST_UNIVERSAL).read_text().strip() == out.name \
-            and out.is_dir():
+    if (
+        (ckpt / LATEST_UNIVERSAL).is_file()
+        and (ckpt / LATEST_UNIVERSAL).read_text().strip() == out.name
+        and out.is_dir()
+    ):
         return out
     if not (ckpt / tag).is_dir():
         raise ConversionError(f"{ckpt.name}: {tag}/ not found")
-    argv = [python, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt / tag),
-            "--output_folder", str(out), "--inject_missing_state"]
+    argv = [
+        python,
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        str(ckpt / tag),
+        "--output_folder",
+        str(out),
+        "--inject_missing_state",
+    ]
     e = {**os.environ, **(env or {})}
     e.setdefault("DS_ACCELERATOR", "cpu")  # the conversion is CPU work; never let it grab a GPU on the head
     try:

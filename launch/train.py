@@ -90,8 +90,11 @@ class RankContext:
         from ftkit.procs import proc_start_time
 
         pid, ppid = os.getpid(), os.getppid()
-        env = {k: v for k, v in sorted(os.environ.items())
-               if any(fnmatch.fnmatchcase(k, pat) for pat in ENV_ALLOW) and not SECRET.search(k) and k != "PATH"}
+        env = {
+            k: v
+            for k, v in sorted(os.environ.items())
+            if any(fnmatch.fnmatchcase(k, pat) for pat in ENV_ALLOW) and not SECRET.search(k) and k != "PATH"
+        }
         rec = {
             "rank": self.rank,
             "local_rank": self.local_rank,

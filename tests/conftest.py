@@ -67,5 +67,6 @@ def run_ftkit(*args: str, cwd: Path | None = None, env: dict | None = None, time
     """Run the real `ftkit` command line in a subprocess (as a user would)."""
     e = dict(os.environ)
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "ftkit", *args], cwd=cwd, env=e, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "ftkit", *args], cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout
+    )

@@ -36,9 +36,14 @@ def mp_lock() -> Iterator[None]:
 
 def make_fixtures(root: Path, kind: str = "text") -> dict[str, Path]:
     """Tiny model, tokenizer and learnable data under root (built in a subprocess: no torch in the test process)."""
-    out = subprocess.run([sys.executable, "-m", "ftkit.launch.fixtures", str(root), "--kind", kind, "--json"],
-                         capture_output=True, text=True, timeout=300, check=True,
-                         env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    out = subprocess.run(
+        [sys.executable, "-m", "ftkit.launch.fixtures", str(root), "--kind", kind, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+    )
     line = next(x for x in reversed(out.stdout.splitlines()) if x.startswith("{"))  # libraries may print first
     return {k: Path(v) for k, v in json.loads(line).items()}
 
@@ -56,14 +61,34 @@ def write_recipe(directory: Path, fixtures: dict[str, Path], **overrides: Any) -
     values: dict[str, dict[str, Any]] = {
         "model": {"path": str(fixtures["model"])},
         "data": {"train": str(fixtures["data"]), "max_seq_len": 128},
-        "train": {"output_dir": str(directory / "run"), "precision": "fp32", "micro_batch_size": 4,
-                  "global_batch_size": 16, "max_steps": 12, "learning_rate": 1e-3, "lr_scheduler": "constant",
-                  "logging_steps": 1, "save_steps": 4, "save_total_limit": 2, "seed": 7},
+        "train": {
+            "output_dir": str(directory / "run"),
+            "precision": "fp32",
+            "micro_batch_size": 4,
+            "global_batch_size": 16,
+            "max_steps": 12,
+            "learning_rate": 1e-3,
+            "lr_scheduler": "constant",
+            "logging_steps": 1,
+            "save_steps": 4,
+            "save_total_limit": 2,
+            "seed": 7,
+        },
         "zero": {"stage": 2},
-        "cluster": {"gpus_per_node": 2, "accelerator": "cpu", "gpu_memory_gb": 8, "host_memory_gb": 16,
-                    "master_port": free_port()},
-        "resilience": {"max_restarts": 3, "hang_timeout_s": 30, "startup_timeout_s": 240, "backoff_s": 0.5,
-                       "backoff_max_s": 2},
+        "cluster": {
+            "gpus_per_node": 2,
+            "accelerator": "cpu",
+            "gpu_memory_gb": 8,
+            "host_memory_gb": 16,
+            "master_port": free_port(),
+        },
+        "resilience": {
+            "max_restarts": 3,
+            "hang_timeout_s": 30,
+            "startup_timeout_s": 240,
+            "backoff_s": 0.5,
+            "backoff_max_s": 2,
+        },
     }
     for key, value in overrides.items():
         section, _, name = key.partition("__")
@@ -78,19 +103,22 @@ def write_recipe(directory: Path, fixtures: dict[str, Path], **overrides: Any) -
     return path
 
 
-def ftkit(*args: str, env: dict[str, str] | None = None, timeout: float = 600,
-          cwd: Path | None = None) -> subprocess.CompletedProcess:
+def ftkit(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 600, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     e = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "ftkit", *args], capture_output=True, text=True, env=e,
-                          timeout=timeout, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "ftkit", *args], capture_output=True, text=True, env=e, timeout=timeout, cwd=cwd
+    )
 
 
 def start_ftkit(*args: str, env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen:
     """Start ``ftkit ...`` in the background (its own session, so a test can signal it like a terminal would)."""
     e = {**os.environ, **(env or {})}
     out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115
-    return subprocess.Popen([sys.executable, "-m", "ftkit", *args], stdout=out, stderr=subprocess.STDOUT, env=e,
-                            start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "ftkit", *args], stdout=out, stderr=subprocess.STDOUT, env=e, start_new_session=True
+    )
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, poll: float = 0.1) -> Any:

@@ -38,19 +38,30 @@ cluster: {gpus_per_node: 8}
 """
 
 
-@pytest.mark.parametrize("body,expected", [
-    ("model: {path: ./model\ndata: [\n", "recipe.yaml:2: invalid YAML"),
-    (BASE + "zero: {stag: 3}\n", "recipe.yaml:8 zero.stag: unknown key (did you mean 'stage'?)"),
-    (BASE.replace("micro_batch_size: 2", "micro_batch_size: two"),
-     "recipe.yaml:5 train.micro_batch_size: expected int, got text 'two'"),
-    (BASE.replace("global_batch_size: 16", "global_batch_size: 21"),
-     "recipe.yaml:6 train.global_batch_size: 21 is not a multiple of train.micro_batch_size 2"),
-    (BASE.replace("global_batch_size: 16", "global_batch_size: 24"),
-     "recipe.yaml:6 train.global_batch_size: 24 is not divisible by micro_batch_size 2 x world size 8 = 16"),
-    (BASE + "zero: {stage: 2, offload_params: cpu}\n",
-     "recipe.yaml:8 zero.offload_params: parameter offload needs ZeRO stage 3"),
-    (BASE.replace("./model", "./nomodel"), "recipe.yaml:1 model.path:"),
-])
+@pytest.mark.parametrize(
+    "body,expected",
+    [
+        ("model: {path: ./model\ndata: [\n", "recipe.yaml:2: invalid YAML"),
+        (BASE + "zero: {stag: 3}\n", "recipe.yaml:8 zero.stag: unknown key (did you mean 'stage'?)"),
+        (
+            BASE.replace("micro_batch_size: 2", "micro_batch_size: two"),
+            "recipe.yaml:5 train.micro_batch_size: expected int, got text 'two'",
+        ),
+        (
+            BASE.replace("global_batch_size: 16", "global_batch_size: 21"),
+            "recipe.yaml:6 train.global_batch_size: 21 is not a multiple of train.micro_batch_size 2",
+        ),
+        (
+            BASE.replace("global_batch_size: 16", "global_batch_size: 24"),
+            "recipe.yaml:6 train.global_batch_size: 24 is not divisible by micro_batch_size 2 x world size 8 = 16",
+        ),
+        (
+            BASE + "zero: {stage: 2, offload_params: cpu}\n",
+            "recipe.yaml:8 zero.offload_params: parameter offload needs ZeRO stage 3",
+        ),
+        (BASE.replace("./model", "./nomodel"), "recipe.yaml:1 model.path:"),
+    ],
+)
 def test_bad_recipe_one_line_exit_2_nothing_written(tmp_path, model_dir, body, expected):
     p = _recipe(tmp_path, body)
     for cmd in ("render", "check", "explain", "plan"):
@@ -103,7 +114,8 @@ def test_initialised_recipe_validates_and_renders_as_is(tmp_path, name):
     assert run_ftkit("init", str(tmp_path), "-t", name).returncode == 0
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(
-        (REPO / "tests/fixtures/model_configs/Meta-Llama-3-8B.json").read_text())
+        (REPO / "tests/fixtures/model_configs/Meta-Llama-3-8B.json").read_text()
+    )
     out = run_ftkit("render", str(tmp_path / "recipe.yaml"))
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "configs" / "ds_config.json").exists()
@@ -134,36 +146,81 @@ print("HEAVY=" + ",".join(m for m in {heavy!r} if m in sys.modules), file=sys.st
 """
 
 
-@pytest.mark.parametrize("args", [["--help"], ["init", "{d}/x"], ["render", "{r}"], ["check", "{r}"],
-                                  ["explain", "{r}"], ["plan", "{r}"], ["launch", "{r}", "--dry-run"],
-                                  ["schema"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--help"],
+        ["init", "{d}/x"],
+        ["render", "{r}"],
+        ["check", "{r}"],
+        ["explain", "{r}"],
+        ["plan", "{r}"],
+        ["launch", "{r}", "--dry-run"],
+        ["schema"],
+    ],
+)
 def test_config_commands_import_no_heavy_stack(tmp_path, model_dir, args):
     r = _recipe(tmp_path, BASE)
     argv = [a.format(d=tmp_path, r=r) for a in args]
-    out = subprocess.run([sys.executable, "-c", _PROBE.format(heavy=HEAVY), *argv], capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE.format(heavy=HEAVY), *argv], capture_output=True, text=True, timeout=60
+    )
     heavy = [line for line in out.stderr.splitlines() if line.startswith("HEAVY=")]
     assert heavy == ["HEAVY="], out.stderr[-2000:]
 
 
 def test_wheel_ships_templates_and_launch(tmp_path):
     """A plain (non-editable) install must carry templates/ and launch/ as package data."""
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                          str(tmp_path), str(REPO)], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     (wheel,) = tmp_path.glob("ftkit-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for want in ("ftkit/templates/lora.yaml", "ftkit/templates/full.yaml", "ftkit/templates/cpu-demo.yaml",
-                 "ftkit/templates/hostfile", "ftkit/launch/train.py", "ftkit/launch/fixtures.py",
-                 "ftkit/cli/main.py"):
+    for want in (
+        "ftkit/templates/lora.yaml",
+        "ftkit/templates/full.yaml",
+        "ftkit/templates/cpu-demo.yaml",
+        "ftkit/templates/hostfile",
+        "ftkit/launch/train.py",
+        "ftkit/launch/fixtures.py",
+        "ftkit/cli/main.py",
+    ):
         assert want in names, want
     target = tmp_path / "site"
-    inst = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),
-                           str(wheel)], capture_output=True, text=True, timeout=300)
+    inst = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert inst.returncode == 0, inst.stderr
-    probe = subprocess.run([sys.executable, "-c", "import ftkit.scaffold as s; print(s.__file__); "
-                            "print(s.read_template('lora.yaml')[:20])"], capture_output=True, text=True,
-                           env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}, cwd=tmp_path, timeout=60)
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import ftkit.scaffold as s; print(s.__file__); print(s.read_template('lora.yaml')[:20])",
+        ],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert probe.returncode == 0, probe.stderr
     assert str(target) in probe.stdout and "# LoRA fine-tuning" in probe.stdout
 
@@ -178,8 +235,12 @@ def test_shell_completion_works():
     assert "complete -o nosort -F _ftkit_completion ftkit" in script.stdout, script.stdout[:500]
 
     def complete(words: str) -> list[str]:
-        env = {**os.environ, "_FTKIT_COMPLETE": "bash_complete", "COMP_WORDS": words,
-               "COMP_CWORD": str(len(words.split()) - (0 if words.endswith(" ") else 1))}
+        env = {
+            **os.environ,
+            "_FTKIT_COMPLETE": "bash_complete",
+            "COMP_WORDS": words,
+            "COMP_CWORD": str(len(words.split()) - (0 if words.endswith(" ") else 1)),
+        }
         out = subprocess.run([exe], env=env, capture_output=True, text=True, timeout=60)
         return [line.split(",", 1)[1] for line in out.stdout.splitlines() if "," in line]
 

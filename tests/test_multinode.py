@@ -52,15 +52,19 @@ def single_host_losses(fixtures, tmp_path_factory):
 
 def _recipe(tmp_path: Path, fixtures, cluster: NetnsCluster, **kw) -> Path:
     hostfile = cluster.write_hostfile(tmp_path / "hostfile", slots=1)
-    return write_recipe(tmp_path, fixtures, cluster__hostfile=str(hostfile),
-                        cluster__ssh_config=str(cluster.ssh_config), cluster__master_addr=cluster.address(0),
-                        **kw)
+    return write_recipe(
+        tmp_path,
+        fixtures,
+        cluster__hostfile=str(hostfile),
+        cluster__ssh_config=str(cluster.ssh_config),
+        cluster__master_addr=cluster.address(0),
+        **kw,
+    )
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("engine", ["deepspeed", "torchrun"])
-def test_two_hosts_match_one_host_and_env_is_exactly_forwarded(tmp_path, fixtures, netns2, single_host_losses,
-                                                                 engine):
+def test_two_hosts_match_one_host_and_env_is_exactly_forwarded(tmp_path, fixtures, netns2, single_host_losses, engine):
     recipe = _recipe(tmp_path, fixtures, netns2, train__max_steps=8, cluster__engine=engine)
     run_dir = tmp_path / "run"
     dry = ftkit("launch", str(recipe), "--dry-run", env=ENV)
@@ -111,8 +115,15 @@ def test_every_process_on_a_host_killed_recovers(tmp_path, fixtures, netns2):
 @pytest.mark.parametrize("min_nodes", [1, 2])
 def test_partition_detected_by_heartbeat_then_shrink_or_stop(tmp_path, fixtures, netns2, min_nodes):
     hang = 20
-    recipe = _recipe(tmp_path, fixtures, netns2, train__max_steps=16, train__save_steps=4,
-                     cluster__min_nodes=min_nodes, resilience__hang_timeout_s=hang)
+    recipe = _recipe(
+        tmp_path,
+        fixtures,
+        netns2,
+        train__max_steps=16,
+        train__save_steps=4,
+        cluster__min_nodes=min_nodes,
+        resilience__hang_timeout_s=hang,
+    )
     run_dir = tmp_path / "run"
     with mp_lock():
         proc = start_ftkit("launch", str(recipe), env=ENV, log=tmp_path / "launch.log")
@@ -146,11 +157,17 @@ def test_partition_detected_by_heartbeat_then_shrink_or_stop(tmp_path, fixtures,
         assert code == 7, log[-4000:]  # ExitCode.HOST_LOST
         assert any(e["event"] == "gave_up" and "min_nodes" in e.get("message", "") for e in ev)
     # ftkit cleaned the reachable host; the lost one kept its (blocked) ranks, as a real partitioned host would.
-    node0_ranks = [r for a in (run_dir / "ftkit/attempts").glob("*") for r in
-                   (json.loads(p.read_text()) for p in a.glob("pids/rank-*.json")) if r["host"] == "node0"]
-    assert node0_ranks and not any(os.path.exists(f"/proc/{r['pid']}") and
-                                   open(f"/proc/{r['pid']}/stat").read().split(")")[1].split()[0] not in "ZX"
-                                   for r in node0_ranks)
+    node0_ranks = [
+        r
+        for a in (run_dir / "ftkit/attempts").glob("*")
+        for r in (json.loads(p.read_text()) for p in a.glob("pids/rank-*.json"))
+        if r["host"] == "node0"
+    ]
+    assert node0_ranks and not any(
+        os.path.exists(f"/proc/{r['pid']}")
+        and open(f"/proc/{r['pid']}/stat").read().split(")")[1].split()[0] not in "ZX"
+        for r in node0_ranks
+    )
     netns2.link_up(1)
     netns2.kill_node(1)  # what the lost host's operator does; then nothing of the run may be left anywhere
     assert_no_process_left(run_dir)

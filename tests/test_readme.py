@@ -46,8 +46,14 @@ def test_readme_commands_run_as_written(tmp_path):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     with mp_lock():
         for cmd in readme_commands():
-            out = subprocess.run(["bash", "-c", cmd.replace("python ", f"{sys.executable} ", 1)], cwd=tmp_path,
-                                 env=env, capture_output=True, text=True, timeout=600)
+            out = subprocess.run(
+                ["bash", "-c", cmd.replace("python ", f"{sys.executable} ", 1)],
+                cwd=tmp_path,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
             assert out.returncode == 0, f"{cmd}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
             assert "Traceback" not in out.stderr, cmd
     assert (tmp_path / "myjob" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

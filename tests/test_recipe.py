@@ -45,9 +45,11 @@ def test_unknown_key_has_line_and_suggestion(write_recipe):
     """)
     with pytest.raises(RecipeError) as e:
         load_recipe(p)
-    assert e.value.lines() == [f"{p}:5 zero.stag: unknown key (did you mean 'stage'?); zero has stage, "
-                               "offload_optimizer, offload_params, nvme_path, overlap_comm, reduce_bucket_size, "
-                               "allgather_bucket_size"]
+    assert e.value.lines() == [
+        f"{p}:5 zero.stag: unknown key (did you mean 'stage'?); zero has stage, "
+        "offload_optimizer, offload_params, nvme_path, overlap_comm, reduce_bucket_size, "
+        "allgather_bucket_size"
+    ]
 
 
 def test_unknown_section_and_cli_key(write_recipe):
@@ -111,8 +113,10 @@ def test_offload_params_needs_stage_3(write_recipe):
     """)
     with pytest.raises(RecipeError) as e:
         load_recipe(p)
-    assert e.value.lines() == [f"{p}:6 zero.offload_params: parameter offload needs ZeRO stage 3 (zero.stage is 2); "
-                               "set zero.stage: 3 or offload_params: none"]
+    assert e.value.lines() == [
+        f"{p}:6 zero.offload_params: parameter offload needs ZeRO stage 3 (zero.stage is 2); "
+        "set zero.stage: 3 or offload_params: none"
+    ]
     assert load_recipe(p, ["zero.stage=3"])["zero.offload_params"] == "cpu"
 
 

@@ -54,12 +54,19 @@ def ds_config_class():
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("stage,opt,par,precision,world", _cases())
-def test_matrix_accepted_by_deepspeed_and_accelerate(stage, opt, par, precision, world, write_recipe, tmp_path,
-                                                     ds_config_class, monkeypatch):
+def test_matrix_accepted_by_deepspeed_and_accelerate(
+    stage, opt, par, precision, world, write_recipe, tmp_path, ds_config_class, monkeypatch
+):
     p = write_recipe()
-    overrides = [f"zero.stage={stage}", f"zero.offload_optimizer={opt}", f"zero.offload_params={par}",
-                 f"train.precision={precision}", "train.micro_batch_size=2", f"train.global_batch_size={world * 8}",
-                 *_cluster(world)]
+    overrides = [
+        f"zero.stage={stage}",
+        f"zero.offload_optimizer={opt}",
+        f"zero.offload_params={par}",
+        f"train.precision={precision}",
+        "train.micro_batch_size=2",
+        f"train.global_batch_size={world * 8}",
+        *_cluster(world),
+    ]
     if "nvme" in (opt, par):
         overrides.append(f"zero.nvme_path={tmp_path}/nvme")
     plan = load_and_plan(str(p), overrides)
@@ -103,8 +110,10 @@ def test_matrix_accepted_by_deepspeed_and_accelerate(stage, opt, par, precision,
     from accelerate.utils import DeepSpeedPlugin
 
     monkeypatch.chdir(tmp_path)
-    plugin = DeepSpeedPlugin(hf_ds_config=acc.deepspeed_config["deepspeed_config_file"],
-                             zero3_init_flag=acc.deepspeed_config["zero3_init_flag"])
+    plugin = DeepSpeedPlugin(
+        hf_ds_config=acc.deepspeed_config["deepspeed_config_file"],
+        zero3_init_flag=acc.deepspeed_config["zero3_init_flag"],
+    )
     assert plugin.zero_stage == stage
 
 
@@ -139,8 +148,9 @@ def test_render_is_deterministic_and_cli_writes_both(tmp_path):
     r2 = run_ftkit("render", str(p))
     assert r2.returncode == 0
     assert {f: (tmp_path / "configs" / f).read_bytes() for f in (DS_FILE, ACCELERATE_FILE)} == first
-    assert yaml.safe_load(first[ACCELERATE_FILE])["deepspeed_config"]["deepspeed_config_file"] == \
-        "configs/ds_config.json"
+    assert (
+        yaml.safe_load(first[ACCELERATE_FILE])["deepspeed_config"]["deepspeed_config_file"] == "configs/ds_config.json"
+    )
 
 
 def test_check_in_sync_drift_and_bad_recipe(tmp_path):
@@ -185,8 +195,11 @@ def test_batch_triple_and_rules(write_recipe):
     p = write_recipe()
     plan = load_and_plan(str(p), ["cluster.gpus_per_node=4", "train.micro_batch_size=2", "train.global_batch_size=32"])
     cfg = render_deepspeed(plan)
-    assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) == \
-        (32, 2, 4)
+    assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) == (
+        32,
+        2,
+        4,
+    )
     z = cfg["zero_optimization"]
     assert z["reduce_bucket_size"] == 64 * 64 and z["contiguous_gradients"] is True
     assert z["round_robin_gradients"] is False
@@ -201,11 +214,20 @@ def test_batch_triple_and_rules(write_recipe):
 
 
 def test_nested_config_hidden_size(write_recipe, model_dir):
-    (model_dir / "config.json").write_text(json.dumps({
-        "model_type": "llava", "text_config": {"model_type": "llama", "hidden_size": 4096},
-        "vision_config": {"hidden_size": 1024}}))
-    plan = load_and_plan(str(write_recipe()), ["zero.stage=3", "zero.overlap_comm=true",
-                                               "zero.allgather_bucket_size=5e8"], with_memory=False)
+    (model_dir / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llava",
+                "text_config": {"model_type": "llama", "hidden_size": 4096},
+                "vision_config": {"hidden_size": 1024},
+            }
+        )
+    )
+    plan = load_and_plan(
+        str(write_recipe()),
+        ["zero.stage=3", "zero.overlap_comm=true", "zero.allgather_bucket_size=5e8"],
+        with_memory=False,
+    )
     assert plan.hidden_size == 4096
     assert render_deepspeed(plan)["zero_optimization"]["reduce_bucket_size"] == 4096**2
 
@@ -216,6 +238,5 @@ def test_world_size_from_hostfile(write_recipe, tmp_path):
     r = load_recipe(write_recipe(), [f"cluster.hostfile={hf}", "train.global_batch_size=16"])
     plan = load_and_plan(str(r.path), [f"cluster.hostfile={hf}", "train.global_batch_size=16"])
     assert plan.world_size == 8 and plan.num_nodes == 2 and plan.master_addr == "worker-1" and plan.grad_accum == 1
-    filtered = load_and_plan(str(r.path), [f"cluster.hostfile={hf}", "train.global_batch_size=16"],
-                             include="worker-2")
+    filtered = load_and_plan(str(r.path), [f"cluster.hostfile={hf}", "train.global_batch_size=16"], include="worker-2")
     assert filtered.world_size == 4 and filtered.grad_accum == 2

@@ -56,10 +56,25 @@ def test_accelerate_launch_with_rendered_yaml(tmp_path, fixtures, stage):
     recipe, rd = _prepare(tmp_path, fixtures, stage)
     port = free_port()
     with mp_lock():
-        out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                              "configs/accelerate.yaml", "--main_process_port", str(port), "-m",
-                              "ftkit.launch.train", str(rd.path)], cwd=recipe.parent, env=_env(),
-                             capture_output=True, text=True, timeout=540)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "accelerate.commands.launch",
+                "--config_file",
+                "configs/accelerate.yaml",
+                "--main_process_port",
+                str(port),
+                "-m",
+                "ftkit.launch.train",
+                str(rd.path),
+            ],
+            cwd=recipe.parent,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=540,
+        )
     _check(out, rd)
 
 
@@ -71,8 +86,25 @@ def test_deepspeed_launcher_with_rendered_json(tmp_path, fixtures, stage):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
     with mp_lock():
-        out = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile),
-                              "--no_ssh_check", "--master_port", str(free_port()), "--no_local_rank", "--module",
-                              "ftkit.launch.train", str(rd.path)], cwd=recipe.parent, env=_env(),
-                             capture_output=True, text=True, timeout=540)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "deepspeed.launcher.runner",
+                "--hostfile",
+                str(hostfile),
+                "--no_ssh_check",
+                "--master_port",
+                str(free_port()),
+                "--no_local_rank",
+                "--module",
+                "ftkit.launch.train",
+                str(rd.path),
+            ],
+            cwd=recipe.parent,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=540,
+        )
     _check(out, rd)

@@ -12,17 +12,28 @@ from ..errors import ExitCode
 from ..memory_plan import HEADROOM, full_table
 from .options import json_option, overrides_argument, recipe_argument
 
-SHORT = {"weights": "weights", "gradients": "grads", "optimizer_states": "optim", "largest_layer": "gather",
-         "prefetch": "prefetch", "activations": "activ", "logits": "logits", "comm_buckets": "buckets",
-         "margin": "margin"}
+SHORT = {
+    "weights": "weights",
+    "gradients": "grads",
+    "optimizer_states": "optim",
+    "largest_layer": "gather",
+    "prefetch": "prefetch",
+    "activations": "activ",
+    "logits": "logits",
+    "comm_buckets": "buckets",
+    "margin": "margin",
+}
 
 
-@click.command("plan", epilog="""\b
+@click.command(
+    "plan",
+    epilog="""\b
 Examples:
   ftkit plan recipe.yaml
   ftkit plan recipe.yaml cluster.gpus_per_node=4 model.gradient_checkpointing=true
   ftkit plan recipe.yaml --json | jq .selected
-""")
+""",
+)
 @recipe_argument
 @overrides_argument
 @json_option
@@ -33,23 +44,32 @@ def command(recipe: str, overrides: tuple[str, ...], as_json: bool) -> None:
     plan = load_and_plan(recipe, overrides, strict=False)
     rep = full_table(plan)
     data = rep.as_dict()
-    data["plan"] = {"stage": plan.stage, "offload_optimizer": plan.offload_optimizer,
-                    "offload_params": plan.offload_params, "world_size": plan.world_size,
-                    "micro_batch_size": plan.micro_batch_size, "grad_accum": plan.grad_accum,
-                    "global_batch_size": plan.global_batch_size}
+    data["plan"] = {
+        "stage": plan.stage,
+        "offload_optimizer": plan.offload_optimizer,
+        "offload_params": plan.offload_params,
+        "world_size": plan.world_size,
+        "micro_batch_size": plan.micro_batch_size,
+        "grad_accum": plan.grad_accum,
+        "global_batch_size": plan.global_batch_size,
+    }
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
     m = data["model"]
-    click.echo(f"model: {m['family']}, {m['total_params']:,} parameters ({m['trainable_params']:,} trainable), "
-               f"hidden {m['hidden_size']}, {m['layers']} layers, {m['heads']} heads ({m['kv_heads']} kv), "
-               f"vocab {m['vocab_size']:,}; counted {m['count_source']}")
+    click.echo(
+        f"model: {m['family']}, {m['total_params']:,} parameters ({m['trainable_params']:,} trainable), "
+        f"hidden {m['hidden_size']}, {m['layers']} layers, {m['heads']} heads ({m['kv_heads']} kv), "
+        f"vocab {m['vocab_size']:,}; counted {m['count_source']}"
+    )
     w = rep.workload
-    click.echo(f"workload: {w.world_size} ranks ({w.gpus_per_node} per node), micro batch {w.micro_batch_size}, "
-               f"sequence {w.seq_len}, {w.precision}, "
-               f"gradient checkpointing {'on' if w.gradient_checkpointing else 'off'}"
-               f"; limit {rep.gpu_memory_gb:g} GiB/GPU and {rep.host_memory_gb:g} GiB host RAM/node, "
-               f"{HEADROOM:.0%} headroom")
+    click.echo(
+        f"workload: {w.world_size} ranks ({w.gpus_per_node} per node), micro batch {w.micro_batch_size}, "
+        f"sequence {w.seq_len}, {w.precision}, "
+        f"gradient checkpointing {'on' if w.gradient_checkpointing else 'off'}"
+        f"; limit {rep.gpu_memory_gb:g} GiB/GPU and {rep.host_memory_gb:g} GiB host RAM/node, "
+        f"{HEADROOM:.0%} headroom"
+    )
     sel = plan.memory.selected if plan.memory is not None else None
     keys = list(rep.choice.estimates[0].components)
     columns = [(k, SHORT.get(k, k[:8])) for k in keys]
@@ -63,11 +83,15 @@ def command(recipe: str, overrides: tuple[str, ...], as_json: bool) -> None:
         this = "  <- this run" if sel is not None and e.candidate == sel.candidate else ""
         click.echo(row + f"{e.total_gb:>9.2f}{e.host_ram_gb_per_node:>8.1f}  {mark}: {why}{this}")
     click.echo("\n(GiB; gather = ZeRO-3's gathered largest layer; host = host RAM per node)")
-    label = f"ZeRO-{plan.stage}" + (f" + optimizer offload ({plan.offload_optimizer})"
-                                    if plan.offload_optimizer != "none" else "") + \
-        (f" + param offload ({plan.offload_params})" if plan.offload_params != "none" else "")
-    click.echo(f"\nthis run: {label} ({'auto' if rep.auto else 'set in the recipe'}): "
-               f"{plan.knobs['zero_optimization.stage'].why}")
+    label = (
+        f"ZeRO-{plan.stage}"
+        + (f" + optimizer offload ({plan.offload_optimizer})" if plan.offload_optimizer != "none" else "")
+        + (f" + param offload ({plan.offload_params})" if plan.offload_params != "none" else "")
+    )
+    click.echo(
+        f"\nthis run: {label} ({'auto' if rep.auto else 'set in the recipe'}): "
+        f"{plan.knobs['zero_optimization.stage'].why}"
+    )
     if sel is not None and not sel.fits:
         click.echo(f"warning: {label} does not fit: {sel.reason}", err=True)
     if rep.suggestions:
