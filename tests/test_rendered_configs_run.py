@@ -94,6 +94,8 @@ def test_deepspeed_launcher_with_rendered_json(tmp_path, fixtures, stage):
                 "--hostfile",
                 str(hostfile),
                 "--no_ssh_check",
+                "--master_addr",  # without it DeepSpeed asks `ssh localhost hostname -I` for one
+                "127.0.0.1",
                 "--master_port",
                 str(free_port()),
                 "--no_local_rank",
