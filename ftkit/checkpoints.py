@@ -84,8 +84,8 @@ class Verdict:
     """The outcome of verifying one checkpoint directory.
 
     ``kind`` in :attr:`VerdictKind.INCOMPATIBLE` means the checkpoint is intact but cannot be loaded by the
-    current launch (DeepSpeed's universal checkpoint conversion is not supported yet): the caller should
-    usually refuse the launch rather than silently resume from an older checkpoint and lose that progress.
+    current launch (ftkit converts one to a universal checkpoint only when it shrinks a running job itself): the
+    caller should usually refuse the launch rather than silently resume from an older checkpoint and lose progress.
     """
 
     ok: bool
@@ -597,7 +597,7 @@ def verify(
                 False,
                 VerdictKind.WORLD_SIZE_MISMATCH,
                 f"saved by {structure.world_size} ranks, this launch has {world_size} "
-                "(universal checkpoint conversion is not supported yet)",
+                "(resuming needs the same world size and stage)",
             )
         if stage is not None and structure.stage3 is not None and structure.stage3 != (stage == 3):
             saved = "stage 3" if structure.stage3 else "stage 0-2"
@@ -606,7 +606,7 @@ def verify(
                 False,
                 VerdictKind.STAGE_MISMATCH,
                 f"saved with ZeRO {saved}, this launch uses stage {stage} "
-                "(universal checkpoint conversion is not supported yet)",
+                "(resuming needs the same world size and stage)",
             )
         return verdict(True, False, VerdictKind.OK, "no commit record; structural check passed")
 
@@ -674,7 +674,7 @@ def _verify_committed(
             True,
             VerdictKind.WORLD_SIZE_MISMATCH,
             f"committed with world size {rec_world}, this launch has {world_size} "
-            "(universal checkpoint conversion is not supported yet)",
+            "(resuming needs the same world size and stage)",
             step=step,
             record=record,
         )
@@ -684,7 +684,7 @@ def _verify_committed(
             True,
             VerdictKind.STAGE_MISMATCH,
             f"committed with ZeRO stage {rec_stage}, this launch uses stage {stage} "
-            "(universal checkpoint conversion is not supported yet)",
+            "(resuming needs the same world size and stage)",
             step=step,
             record=record,
         )

@@ -196,8 +196,8 @@ class Supervisor:
             v = incompatible[0]
             self.events(
                 "refused",
-                f"{v.reason}; resuming on a different world size or stage needs DeepSpeed's "
-                "universal checkpoint, which ftkit does not convert yet: launch with the "
+                f"{v.reason}; ftkit converts a checkpoint to DeepSpeed's universal format only when it "
+                "continues a running job on fewer hosts itself (cluster.min_nodes): launch with the "
                 "original cluster, or use a new train.output_dir",
                 checkpoint=str(v.path),
             )
