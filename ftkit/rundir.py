@@ -80,6 +80,15 @@ class RunDir:
     def error_file(self, attempt: int, rank: int) -> Path:
         return self.attempt_dir(attempt) / "errors" / f"rank-{rank}.json"
 
+    def next_attempt(self) -> int:
+        """Attempts are numbered across launches of the same run directory, so logs and records never mix."""
+        base = self.meta / "attempts"
+        nums = [int(p.name) for p in base.iterdir() if p.name.isdigit()] if base.is_dir() else []
+        logs = self.path / "logs"
+        if logs.is_dir():
+            nums += [int(p.name.split("-")[1]) for p in logs.glob("attempt-*") if p.name.split("-")[1].isdigit()]
+        return max(nums) + 1 if nums else 0
+
     def read_spec(self) -> dict[str, Any]:
         return json.loads(self.spec.read_text())
 

@@ -574,15 +574,7 @@ class Supervisor:
         return code
 
     def next_attempt(self) -> int:
-        base = self.rd.meta / "attempts"
-        nums = [int(p.name) for p in base.iterdir() if p.name.isdigit()] if base.is_dir() else []
-        logs = self.rd.path / "logs"
-        nums += (
-            [int(p.name.split("-")[1]) for p in logs.glob("attempt-*") if p.name.split("-")[1].isdigit()]
-            if logs.is_dir()
-            else []
-        )
-        return max(nums) + 1 if nums else 0
+        return self.rd.next_attempt()
 
     def _dead_ranks(self, attempt: int) -> list[int]:
         from .procs import LOCAL_HOSTS, is_alive

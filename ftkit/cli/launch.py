@@ -94,7 +94,10 @@ def command(
         run_dir = Path(r["train.output_dir"])
         sel = select_resume(run_dir, world_size=plan.world_size, stage=plan.stage) if run_dir.exists() else None
         resume = str(sel.chosen) if sel and sel.chosen else None
-        click.echo(describe(build_launch(launch_inputs(plan, 0, resume), dict(os.environ))))
+        from ..rundir import RunDir
+
+        attempt = RunDir(run_dir).next_attempt()
+        click.echo(describe(build_launch(launch_inputs(plan, attempt, resume), dict(os.environ))))
         return
     from ..preflight import run_preflight
     from ..prepare import prepare_run
