@@ -85,6 +85,9 @@ def resolve_hosts(recipe: Recipe, include: str | None = None, exclude: str | Non
     hf = parse_hostfile(hostfile)
     if include or exclude:
         hf = apply_filters(hf, include=include, exclude=exclude)
+    if hf.num_nodes == 1 and hf.is_local_only:
+        # This machine by any of its names (127.0.0.1, its hostname, its FQDN): started locally, no ssh.
+        return [("localhost", hf.hosts[0].slots)]
     return [(h.name, h.slots) for h in hf.hosts]
 
 

@@ -232,6 +232,20 @@ def test_nested_config_hidden_size(write_recipe, model_dir):
     assert render_deepspeed(plan)["zero_optimization"]["reduce_bucket_size"] == 4096**2
 
 
+def test_a_hostfile_naming_only_this_machine_needs_no_ssh(write_recipe, tmp_path):
+    import socket
+
+    from ftkit.cli.launch import launch_inputs
+    from ftkit.command import build_launch
+
+    hf = tmp_path / "hostfile"
+    hf.write_text(f"{socket.gethostname()} slots=2\n")
+    plan = load_and_plan(str(write_recipe()), [f"cluster.hostfile={hf}", "train.global_batch_size=16"])
+    assert plan.hosts == [("localhost", 2)] and plan.master_addr == "127.0.0.1"
+    (node,) = build_launch(launch_inputs(plan), {"PATH": "/bin"}).nodes
+    assert not node.remote and "pdsh" not in node.argv and "--no_ssh_check" in node.argv
+
+
 def test_world_size_from_hostfile(write_recipe, tmp_path):
     hf = tmp_path / "hostfile"
     hf.write_text("worker-1 slots=4\nworker-2 slots=4\n")
