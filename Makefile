@@ -21,6 +21,8 @@ $(STAMP): setup.cfg pyproject.toml
 	@echo "==> installing ftkit and its dependencies (deepspeed, accelerate, transformers, peft, ...)"
 	@$(TICK) $(PY) -m pip install --progress-bar off -e ".[dev]" | grep -E "^(Collecting|Building|Successfully)" ; \
 		rc=$${PIPESTATUS[0]}; kill $$tick; exit $$rc
+	@echo "==> compiling DeepSpeed's CPU ops once (CPU Adam for offload, shared-memory comm), 1-2 minutes"
+	@$(TICK) DS_ACCELERATOR=cpu $(PY) -m ftkit.launch.warmup; rc=$$?; kill $$tick; exit $$rc
 	@touch $(STAMP)
 
 install: $(STAMP)

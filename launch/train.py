@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -198,6 +199,9 @@ def _make_callback(ctx: RankContext, spec: dict[str, Any], fault: Fault):
 
         def on_train_begin(self, args, state, control, **kw):  # noqa: ANN001
             ctx.heartbeat("train", state.global_step, started_at_step=state.global_step)
+            # DeepSpeed has built its ops by now: back to dying at once on SIGTERM, so a rank blocked in a
+            # collective (a dead peer) does not hold teardown for its whole grace period.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
         def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
             ctx.heartbeat("train", state.global_step)
@@ -380,6 +384,10 @@ def train(ctx: RankContext, resume: str | None) -> None:
     ctx.heartbeat("finished", trainer.state.global_step)
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:  # noqa: ARG001
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ftkit.launch.train", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", help="Run directory written by ftkit launch (holds ftkit/spec.json).")
@@ -388,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-to-console", action="store_true", help="Keep output on the console, no per-rank log.")
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed without --no_local_rank
     args = ap.parse_args(argv)
+    # Teardown sends SIGTERM first: unwind like an exception so `finally` blocks run. torch's JIT build of
+    # DeepSpeed ops (CPU Adam) holds a lock file it removes only in `finally`; killed by the default action
+    # mid-build it leaves the lock behind and every later run waits on it forever.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     ctx = RankContext(Path(args.run_dir), args.attempt)
     if not args.log_to_console:
         _redirect_output(ctx.rd.rank_log(args.attempt, ctx.rank))

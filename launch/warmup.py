@@ -1,0 +1,31 @@
+"""Compile DeepSpeed's just-in-time CPU ops once, before any timed run: ``python -m ftkit.launch.warmup``.
+
+On the cpu accelerator DeepSpeed builds CPU Adam (optimizer offload) and its shared-memory collectives on first
+use, which takes 1-2 minutes on 2 cores. Done inside a supervised run, that time counts against
+``resilience.startup_timeout_s``; done here (``make install`` runs it), later runs find the build cached in
+``~/.cache/torch_extensions``. On GPU machines the CUDA ops are prebuilt or built the same way on first use.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def main() -> int:
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    for name in ("CPUAdamBuilder", "ShareMemCommBuilder"):
+        t0 = time.monotonic()
+        builder = acc.create_op_builder(name)
+        if builder is None or not builder.is_compatible():
+            print(f"{name}: not available on the {acc.device_name()} accelerator, skipped")
+            continue
+        builder.load(verbose=False)
+        print(f"{name}: ready ({time.monotonic() - t0:.0f}s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
