@@ -30,7 +30,7 @@ from typing import Any
 from .checkpoints import read_commit, select_resume, set_aside_newer
 from .command import LaunchCommand, LaunchInputs, build_launch
 from .errors import ExitCode
-from .procs import exit_meaning, targets_from_records, teardown
+from .procs import exit_meaning, remove_shm, targets_from_records, teardown
 from .rundir import RunDir, append_jsonl, atomic_write
 
 NO_PROGRESS_LIMIT = 2  # the same failure point this many times in a row, with no new commit: give up
@@ -437,6 +437,9 @@ class Supervisor:
         end = time.monotonic() + 5.0
         while time.monotonic() < end and any(_group_exists(p.proc.pid) for p in procs):
             time.sleep(0.05)
+        # Only now (no rank left) is it safe to remove the run's /dev/shm buffers; unreachable hosts are skipped.
+        live = [r for r in records if r["host"] not in set(res.unreachable)]
+        remove_shm(live, self.ssh_args)
         msg = None
         if res.unreachable:
             msg = f"teardown could not reach host(s) {', '.join(sorted(set(res.unreachable)))}"

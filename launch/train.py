@@ -111,6 +111,9 @@ class RankContext:
             "time": time.time(),
             "env": env,
             "env_keys": sorted(os.environ),
+            # DeepSpeed's CPU collectives name their /dev/shm buffers after these; teardown removes them.
+            "master_addr": os.environ.get("MASTER_ADDR"),
+            "master_port": os.environ.get("MASTER_PORT"),
         }
         atomic_write(self.rd.pid_file(self.attempt, self.rank), json.dumps(rec), fsync=False)
 

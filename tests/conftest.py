@@ -14,6 +14,21 @@ import pytest
 from netns import netns2  # noqa: F401 - the two-host fixture, for tests/test_multinode.py
 
 REPO = Path(__file__).resolve().parent.parent
+_SESSION_START = __import__("time").time()
+
+
+def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001
+    """Safety net for tests that start DeepSpeed directly (not through ftkit, which removes them itself): drop the
+    /dev/shm buffers DeepSpeed's CPU collectives created during this session."""
+    shm = Path("/dev/shm")
+    for p in shm.glob("deepspeed_allreduce_buffer_*") if shm.is_dir() else []:
+        try:
+            if p.stat().st_mtime >= _SESSION_START - 1:
+                p.unlink()
+        except OSError:
+            pass
+
+
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",

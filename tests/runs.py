@@ -182,6 +182,16 @@ def assert_no_process_left(run_dir: Path, extra_pids: tuple[int, ...] = ()) -> N
         if is_alive(pid):
             left.append(f"pid {pid}")
     assert not left, f"processes left: {left}"
+    # ... and no shared memory: DeepSpeed's CPU collectives leave ~70 MB per rank in /dev/shm unless removed.
+    import fnmatch
+
+    from ftkit.procs import SHM_DIR, shm_patterns
+
+    records = [r for a in sorted((rd.meta / "attempts").glob("*")) for r in rd.records("pids", int(a.name))]
+    local = shm_patterns([r for r in records if r["host"] == "localhost"]).get("localhost", set())
+    names = os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else []
+    leaked = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in local)]
+    assert not leaked, f"shared memory left in {SHM_DIR}: {leaked}"
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
