@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .procs import LOCAL_HOSTS
+
 TRAIN_MODULE = "ftkit.launch.train"
 
 # Variables forwarded from the head's environment to every rank (glob patterns). Anything else stays behind:
@@ -58,7 +60,6 @@ ENV_ALLOW = (
     "FTKIT_*",
 )
 SECRET = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|_KEY$|CREDENTIAL)", re.IGNORECASE)
-LOCAL_HOSTS = ("localhost", "127.0.0.1")
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ def _entry_args(inp: LaunchInputs) -> list[str]:
 
 
 def _is_local(host: str) -> bool:
-    return host in LOCAL_HOSTS
+    return host in LOCAL_HOSTS  # plans name this machine "localhost" (plan.resolve_hosts)
 
 
 def _ssh(inp: LaunchInputs, host: str, remote_argv: list[str], env: Mapping[str, str]) -> tuple[str, ...]:

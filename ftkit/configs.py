@@ -6,7 +6,6 @@ from pathlib import Path
 
 from .plan import Plan, build_plan
 from .recipe import Recipe, load_recipe
-from .render import render_files
 
 
 def default_out_dir(recipe: Recipe) -> Path:
@@ -15,7 +14,3 @@ def default_out_dir(recipe: Recipe) -> Path:
 
 def load_and_plan(recipe_path: str, overrides: tuple[str, ...] | list[str], **kw: object) -> Plan:
     return build_plan(load_recipe(recipe_path, list(overrides)), **kw)  # type: ignore[arg-type]
-
-
-def render_for(plan: Plan, out_dir: Path) -> dict[str, str]:
-    return render_files(plan, out_dir)

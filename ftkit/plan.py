@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import Problem, RecipeError, UserError
+from .procs import LOCAL_HOSTS
 from .recipe import CLI, DEFAULT, Recipe
-
-LOCAL_NAMES = ("localhost", "127.0.0.1")
 
 
 @dataclass(frozen=True)
@@ -58,7 +57,7 @@ class Plan:
 
     @property
     def is_local(self) -> bool:
-        return self.num_nodes == 1 and self.hosts[0][0] in LOCAL_NAMES
+        return self.num_nodes == 1 and self.hosts[0][0] in LOCAL_HOSTS
 
     def note(self, knob: str, value: Any, why: str) -> Any:
         self.knobs[knob] = Knob(value, why)
@@ -138,7 +137,7 @@ def build_plan(
     master = recipe["cluster.master_addr"]
     if master is None:
         first = hosts[0][0]
-        if len(hosts) == 1 and first in LOCAL_NAMES:
+        if len(hosts) == 1 and first in LOCAL_HOSTS:
             master, master_why = "127.0.0.1", "single local node"
         elif recipe["cluster.hostfile"] is None:
             problem(

@@ -15,7 +15,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-LOCAL_HOSTS = {"localhost", "127.0.0.1"}
+LOCAL_HOSTS = ("localhost", "127.0.0.1")  # how plans and hostfiles name this machine
+
+
+def is_this_machine(host: str) -> bool:
+    """A host name in a plan or pid record that means this machine (records carry the hostname too)."""
+    return host in LOCAL_HOSTS or host == os.uname().nodename
 
 
 def exit_meaning(code: int | None) -> str:
@@ -124,6 +129,15 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
+def group_exists(pgid: int) -> bool:
+    """Any member at all, zombies included (group_alive ignores those: they need no signal, only reaping)."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
 def signal_group(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
@@ -172,9 +186,7 @@ def teardown(
     groups = list(groups)
     by_host: dict[str, list[Target]] = {}
     for t in targets:
-        by_host.setdefault(
-            "localhost" if t.host in LOCAL_HOSTS or t.host == os.uname().nodename else t.host, []
-        ).append(t)
+        by_host.setdefault("localhost" if is_this_machine(t.host) else t.host, []).append(t)
     local = by_host.pop("localhost", [])
 
     def local_alive() -> list[Target]:
@@ -277,7 +289,7 @@ def remove_shm(records: Iterable[Mapping[str, Any]], ssh_args: list[str], timeou
 
     unreachable = []
     for host, patterns in shm_patterns(records).items():
-        if host in LOCAL_HOSTS or host == os.uname().nodename:
+        if is_this_machine(host):
             try:
                 names = os.listdir(SHM_DIR)
             except OSError:

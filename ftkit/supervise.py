@@ -30,7 +30,7 @@ from typing import Any
 from .checkpoints import read_commit, select_resume, set_aside_newer
 from .command import LaunchCommand, LaunchInputs, build_launch
 from .errors import ExitCode
-from .procs import exit_meaning, remove_shm, targets_from_records, teardown
+from .procs import exit_meaning, group_exists, remove_shm, targets_from_records, teardown
 from .rundir import RunDir, append_jsonl, atomic_write
 
 NO_PROGRESS_LIMIT = 2  # the same failure point this many times in a row, with no new commit: give up
@@ -435,7 +435,7 @@ class Supervisor:
         # Ranks orphaned by their agent's death are zombies until init reaps them, a moment later; until then
         # killpg(group, 0) still finds them. Wait for that, so that when ftkit returns nothing of the run is left.
         end = time.monotonic() + 5.0
-        while time.monotonic() < end and any(_group_exists(p.proc.pid) for p in procs):
+        while time.monotonic() < end and any(group_exists(p.proc.pid) for p in procs):
             time.sleep(0.05)
         # Only now (no rank left) is it safe to remove the run's /dev/shm buffers; unreachable hosts are skipped.
         live = [r for r in records if r["host"] not in set(res.unreachable)]
@@ -580,11 +580,11 @@ class Supervisor:
         return self.rd.next_attempt()
 
     def _dead_ranks(self, attempt: int) -> list[int]:
-        from .procs import LOCAL_HOSTS, is_alive
+        from .procs import is_alive, is_this_machine
 
         dead = []
         for r in self.rd.records("pids", attempt):
-            if r["host"] in LOCAL_HOSTS or r["host"] == _hostname():
+            if is_this_machine(r["host"]):
                 if not is_alive(int(r["pid"]), r.get("start_time")):
                     dead.append(int(r["rank"]))
         return dead
@@ -618,20 +618,3 @@ def _root_cause(log: Path) -> str:
     if not m:
         return ""
     return f"; root cause: rank {m.group(1)} {exit_meaning(int(m.group(2)))}"
-
-
-def _group_exists(pgid: int) -> bool:
-    """Any member at all, zombies included (procs.group_alive ignores those: they need no signal)."""
-    import os
-
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
-
-
-def _hostname() -> str:
-    import os
-
-    return os.uname().nodename

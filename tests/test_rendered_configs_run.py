@@ -49,26 +49,11 @@ def _check(out: subprocess.CompletedProcess, rd: RunDir) -> None:
     assert sorted(losses(rd.path)) == [1, 2, 3, 4]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("stage", [2, 3])
-def test_accelerate_launch_with_rendered_yaml(tmp_path, fixtures, stage):
-    recipe, rd = _prepare(tmp_path, fixtures, stage)
-    port = free_port()
+def _launch(launcher: list[str], recipe: Path, rd: RunDir) -> None:
+    """Start the training entry under ``launcher`` from the recipe's directory (where the rendered paths point)."""
     with mp_lock():
         out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "accelerate.commands.launch",
-                "--config_file",
-                "configs/accelerate.yaml",
-                "--main_process_port",
-                str(port),
-                "-m",
-                "ftkit.launch.train",
-                str(rd.path),
-            ],
+            [sys.executable, "-m", *launcher, "ftkit.launch.train", str(rd.path)],
             cwd=recipe.parent,
             env=_env(),
             capture_output=True,
@@ -76,6 +61,22 @@ def test_accelerate_launch_with_rendered_yaml(tmp_path, fixtures, stage):
             timeout=540,
         )
     _check(out, rd)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_accelerate_launch_with_rendered_yaml(tmp_path, fixtures, stage):
+    recipe, rd = _prepare(tmp_path, fixtures, stage)
+    launcher = [
+        "accelerate.commands.launch",
+        "--config_file",
+        "configs/accelerate.yaml",
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+    ]
+    _launch(launcher, recipe, rd)
 
 
 @pytest.mark.slow
@@ -85,28 +86,16 @@ def test_deepspeed_launcher_with_rendered_json(tmp_path, fixtures, stage):
     recipe, rd = _prepare(tmp_path, fixtures, stage)
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
-    with mp_lock():
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "deepspeed.launcher.runner",
-                "--hostfile",
-                str(hostfile),
-                "--no_ssh_check",
-                "--master_addr",  # without it DeepSpeed asks `ssh localhost hostname -I` for one
-                "127.0.0.1",
-                "--master_port",
-                str(free_port()),
-                "--no_local_rank",
-                "--module",
-                "ftkit.launch.train",
-                str(rd.path),
-            ],
-            cwd=recipe.parent,
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=540,
-        )
-    _check(out, rd)
+    launcher = [
+        "deepspeed.launcher.runner",
+        "--hostfile",
+        str(hostfile),
+        "--no_ssh_check",
+        "--master_addr",
+        "127.0.0.1",  # without it DeepSpeed asks `ssh localhost hostname -I` for one
+        "--master_port",
+        str(free_port()),
+        "--no_local_rank",
+        "--module",
+    ]
+    _launch(launcher, recipe, rd)

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import click
 
-from ..configs import default_out_dir, load_and_plan, render_for
+from ..configs import default_out_dir, load_and_plan
 from ..errors import ExitCode
+from ..render import render_files
 from .options import out_option, overrides_argument, recipe_argument
 
 
@@ -29,7 +30,7 @@ def command(recipe: str, out: str | None, overrides: tuple[str, ...]) -> None:
     plan = load_and_plan(recipe, overrides)
     out_dir = Path(out) if out else default_out_dir(plan.recipe)
     drifted = 0
-    for name, fresh in render_for(plan, out_dir).items():
+    for name, fresh in render_files(plan, out_dir).items():
         path = out_dir / name
         try:
             on_disk = path.read_text(encoding="utf-8")

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import click
 
-from ..configs import default_out_dir, load_and_plan, render_for
-from ..render import write_files
+from ..configs import default_out_dir, load_and_plan
+from ..render import render_files, write_files
 from .options import out_option, overrides_argument, recipe_argument
 
 
@@ -30,6 +30,6 @@ def command(recipe: str, out: str | None, overrides: tuple[str, ...]) -> None:
     """
     plan = load_and_plan(recipe, overrides)
     out_dir = Path(out) if out else default_out_dir(plan.recipe)
-    files = render_for(plan, out_dir)
+    files = render_files(plan, out_dir)
     for path in write_files(out_dir, files):
         click.echo(f"wrote {path}")
