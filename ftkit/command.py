@@ -96,10 +96,19 @@ class LaunchInputs:
     name: str
     ssh_config: str | None = None
     ssh_port: int | None = None
+    # host -> the device indices its ranks use, from a slot selection (--include/--exclude); empty without one
+    devices: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
         return sum(n for _, n in self.hosts)
+
+    def node_env(self, host: str) -> dict[str, str]:
+        """What ftkit sets on one node besides the forwarded environment: its name, and its selected devices."""
+        env = {"FTKIT_NODE": host}
+        if host in self.devices:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.devices[host]))
+        return env
 
 
 def forwarded_env(base_env: Mapping[str, str], accelerator: str, extra: Mapping[str, str] | None = None) -> dict:
@@ -150,8 +159,17 @@ def _node_command(inp: LaunchInputs, i: int, host: str, argv: list[str], env: di
     return NodeCommand(host, i, _ssh(inp, host, argv, env), {}, remote=True)
 
 
-def hostfile_text(hosts: tuple[tuple[str, int], ...]) -> str:
-    return "".join(f"{h} slots={n}\n" for h, n in hosts)
+def hostfile_text(hosts: tuple[tuple[str, int], ...], devices: Mapping[str, tuple[int, ...]] | None = None) -> str:
+    """DeepSpeed's hostfile; a host with selected devices lists enough slots for them (``--include`` picks them)."""
+    devices = devices or {}
+    return "".join(f"{h} slots={max(devices[h]) + 1 if h in devices else n}\n" for h, n in hosts)
+
+
+def deepspeed_include(inp: LaunchInputs) -> str | None:
+    """DeepSpeed's ``--include`` for the selected devices (``w0:1,3@w1``), or None when every host uses 0..n-1."""
+    if not any(h in inp.devices for h, _ in inp.hosts):
+        return None
+    return "@".join(f"{h}:{','.join(map(str, inp.devices[h]))}" if h in inp.devices else h for h, _ in inp.hosts)
 
 
 def build_launch(inp: LaunchInputs, base_env: Mapping[str, str]) -> LaunchCommand:
@@ -171,7 +189,7 @@ def _deepspeed(inp: LaunchInputs, base_env: Mapping[str, str], attempt_dir: Path
     hostfile = attempt_dir / "hostfile"
     env_file = attempt_dir / "ds_env"
     env = forwarded_env(base_env, inp.accelerator)
-    files = {str(hostfile): hostfile_text(inp.hosts)}
+    files = {str(hostfile): hostfile_text(inp.hosts, inp.devices)}
     argv = [
         inp.python,
         "-u",
@@ -186,6 +204,9 @@ def _deepspeed(inp: LaunchInputs, base_env: Mapping[str, str], attempt_dir: Path
         "--no_local_rank",
         "--module",
     ]
+    include = deepspeed_include(inp)
+    if include:  # DeepSpeed's launch sets CUDA_VISIBLE_DEVICES on each node from it
+        argv += ["--include", include]
     remote = len(inp.hosts) > 1 or not _is_local(inp.hosts[0][0])
     # ftkit's preflight checks ssh itself (with cluster.ssh_config); DeepSpeed's own check would ignore that config.
     argv.append("--no_ssh_check")
@@ -209,7 +230,7 @@ def _deepspeed(inp: LaunchInputs, base_env: Mapping[str, str], attempt_dir: Path
 def _accelerate(inp: LaunchInputs, base_env: Mapping[str, str], meta: Path) -> LaunchCommand:
     nodes = []
     for i, (host, _) in enumerate(inp.hosts):
-        env = forwarded_env(base_env, inp.accelerator, {"FTKIT_NODE": host})
+        env = forwarded_env(base_env, inp.accelerator, inp.node_env(host))
         argv = [
             inp.python,
             "-m",
@@ -234,7 +255,7 @@ def _torchrun(inp: LaunchInputs, base_env: Mapping[str, str]) -> LaunchCommand:
     nodes = []
     n = len(inp.hosts)
     for i, (host, slots) in enumerate(inp.hosts):
-        env = forwarded_env(base_env, inp.accelerator, {"FTKIT_NODE": host})
+        env = forwarded_env(base_env, inp.accelerator, inp.node_env(host))
         argv = [
             inp.python,
             "-m",

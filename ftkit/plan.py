@@ -38,6 +38,9 @@ class Plan:
     model_config: dict[str, Any]
     knobs: dict[str, Knob] = field(default_factory=dict)
     memory: Any = None  # ftkit.memory planning report, when computed
+    # host -> the device (slot) indices an --include/--exclude selection kept (empty without a filter): the command
+    # builder hands them to the engine (deepspeed --include, else CUDA_VISIBLE_DEVICES on the node)
+    devices: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -71,23 +74,36 @@ def _src(recipe: Recipe, key: str) -> str:
 
 def resolve_hosts(recipe: Recipe, include: str | None = None, exclude: str | None = None) -> list[tuple[str, int]]:
     """The (host, slots) list in rank order: from the hostfile when given, else num_nodes x gpus_per_node."""
+    return resolve_cluster(recipe, include, exclude)[0]
+
+
+def resolve_cluster(
+    recipe: Recipe, include: str | None = None, exclude: str | None = None
+) -> tuple[list[tuple[str, int]], dict[str, tuple[int, ...]]]:
+    """The (host, slots) list in rank order, and the device indices a slot selection kept on each host.
+
+    ``--include 'w0:1,3'`` on ``w0 slots=4`` gives ``[("w0", 2)]`` and ``{"w0": (1, 3)}``: two ranks, on devices 1
+    and 3. With a filter every kept host is in the dict (as DeepSpeed, which sets each node's visible devices to
+    its selection); without one the dict is empty and the ranks use devices ``0..n-1`` (of what is visible).
+    """
     hostfile = recipe["cluster.hostfile"]
     if hostfile is None:
         if include or exclude:
             raise RecipeError(Problem("--include/--exclude need a hostfile (cluster.hostfile or --hostfile)", file=CLI))
         n = recipe["cluster.num_nodes"]
         if n == 1:
-            return [("localhost", recipe["cluster.gpus_per_node"])]
-        return [(f"node{i}", recipe["cluster.gpus_per_node"]) for i in range(n)]
+            return [("localhost", recipe["cluster.gpus_per_node"])], {}
+        return [(f"node{i}", recipe["cluster.gpus_per_node"]) for i in range(n)], {}
     from .hostfile import apply_filters, parse_hostfile
 
     hf = parse_hostfile(hostfile)
     if include or exclude:
         hf = apply_filters(hf, include=include, exclude=exclude)
-    if hf.num_nodes == 1 and hf.is_local_only:
-        # This machine by any of its names (127.0.0.1, its hostname, its FQDN): started locally, no ssh.
-        return [("localhost", hf.hosts[0].slots)]
-    return [(h.name, h.slots) for h in hf.hosts]
+    # This machine by any of its names (127.0.0.1, its hostname, its FQDN) is started locally, no ssh.
+    local = hf.num_nodes == 1 and hf.is_local_only
+    hosts = [("localhost" if local else h.name, h.slots) for h in hf.hosts]
+    devices = {name: h.slot_indices for (name, _), h in zip(hosts, hf.hosts, strict=True)} if include or exclude else {}
+    return hosts, devices
 
 
 def build_plan(
@@ -96,6 +112,7 @@ def build_plan(
     include: str | None = None,
     exclude: str | None = None,
     hosts: list[tuple[str, int]] | None = None,
+    devices: dict[str, tuple[int, ...]] | None = None,
     with_memory: bool = True,
     strict: bool = True,
 ) -> Plan:
@@ -108,7 +125,8 @@ def build_plan(
 
     problems: list[Problem] = []
     if hosts is None:
-        hosts = resolve_hosts(recipe, include, exclude)
+        hosts, devices = resolve_cluster(recipe, include, exclude)
+    devices = {h: d for h, d in (devices or {}).items() if h in {name for name, _ in hosts}}
     world = sum(n for _, n in hosts)
 
     def problem(key: str, message: str) -> None:
@@ -173,8 +191,14 @@ def build_plan(
         offload_params="none",
         hidden_size=h,
         model_config=cfg,
+        devices=devices,
     )
-    plan.note("world_size", world, f"{len(hosts)} node(s): " + ", ".join(f"{n} on {h_}" for h_, n in hosts))
+    plan.note(
+        "world_size",
+        world,
+        f"{len(hosts)} node(s): "
+        + ", ".join(f"{n} on {h_}" + (f" (devices {_ints(devices[h_])})" if h_ in devices else "") for h_, n in hosts),
+    )
     plan.note("master_addr", master, master_why)
     plan.note(
         "train_micro_batch_size_per_gpu", micro, f"train.micro_batch_size ({_src(recipe, 'train.micro_batch_size')})"
@@ -187,6 +211,10 @@ def build_plan(
 
     _resolve_zero(plan, with_memory, strict)
     return plan
+
+
+def _ints(values: tuple[int, ...]) -> str:
+    return ",".join(map(str, values))
 
 
 def _resolve_zero(plan: Plan, with_memory: bool, strict: bool = True) -> None:

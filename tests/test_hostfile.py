@@ -11,9 +11,11 @@ import ast
 import collections
 import copy
 import importlib.util
+import itertools
 import logging
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -434,3 +436,76 @@ def test_deepspeed_also_rejects_these_filters(ds: SimpleNamespace, include: str 
         ds.parse_inclusion_exclusion(pool, include or "", exclude or "")
     with pytest.raises(HostfileError):
         apply_filters(parse_hostfile_text(TWO), include=include, exclude=exclude)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# slot selections reach the ranks (issue 10, observed 9: plan.resolve_hosts kept only name and count, so
+# `--include w0:1,3` ran on devices 0 and 1)
+
+SELECTIONS = [
+    # (hostfile, include, exclude)
+    ("w0 slots=4\n", "w0:1,3", None),
+    ("w0 slots=4\nw1 slots=4\n", "w0:2,3@w1:0,1", None),
+    ("w0 slots=4\nw1 slots=4\n", None, "w1:0,2@w0:1,3"),
+    ("w0 slots=2\nw1 slots=2\n", "w0:0@w1:1", None),
+    ("localhost slots=4\n", "localhost:1,3", None),
+    ("w0 slots=4\n", "w0:0,1", None),  # a prefix selection: the same as slots=2
+]
+
+
+def _node_env(node) -> dict[str, str]:
+    """A node's environment: its own for a local process, the inline `env K=V ...` of the ssh line for a remote one."""
+    if not node.remote:
+        return dict(node.env)
+    words = shlex.split(node.argv[-1])
+    start = words.index("env") + 1
+    return dict(w.split("=", 1) for w in itertools.takewhile(lambda w: "=" in w, words[start:]))
+
+
+def _launched_devices(ds: SimpleNamespace, cmd, slots: dict[str, int], tmp_path: Path) -> dict[str, list[int]]:
+    """Which device indices each host's ranks get from a built command, read the way the engine reads it."""
+    if cmd.engine == "deepspeed":  # its runner reads the hostfile and --include/--exclude, then sets the devices
+        (node,) = cmd.nodes
+        argv = list(node.argv)
+        hostfile = tmp_path / "launched-hostfile"
+        hostfile.write_text(cmd.files[argv[argv.index("--hostfile") + 1]])
+        include = argv[argv.index("--include") + 1] if "--include" in argv else ""
+        exclude = argv[argv.index("--exclude") + 1] if "--exclude" in argv else ""
+        return dict(ds.parse_inclusion_exclusion(ds.fetch_hostfile(str(hostfile)), include, exclude))
+    out = {}
+    for node in cmd.nodes:  # torchrun and accelerate start LOCAL_RANK 0..n-1 on the node's visible devices
+        visible = _node_env(node).get("CUDA_VISIBLE_DEVICES")
+        devices = [int(d) for d in visible.split(",")] if visible else list(range(slots[node.host]))
+        out[node.host] = devices[: slots[node.host]]
+    return out
+
+
+@pytest.mark.parametrize("engine", ["deepspeed", "torchrun", "accelerate"])
+@pytest.mark.parametrize(("text", "include", "exclude"), SELECTIONS)
+def test_slot_selection_reaches_the_ranks(
+    ds: SimpleNamespace, write_recipe, tmp_path: Path, engine: str, text: str, include, exclude
+) -> None:
+    from ftkit.cli.launch import launch_inputs
+    from ftkit.command import build_launch
+    from ftkit.configs import load_and_plan
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(text)
+    overrides = [f"cluster.hostfile={hostfile}", f"cluster.engine={engine}", "cluster.master_addr=10.0.0.1"]
+    plan = load_and_plan(str(write_recipe()), overrides, include=include, exclude=exclude)
+    cmd = build_launch(launch_inputs(plan), {"PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    expected = dict(ds.parse_inclusion_exclusion(ds.fetch_hostfile(str(hostfile)), include or "", exclude or ""))
+    assert _launched_devices(ds, cmd, dict(plan.hosts), tmp_path) == expected
+    assert plan.world_size == sum(len(d) for d in expected.values())
+
+
+def test_slot_selection_shows_in_dry_run(tmp_path: Path, write_recipe) -> None:
+    from conftest import run_ftkit
+
+    (tmp_path / "hostfile").write_text("localhost slots=4\n")
+    recipe = write_recipe()
+    for engine, shown in (("torchrun", "CUDA_VISIBLE_DEVICES=1,3"), ("deepspeed", "--include localhost:1,3")):
+        argv = ["launch", str(recipe), "--hostfile", "hostfile", "--include", "localhost:1,3", "--engine", engine]
+        out = run_ftkit(*argv, "--dry-run", cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        assert shown in out.stdout, out.stdout

@@ -37,6 +37,7 @@ def launch_inputs(plan: Plan, attempt: int = 0, resume: str | None = None) -> La
         python=sys.executable,
         name=r["name"],
         ssh_config=r["cluster.ssh_config"],
+        devices=dict(plan.devices),
     )
 
 
