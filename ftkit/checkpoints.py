@@ -5,17 +5,28 @@ Why this module exists: HF Trainer writes ``checkpoint-N/`` in place, piece by p
 "this save finished on every rank". ``get_last_checkpoint`` simply takes the highest N, and resuming from a torn
 one crashes the resumed run (measured: a truncated optimizer shard). So ftkit owns the notion of *committed*:
 
-1. after the Trainer's save, every rank calls :func:`manifest_part` for the files it wrote (size + checksum, and
-   an fsync so the data is durable before anything claims it is);
+1. after the Trainer's save, every rank calls :func:`manifest_part` for the files it wrote (size + a checksum of
+   every byte, and an fsync so the data is durable before anything claims it is);
 2. the caller gathers the parts on rank 0 (the ``torch.distributed`` gather/barrier is the caller's job; this
    module stays stdlib-only because the supervisor on the head node imports it);
 3. rank 0 calls :func:`write_commit`, which refuses unless the parts cover every file in the directory and the
    layout is structurally sound, then writes ``ftkit_commit.json`` atomically (temp file, fsync, rename, fsync
    of the directory). A checkpoint is committed exactly when that file exists and verifies.
 
-Resume (:func:`select_resume`) walks from newest to oldest and takes the first checkpoint that verifies;
-checkpoints without a record are rejected (``require_commit=True``) or, for runs not written by ftkit, checked
-structurally. Rotation (:func:`rotate`) counts only committed checkpoints and never removes the newest one.
+Resume (:func:`select_resume`) walks from newest to oldest and takes the first checkpoint that verifies, by
+default re-reading every file against its recorded checksum (a same-size corrupted shard must never resume as
+"verified": seen, 16 flipped bytes in an optimizer shard trained on to losses of 0.0); checkpoints without a record
+are rejected (``require_commit=True``) or, for runs not written by ftkit, checked structurally. Rotation
+(:func:`rotate`) counts only committed checkpoints, never removes the newest one, and deletes checkpoints a restart
+set aside (``checkpoint-N.rejected-*``) once a committed checkpoint of step N or later exists.
+
+Checksums: XXH3-128 (xxHash) over the whole content by default, ``xxh3_128:<hex>`` in the record. It is not
+cryptographic (nor need it be: it guards against torn writes and bit rot, not an attacker) and runs at several
+GB/s per core, so hashing a file right after writing it, while it is still in the page cache, costs little next
+to the write (``benchmarks/commit_cost.py`` measures it). ``checksum="sampled"`` (``resilience.checksum``) is an
+explicit opt-in for checkpoints too large to read once per save: it reads about 1.1 MiB of each file over 8 MiB
+and misses changes between its windows. Records written by earlier versions (``blake2b``, ``blake2b-sampled``)
+still verify.
 
 Assumes the checkpoint directory is on a filesystem every rank and the head node see (shared storage), as HF
 Trainer + DeepSpeed multi-node saving does by default.
@@ -37,26 +48,35 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from ftkit import __version__
 from ftkit.errors import ExitCode, FtkitError
 
 COMMIT_FILE = "ftkit_commit.json"
 COMMIT_FORMAT = "ftkit-checkpoint-commit"
-COMMIT_VERSION = 1  # bump when a reader of the old version would misread the new one
+# Bump when a reader of the old version would misread the new one. 2: xxh3_128 checksums (version 1 readers
+# would call every such file torn); the "checksum" field names the mode. Version 1 records are still read.
+COMMIT_VERSION = 2
 TRAINER_STATE = "trainer_state.json"
 LATEST = "latest"
 DELETING_PREFIX = ".deleting-"  # never matches checkpoint-<int>, so a half-deleted tree never looks resumable
 _TMP_PREFIX = f".{COMMIT_FILE}.tmp-"
 
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")  # the same rule as transformers' get_last_checkpoint
+_SET_ASIDE_RE = re.compile(r"^checkpoint-(\d+)\.rejected-")  # set_aside_newer's names: outside _CKPT_RE's namespace
 _ZERO_RANK_RE = re.compile(r"(?:^|_)zero_pp_rank_(\d+)_")  # DeepSpeed's per-DP-rank shards; not mp_rank_00
 _RNG_RANK_RE = re.compile(r"^rng_state_(\d+)\.pth$")
 _OFFLOAD_RANK_RE = re.compile(r"^rank(\d+)$")  # global_stepN/offloaded_tensors/rank00/ (NVMe offload)
 _TAG_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 
-_FULL = "blake2b"
-_SAMPLED = "blake2b-sampled"
+CHECKSUM_MODES = ("full", "sampled")  # resilience.checksum
+_XXH3 = "xxh3_128"  # the full checksum ftkit writes
+_BLAKE2B = "blake2b"  # the full checksum of commit-record version 1: read, no longer written
+_SAMPLED = "blake2b-sampled"  # the opt-in sampled digest (unchanged since version 1)
+_ALGORITHMS = frozenset({_XXH3, _BLAKE2B, _SAMPLED})
 _DIGEST_BYTES = 16  # 128 bits: ample against accidental collisions, keeps the record small
+_READ_BYTES = 4 * 1024 * 1024
 
 
 class CommitError(FtkitError):
@@ -149,23 +169,31 @@ class SampleSpec:
 DEFAULT_SPEC = SampleSpec()
 
 
-def full_checksum(path: str | os.PathLike[str]) -> str:
-    """``blake2b:<hex>`` over every byte: the thorough mode (reads the whole file, ~1 GB/s per core plus I/O)."""
-    h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
-    buf = bytearray(4 * 1024 * 1024)
+def _hash_file(path: str | os.PathLike[str], h: Any) -> str:
+    buf = bytearray(_READ_BYTES)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buf):
             h.update(view[:n])
-    return f"{_FULL}:{h.hexdigest()}"
+    return h.hexdigest()
 
 
-def fast_checksum(path: str | os.PathLike[str], spec: SampleSpec = DEFAULT_SPEC) -> str:
-    """A checksum cheap enough for checkpoints of hundreds of GB: full for small files, sampled for large ones.
+def full_checksum(path: str | os.PathLike[str]) -> str:
+    """``xxh3_128:<hex>`` over every byte: the default (several GB/s per core from the page cache, plus I/O)."""
+    return f"{_XXH3}:{_hash_file(path, xxhash.xxh3_128())}"
 
-    Files of at most ``spec.small_file_bytes`` (8 MiB): ``blake2b:<hex>`` of the whole content, identical to
-    :func:`full_checksum`, so *any* change to a small file (configs, ``trainer_state.json``, ``latest``, RNG
-    states, scheduler, tokenizer files) is detected.
+
+def blake2b_checksum(path: str | os.PathLike[str]) -> str:
+    """``blake2b:<hex>`` over every byte: commit-record version 1's full checksum, kept to verify old runs."""
+    return f"{_BLAKE2B}:{_hash_file(path, hashlib.blake2b(digest_size=_DIGEST_BYTES))}"
+
+
+def sampled_checksum(path: str | os.PathLike[str], spec: SampleSpec = DEFAULT_SPEC) -> str:
+    """The opt-in for checkpoints too large to read once per save: full for small files, sampled for large ones.
+
+    Files of at most ``spec.small_file_bytes`` (8 MiB): :func:`full_checksum` of the whole content, so *any*
+    change to a small file (configs, ``trainer_state.json``, ``latest``, RNG states, scheduler, tokenizer files)
+    is detected.
 
     Larger files: ``blake2b-sampled:<hex>`` over the file size and ``blocks + 2`` windows of ``block_bytes`` at
     fixed offsets (head, tail, evenly spaced in between), each prefixed with its offset. Detects: truncation and
@@ -173,8 +201,8 @@ def fast_checksum(path: str | os.PathLike[str], spec: SampleSpec = DEFAULT_SPEC)
     window (including a torn tail or an unwritten/zeroed head), and a different file of the same size whose
     bytes differ in any window. Does NOT detect: changes that fall entirely between the windows (with the
     defaults about 1.1 MiB of a 10 GiB shard, ~0.01%, is read), e.g. a bit flip or a zeroed range in the
-    middle of a large shard. Use :func:`full_checksum` (``manifest_part(thorough=True)``) when that matters.
-    Neither checksum is a defence against deliberate tampering beyond what blake2b-128 over the read bytes gives.
+    middle of a large shard: the failure that made :func:`full_checksum` the default. Neither checksum is a
+    defence against deliberate tampering.
     """
     with open(path, "rb", buffering=0) as f:
         fd = f.fileno()
@@ -196,12 +224,14 @@ def fast_checksum(path: str | os.PathLike[str], spec: SampleSpec = DEFAULT_SPEC)
 
 
 def _recompute(path: Path, recorded: str, spec: SampleSpec) -> str:
-    """Recompute a checksum with the algorithm the recorded value names (full or sampled)."""
+    """Recompute a checksum with the algorithm the recorded value names (xxh3_128, blake2b or sampled)."""
     algo = recorded.split(":", 1)[0]
-    if algo == _FULL:
+    if algo == _XXH3:
         return full_checksum(path)
+    if algo == _BLAKE2B:
+        return blake2b_checksum(path)
     if algo == _SAMPLED:
-        return fast_checksum(path, spec)
+        return sampled_checksum(path, spec)
     raise ValueError(f"unknown checksum algorithm {algo!r}")
 
 
@@ -262,16 +292,20 @@ def manifest_part(
     rank: int,
     world_size: int,
     *,
-    thorough: bool = False,
+    checksum: str = "full",
     fsync: bool = True,
     spec: SampleSpec = DEFAULT_SPEC,
 ) -> dict[str, dict[str, Any]]:
     """``{relative path: {size, checksum, rank}}`` for the files this rank wrote.
 
+    Call it right after the save, so the bytes are read back from the page cache rather than the disk.
+    ``checksum="full"`` (the default, ``resilience.checksum``) hashes every byte with XXH3-128;
+    ``"sampled"`` reads only windows of files over ``spec.small_file_bytes`` (see :func:`sampled_checksum`).
     ``fsync=True`` flushes each file to stable storage first: torch.save does not, and a commit record that
     survives a node crash while the shards it describes were still in the page cache would be a lie.
-    ``thorough=True`` records full checksums (reads everything) instead of sampled ones.
     """
+    if checksum not in CHECKSUM_MODES:
+        raise ValueError(f"checksum must be one of {', '.join(CHECKSUM_MODES)}, got {checksum!r}")
     ckpt = Path(ckpt_dir)
     part: dict[str, dict[str, Any]] = {}
     for rel in files_owned_by_rank(ckpt, rank, world_size):
@@ -279,8 +313,8 @@ def manifest_part(
         if fsync:
             _fsync_path(path)
         size = path.stat().st_size
-        checksum = full_checksum(path) if thorough else fast_checksum(path, spec)
-        part[rel] = {"size": size, "checksum": checksum, "rank": rank}
+        digest = full_checksum(path) if checksum == "full" else sampled_checksum(path, spec)
+        part[rel] = {"size": size, "checksum": digest, "rank": rank}
     return part
 
 
@@ -395,7 +429,11 @@ def write_commit(
         "stage": stage,
         "recipe_hash": recipe_hash,
         "tag": structure.tag,
-        "checksum": spec.to_json(),
+        "checksum": (
+            {"mode": "sampled", **spec.to_json()}
+            if any(e["checksum"].startswith(_SAMPLED + ":") for e in merged.values())
+            else {"mode": "full", "name": _XXH3}
+        ),
         "kind": kind,
         "files": dict(sorted(merged.items())),
         "extra": dict(extra or {}),
@@ -556,7 +594,7 @@ def _rng_problem(rng_ranks: list[int], has_single: bool, ranks: int, why: str) -
 
 def verify(
     ckpt_dir: str | os.PathLike[str],
-    checksums: bool = False,
+    checksums: bool = True,
     *,
     require_commit: bool = True,
     world_size: int | None = None,
@@ -564,11 +602,15 @@ def verify(
 ) -> Verdict:
     """Is this checkpoint safe to resume from, and if not, why (one line, starting with the directory name)?
 
-    Committed: the record parses, every listed file exists with exactly the recorded size (and checksum when
-    ``checksums`` is True: the record names the algorithm, sampled or full), and ``latest`` names an existing
-    directory. Integrity is checked before compatibility, so a world-size/stage mismatch verdict always means
-    "intact but not loadable by this launch". Uncommitted: rejected (``no_commit``) when ``require_commit``,
-    else the structural check (for runs not written by ftkit). ``world_size``/``stage`` None skip that check.
+    Committed: the record parses, every listed file exists with exactly the recorded size and, unless
+    ``checksums=False``, its content matches the recorded checksum (the record names the algorithm: full or
+    sampled, as saved; this reads every byte of a fully checksummed checkpoint), and ``latest`` names an existing
+    directory. ``checksums=False`` (sizes only) is for cheap, repeated looks such as :func:`rotate` and a plain
+    ``ftkit status``; never for choosing what to resume from. Integrity is checked before compatibility, so a
+    world-size/stage mismatch verdict always means "intact but not loadable by this launch". Uncommitted: rejected
+    (``no_commit``) when ``require_commit``, else the structural check (for runs not written by ftkit).
+    ``world_size``/``stage`` None skip that check. A file that cannot be read (permissions, a symlink loop, I/O
+    error) rejects the checkpoint with the OS's reason; it never raises.
     """
     ckpt = Path(ckpt_dir)
     name = ckpt.name
@@ -576,6 +618,22 @@ def verify(
 
     def verdict(ok: bool, committed: bool, kind: str, reason: str, step: int | None = dir_step, **kw: Any) -> Verdict:
         return Verdict(ok, committed, f"{name}: {reason}", step, kind, ckpt, **kw)
+
+    try:
+        return _verify(ckpt, checksums, require_commit, world_size, stage, verdict)
+    except OSError as e:
+        where = name
+        if isinstance(e.filename, str):
+            where = os.path.relpath(e.filename, ckpt) if e.filename.startswith(str(ckpt) + os.sep) else e.filename
+        committed = (ckpt / COMMIT_FILE).is_file()
+        kind = VerdictKind.TORN if committed else VerdictKind.STRUCTURE
+        return verdict(False, committed, kind, f"cannot read {where} ({e.strerror or e})")
+
+
+def _verify(
+    ckpt: Path, checksums: bool, require_commit: bool, world_size: int | None, stage: int | None, verdict: Any
+) -> Verdict:
+    dir_step = _checkpoint_step(ckpt)
 
     if not ckpt.is_dir():
         return verdict(False, False, VerdictKind.STRUCTURE, "not a directory")
@@ -587,8 +645,10 @@ def verify(
     if record is None:
         structure = _structure(ckpt, stage=stage, expect_step=dir_step)
         if require_commit:
-            hint = "" if structure.problem else "; structurally complete, written without ftkit?"
-            return verdict(False, False, VerdictKind.NO_COMMIT, f"no commit record (save did not finish{hint})")
+            # Both ftkit runs (a rank killed between the Trainer's save and ftkit's commit) and checkpoints
+            # written without ftkit end up here; the message must be true for both.
+            why = structure.problem or "files look complete; killed before ftkit's commit, or not written by ftkit"
+            return verdict(False, False, VerdictKind.NO_COMMIT, f"no commit record: the save did not finish ({why})")
         if structure.problem:
             return verdict(False, False, VerdictKind.STRUCTURE, structure.problem)
         if world_size is not None and structure.world_size is not None and structure.world_size != world_size:
@@ -627,10 +687,14 @@ def _verify_committed(
             )
         step, files = record["step"], record["files"]
         rec_world, rec_stage = record["world_size"], record["stage"]
-        spec = SampleSpec.from_json(record["checksum"])
         if not isinstance(step, int) or not isinstance(files, dict) or not files:
             raise TypeError("step/files have the wrong type")
         entries = {rel: (int(e["size"]), str(e["checksum"])) for rel, e in files.items()}
+        algorithms = {digest.split(":", 1)[0] for _, digest in entries.values()}
+        if unknown := sorted(algorithms - _ALGORITHMS):
+            raise ValueError(f"unknown checksum algorithm {unknown[0]!r}")
+        # Only the sampled digest has parameters; they are read from the record, never from today's defaults.
+        spec = SampleSpec.from_json(record["checksum"]) if _SAMPLED in algorithms else DEFAULT_SPEC
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         return verdict(False, True, bad, f"commit record malformed ({type(e).__name__}: {e})")
 
@@ -720,12 +784,15 @@ def list_checkpoints(output_dir: str | os.PathLike[str]) -> list[tuple[int, Path
 def select_resume(
     output_dir: str | os.PathLike[str],
     *,
-    checksums: bool = False,
+    checksums: bool = True,
     require_commit: bool = True,
     world_size: int | None = None,
     stage: int | None = None,
 ) -> Selection:
     """The newest checkpoint that verifies, plus a verdict for each newer one that did not.
+
+    Verification reads every file against its recorded checksum unless ``checksums=False`` (sizes only): the
+    walk stops at the first checkpoint that verifies, so normally only the newest one is read.
 
     Incompatible checkpoints (another world size or stage) are rejected and the walk goes on, but they stay in
     ``Selection.incompatible``: the caller should normally refuse the launch instead of resuming from an older
@@ -763,6 +830,13 @@ def rotate(
     if something does, it is not rotation's business). Without any committed checkpoint nothing is deleted.
     ``protect`` paths (e.g. the best model) are never deleted. Leftover ``.deleting-*`` trees from a crash
     during an earlier rotation are removed too.
+
+    Checkpoints a restart set aside (``checkpoint-N.rejected-<utc>-<hex>``, :func:`set_aside_newer`) are outside
+    the ``checkpoint-<int>`` namespace, so they never count toward ``keep``; each is deleted once a committed
+    checkpoint of step N or later exists (the run has redone that progress, so the rejected copy is only dead
+    weight on the disk; until then it is kept for a post-mortem). Verification here is by sizes only: the
+    checkpoint just committed was hashed a moment ago, and re-reading every kept one after every save would cost
+    a full read of the output directory per save.
     """
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
@@ -770,20 +844,40 @@ def rotate(
     for leftover in out.glob(DELETING_PREFIX + "*"):
         shutil.rmtree(leftover, ignore_errors=True)
     protected = {Path(p).resolve() for p in protect}
-    verdicts = [(step, path, verify(path, require_commit=True)) for step, path in list_checkpoints(out)]
+    verdicts = [(step, path, verify(path, False, require_commit=True)) for step, path in list_checkpoints(out)]
     committed = [(step, path) for step, path, v in verdicts if v.ok and v.committed]
     if not committed:
         return []
     newest_step = committed[0][0]
     doomed = [path for _, path in committed[keep:]]
     doomed += [path for step, path, v in verdicts if not (v.ok and v.committed) and step < newest_step]
+    doomed += [path for step, path in list_set_aside(out) if step <= newest_step]
     removed: list[Path] = []
-    for path in sorted(doomed, key=lambda p: _checkpoint_step(p) or 0):
+    for path in sorted(doomed, key=lambda p: (_checkpoint_step(p) or _set_aside_step(p) or 0, p.name)):
         if path.resolve() in protected:
             continue
         _safe_rmtree(path)
         removed.append(path)
     return removed
+
+
+def _set_aside_step(path: Path) -> int | None:
+    m = _SET_ASIDE_RE.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def list_set_aside(output_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``checkpoint-N.rejected-*`` directory a restart set aside, oldest first."""
+    out: list[tuple[int, Path]] = []
+    try:
+        entries = list(os.scandir(output_dir))
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        m = _SET_ASIDE_RE.match(entry.name)
+        if m and entry.is_dir(follow_symlinks=False):
+            out.append((int(m.group(1)), Path(entry.path)))
+    return sorted(out, key=lambda sp: (sp[0], sp[1].name))
 
 
 def set_aside_newer(output_dir: str | os.PathLike[str], selection: Selection) -> list[Path]:

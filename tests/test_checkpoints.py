@@ -21,12 +21,14 @@ from ftkit.checkpoints import (
     CommitError,
     SampleSpec,
     VerdictKind,
-    fast_checksum,
+    blake2b_checksum,
     files_owned_by_rank,
     full_checksum,
     list_checkpoints,
+    list_set_aside,
     manifest_part,
     rotate,
+    sampled_checksum,
     select_resume,
     set_aside_newer,
     verify,
@@ -37,7 +39,14 @@ MiB = 1024 * 1024
 
 
 def make_ckpt(
-    out: Path, step: int, *, world_size: int = 2, stage: int = 2, bf16: bool = True, model_bytes: int = 1000
+    out: Path,
+    step: int,
+    *,
+    world_size: int = 2,
+    stage: int = 2,
+    bf16: bool = True,
+    model_bytes: int = 1000,
+    optim_bytes: int = 700,
 ) -> Path:
     """A checkpoint-<step>/ laid out like HF Trainer + DeepSpeed writes it; payloads are deterministic bytes."""
     ckpt = out / f"checkpoint-{step}"
@@ -59,7 +68,7 @@ def make_ckpt(
         put(f"{tag}/mp_rank_00_model_states.pt", 500, 3)
     if stage > 0 or bf16:
         for r in range(world_size):
-            put(f"{tag}/{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt", 700 + r, 4 + r)
+            put(f"{tag}/{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt", optim_bytes + r, 4 + r)
     (ckpt / "latest").write_text(tag)
     put("zero_to_fp32.py", 120, 9)
     if world_size == 1:
@@ -73,9 +82,16 @@ def make_ckpt(
     return ckpt
 
 
-def commit(ckpt: Path, *, world_size: int = 2, stage: int | None = 2, spec: SampleSpec = ck.DEFAULT_SPEC) -> Path:
+def commit(
+    ckpt: Path,
+    *,
+    world_size: int = 2,
+    stage: int | None = 2,
+    spec: SampleSpec = ck.DEFAULT_SPEC,
+    checksum: str = "full",
+) -> Path:
     step = int(ckpt.name.split("-")[1])
-    parts = [manifest_part(ckpt, r, world_size, spec=spec) for r in range(world_size)]
+    parts = [manifest_part(ckpt, r, world_size, spec=spec, checksum=checksum) for r in range(world_size)]
     return write_commit(ckpt, parts, step=step, world_size=world_size, stage=stage, recipe_hash="abc123", spec=spec)
 
 
@@ -94,10 +110,11 @@ def test_commit_round_trip(tmp_path: Path) -> None:
     ckpt = make_ckpt(tmp_path, 30)
     record_path = commit(ckpt)
     record = json.loads(record_path.read_text())
-    assert record["format"] == "ftkit-checkpoint-commit" and record["version"] == 1
+    assert record["format"] == "ftkit-checkpoint-commit" and record["version"] == 2
     assert (record["step"], record["world_size"], record["stage"], record["recipe_hash"]) == (30, 2, 2, "abc123")
     assert record["tag"] == "global_step30"
-    assert record["checksum"]["name"] == "ftkit-sampled-blake2b-v1"
+    assert record["checksum"] == {"mode": "full", "name": "xxh3_128"}
+    assert all(e["checksum"].startswith("xxh3_128:") and len(e["checksum"]) == 9 + 32 for e in record["files"].values())
     on_disk = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file() and p.name != COMMIT_FILE)
     assert sorted(record["files"]) == on_disk
     shard1 = record["files"]["global_step30/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"]
@@ -226,24 +243,90 @@ def test_modified_byte_in_small_file_detected_by_checksum(tmp_path: Path) -> Non
     commit(ckpt)
     flip_byte(ckpt / "scheduler.pt", 40)
     assert verify(ckpt, checksums=False).ok  # same size: sizes alone cannot see it
-    v = verify(ckpt, checksums=True)
+    v = verify(ckpt)
     assert (v.ok, v.kind) == (False, VerdictKind.TORN)
-    assert v.reason.startswith("checkpoint-30: scheduler.pt checksum blake2b:")
+    assert v.reason.startswith("checkpoint-30: scheduler.pt checksum xxh3_128:")
+
+
+def test_flipped_block_mid_shard_rejected_by_default(tmp_path: Path) -> None:
+    """The observed failure: 16 bytes flipped mid-file in a large optimizer shard, size unchanged, resumed as
+    "commit verified" and trained to losses of 0.0. With default arguments everywhere it must be rejected."""
+    commit(make_ckpt(tmp_path, 10))
+    ckpt = make_ckpt(tmp_path, 20, optim_bytes=12 * MiB)  # > 8 MiB: the sampled digest would skip its middle
+    commit(ckpt)  # what launch/train.py does: manifest_part and write_commit with their defaults
+    shard = ckpt / "global_step20/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    size = shard.stat().st_size
+    for i in range(16):
+        flip_byte(shard, size // 2 + 4321 + i)
+    assert shard.stat().st_size == size
+    v = verify(ckpt)
+    assert (v.ok, v.committed, v.kind) == (False, True, VerdictKind.TORN), v.reason
+    assert v.reason.startswith("checkpoint-20: global_step20/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt checksum")
+    sel = select_resume(tmp_path)
+    assert (sel.step, [(r.path.name if r.path else None, r.kind) for r in sel.rejected]) == (
+        10,
+        [("checkpoint-20", VerdictKind.TORN)],
+    )
+
+
+def test_old_blake2b_records_still_verify(tmp_path: Path) -> None:
+    """Runs committed by commit-record version 1 (blake2b full and sampled digests) keep resuming."""
+    ckpt = make_ckpt(tmp_path, 30, model_bytes=9 * MiB)
+    commit(ckpt)
+    record = json.loads((ckpt / COMMIT_FILE).read_text())
+    record["version"] = 1
+    record["checksum"] = ck.DEFAULT_SPEC.to_json()  # version 1 always stored the sampling parameters
+    for rel, entry in record["files"].items():
+        path = ckpt / rel
+        entry["checksum"] = sampled_checksum(path) if rel == "model.safetensors" else blake2b_checksum(path)
+        if rel == "model.safetensors":
+            assert entry["checksum"].startswith("blake2b-sampled:")
+    (ckpt / COMMIT_FILE).write_text(json.dumps(record))
+    v = verify(ckpt)
+    assert v.ok and v.reason.endswith("(sizes+checksums)"), v.reason
+    flip_byte(ckpt / "scheduler.pt", 3)
+    assert verify(ckpt).reason.startswith("checkpoint-30: scheduler.pt checksum blake2b:")
+
+
+def test_unknown_checksum_algorithm_and_mode(tmp_path: Path) -> None:
+    ckpt = make_ckpt(tmp_path, 30)
+    commit(ckpt)
+    record = json.loads((ckpt / COMMIT_FILE).read_text())
+    record["files"]["scheduler.pt"]["checksum"] = "md7:00"
+    (ckpt / COMMIT_FILE).write_text(json.dumps(record))
+    v = verify(ckpt, checksums=False)  # a record this version cannot check is bad even for a sizes-only look
+    assert (v.ok, v.kind) == (False, VerdictKind.BAD_COMMIT) and "unknown checksum algorithm 'md7'" in v.reason
+    with pytest.raises(ValueError, match="checksum must be one of full, sampled"):
+        manifest_part(ckpt, 0, 2, checksum="fast")
+
+
+def test_unreadable_file_rejects_instead_of_raising(tmp_path: Path) -> None:
+    ckpt = make_ckpt(tmp_path, 30)
+    commit(ckpt)
+    (ckpt / "scheduler.pt").unlink()
+    os.symlink("scheduler.pt", ckpt / "scheduler.pt")  # a symlink loop: stat raises ELOOP
+    for checksums in (False, True):
+        v = verify(ckpt, checksums)
+        assert (v.ok, v.kind) == (False, VerdictKind.TORN)
+        assert v.reason.startswith("checkpoint-30: cannot read scheduler.pt ("), v.reason
 
 
 @pytest.mark.parametrize("where", ["head", "tail", "window"])
 def test_sampled_region_corruption_in_large_file(tmp_path: Path, where: str) -> None:
     size = 9 * MiB  # above the default 8 MiB small-file limit: hashed by sampling
     ckpt = make_ckpt(tmp_path, 30, model_bytes=size)
-    commit(ckpt)
-    entry = json.loads((ckpt / COMMIT_FILE).read_text())["files"]["model.safetensors"]
+    commit(ckpt, checksum="sampled")  # the explicit opt-in (resilience.checksum: sampled)
+    record = json.loads((ckpt / COMMIT_FILE).read_text())
+    assert record["checksum"] == {"mode": "sampled", **ck.DEFAULT_SPEC.to_json()}
+    entry = record["files"]["model.safetensors"]
     assert entry["checksum"].startswith("blake2b-sampled:")
+    assert record["files"]["scheduler.pt"]["checksum"].startswith("xxh3_128:")  # small files: every byte
     spec = ck.DEFAULT_SPEC
     last = size - spec.block_bytes
     offset = {"head": 7, "tail": size - 1, "window": last * 5 // (spec.blocks + 1) + 1000}[where]
     flip_byte(ckpt / "model.safetensors", offset)
-    assert verify(ckpt).ok
-    v = verify(ckpt, checksums=True)
+    assert verify(ckpt, checksums=False).ok
+    v = verify(ckpt)
     assert not v.ok and v.reason.startswith("checkpoint-30: model.safetensors checksum")
 
 
@@ -251,23 +334,23 @@ def test_sampled_checksum_documented_blind_spot_and_full_checksum(tmp_path: Path
     spec = SampleSpec(small_file_bytes=64 * 1024, blocks=2, block_bytes=4096)
     path = tmp_path / "shard.bin"
     path.write_bytes(bytes(range(256)) * 4096)  # 1 MiB; windows at 0, ~1/3, ~2/3 and the tail
-    fast, full = fast_checksum(path, spec), full_checksum(path)
+    fast, full, b2 = sampled_checksum(path, spec), full_checksum(path), blake2b_checksum(path)
     flip_byte(path, 200_000)  # between windows: the sampled digest does not see it (documented), the full one does
-    assert fast_checksum(path, spec) == fast
-    assert full_checksum(path) != full
+    assert sampled_checksum(path, spec) == fast
+    assert full_checksum(path) != full and blake2b_checksum(path) != b2
     os.truncate(path, 1024 * 1024 - 1)  # truncation changes the sampled digest too (size is hashed)
-    assert fast_checksum(path, spec) != fast
+    assert sampled_checksum(path, spec) != fast
     small = tmp_path / "small.json"
     small.write_text("{}")
-    assert fast_checksum(small) == full_checksum(small) and fast_checksum(small).startswith("blake2b:")
+    assert sampled_checksum(small) == full_checksum(small) and full_checksum(small).startswith("xxh3_128:")
 
 
-def test_thorough_commit_uses_full_checksums(tmp_path: Path) -> None:
+def test_default_commit_uses_full_checksums(tmp_path: Path) -> None:
     ckpt = make_ckpt(tmp_path, 30, model_bytes=9 * MiB)
-    parts = [manifest_part(ckpt, r, 2, thorough=True) for r in range(2)]
+    parts = [manifest_part(ckpt, r, 2) for r in range(2)]
     write_commit(ckpt, parts, step=30, world_size=2, stage=2, recipe_hash="h")
-    flip_byte(ckpt / "model.safetensors", 4 * MiB + 12345)  # unsampled region, but the record has a full checksum
-    assert not verify(ckpt, checksums=True).ok
+    flip_byte(ckpt / "model.safetensors", 4 * MiB + 12345)  # outside every sampled window
+    assert not verify(ckpt).ok
 
 
 def test_missing_trainer_state(tmp_path: Path) -> None:
@@ -300,9 +383,17 @@ def test_uncommitted_rejected_under_require_commit_and_structural_otherwise(tmp_
     ckpt = make_ckpt(tmp_path, 40)
     v = verify(ckpt)
     assert (v.ok, v.committed, v.kind) == (False, False, VerdictKind.NO_COMMIT)
-    assert v.reason.startswith("checkpoint-40: no commit record (save did not finish")
+    # True both for ftkit's own save killed before its commit and for a checkpoint written without ftkit.
+    assert v.reason == (
+        "checkpoint-40: no commit record: the save did not finish "
+        "(files look complete; killed before ftkit's commit, or not written by ftkit)"
+    )
     v = verify(ckpt, require_commit=False)
     assert (v.ok, v.committed, v.kind) == (True, False, VerdictKind.OK)
+    (ckpt / "rng_state_1.pth").unlink()  # killed mid-save: the structural problem is the reason given
+    v = verify(ckpt)
+    assert v.kind == VerdictKind.NO_COMMIT
+    assert v.reason.startswith("checkpoint-40: no commit record: the save did not finish (rng_state_1.pth missing")
 
 
 @pytest.mark.parametrize(
@@ -429,6 +520,31 @@ def test_rotation_keeps_newest_committed_and_never_counts_torn(tmp_path: Path) -
     assert [p.name for p in rotate(tmp_path, keep=1)] == ["checkpoint-30"]
     assert [s for s, _ in list_checkpoints(tmp_path)] == [50, 40]
     assert not any(p.name.startswith(".deleting-") for p in tmp_path.iterdir())
+
+
+def test_rotation_deletes_set_aside_checkpoints_once_superseded(tmp_path: Path) -> None:
+    """A restart sets torn checkpoints aside as checkpoint-N.rejected-*; they used to stay forever. Rotation
+    deletes each once a committed checkpoint of step >= N exists, and they never count toward ``keep``."""
+    for step in (10, 20):
+        commit(make_ckpt(tmp_path, step))
+    make_ckpt(tmp_path, 30)  # a save killed before its commit
+    bad40 = make_ckpt(tmp_path, 40)
+    commit(bad40)
+    os.truncate(bad40 / "scheduler.pt", 1)  # torn after its commit
+    moved = set_aside_newer(tmp_path, select_resume(tmp_path))
+    assert sorted(p.name.split(".rejected-")[0] for p in moved) == ["checkpoint-30", "checkpoint-40"]
+    assert [s for s, _ in list_set_aside(tmp_path)] == [30, 40]
+
+    commit(make_ckpt(tmp_path, 30))  # the resumed run redoes step 30
+    removed = rotate(tmp_path, keep=2)
+    assert [p.name.split(".rejected-")[0] for p in removed] == ["checkpoint-10", "checkpoint-30"]
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [30, 20]  # keep=2 counts committed checkpoints only
+    assert [s for s, _ in list_set_aside(tmp_path)] == [40]  # not yet superseded: kept for a post-mortem
+
+    commit(make_ckpt(tmp_path, 40))
+    removed = rotate(tmp_path, keep=2)
+    assert sorted(p.name.split(".rejected-")[0] for p in removed) == ["checkpoint-20", "checkpoint-40"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-30", "checkpoint-40"]  # no .deleting-*
 
 
 def test_rotation_without_any_commit_deletes_nothing(tmp_path: Path) -> None:
