@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
+from .fingerprint import compute as compute_fingerprint
 from .plan import Plan
 
 
@@ -55,7 +56,17 @@ def training_arguments(plan: Plan, output_dir: str, ds_config_path: str) -> dict
     return args
 
 
-def build_spec(plan: Plan, run_dir: Path, ds_config_path: Path) -> dict[str, Any]:
+def build_spec(
+    plan: Plan,
+    run_dir: Path,
+    ds_config_path: Path,
+    *,
+    fingerprint: dict[str, Any] | None = None,
+    resume_overrides: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The spec for ``plan``. ``fingerprint`` (computed here when not given: pass it to hash the data only once
+    per launch) is what rank 0 records in every commit; ``resume_overrides`` (dotted recipe key → new value) are
+    the allowed changes a resumed attempt applies after loading its checkpoint (see ftkit.fingerprint)."""
     r = plan.recipe
     return {
         "ftkit_version": __version__,
@@ -74,4 +85,6 @@ def build_spec(plan: Plan, run_dir: Path, ds_config_path: Path) -> dict[str, Any
         "data": {"train": r["data.train"], "max_seq_len": r["data.max_seq_len"], "truncate": r["data.truncate"]},
         "save_total_limit": r["train.save_total_limit"],
         "training_args": training_arguments(plan, str(run_dir), str(ds_config_path)),
+        "fingerprint": fingerprint if fingerprint is not None else compute_fingerprint(plan),
+        "resume_overrides": dict(resume_overrides or {}),
     }
