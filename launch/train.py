@@ -191,7 +191,77 @@ class Fault:
         trainer_cls._save_rng_state = _save_rng_state
 
 
-def _make_callback(ctx: RankContext, spec: dict[str, Any], fault: Fault):
+def _lr_scheduler_of(lr_scheduler: Any) -> Any:
+    """The torch LR scheduler inside Accelerate's/DeepSpeed's wrappers (the object with ``base_lrs``)."""
+    seen = 0
+    while lr_scheduler is not None and not hasattr(lr_scheduler, "base_lrs") and seen < 4:
+        lr_scheduler = getattr(lr_scheduler, "scheduler", None) or getattr(lr_scheduler, "lr_scheduler", None)
+        seen += 1
+    return lr_scheduler if hasattr(lr_scheduler, "base_lrs") else None
+
+
+def apply_resume_overrides(overrides: dict[str, Any], optimizer: Any, lr_scheduler: Any) -> list[str]:
+    """Apply allowed changes of optimizer hyperparameters to a resumed run; return one line per change.
+
+    Called after the checkpoint is loaded (HF Trainer's ``on_train_begin`` follows DeepSpeed's ``load_checkpoint``
+    and ``_load_optimizer_and_scheduler`` in ``_inner_training_loop``): loading restores the *old* values into the
+    optimizer's param groups (``lr``, ``initial_lr``, ``betas``, ``eps``, ``weight_decay``) and the scheduler's
+    ``base_lrs``, so the new TrainingArguments alone are ignored. The schedule's shape (type, warm-up, horizon) is
+    rebuilt from the current arguments by HF (LambdaLR keeps its lambdas, restores only its step and base lrs), so
+    a new peak lr is applied by replacing ``base_lrs`` and recomputing the current lr at the restored step.
+    Keys this function does not know took effect through the new spec (TrainingArguments, ds_config.json).
+    """
+    from ftkit.fingerprint import RANK_APPLIED
+
+    sched = _lr_scheduler_of(lr_scheduler)
+    groups = sched.optimizer.param_groups if sched is not None else optimizer.param_groups
+    lines: list[str] = []
+    if "train.learning_rate" in overrides:
+        new = float(overrides["train.learning_rate"])
+        if sched is None:
+            raise RuntimeError("resume override train.learning_rate: no LR scheduler with base_lrs to update")
+        old = list(sched.base_lrs)
+        sched.base_lrs = [new for _ in sched.base_lrs]  # HF gives every param group the same peak lr
+        for g in groups:
+            g["initial_lr"] = new
+        lambdas = getattr(sched, "lr_lambdas", None)
+        if lambdas is not None:  # every schedule ftkit offers is a LambdaLR: lr = peak x lambda(step)
+            lrs = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, lambdas, strict=True)]
+        else:  # any other scheduler: scale the current lr by the ratio of the peaks
+            lrs = [g["lr"] * new / o if o else new for g, o in zip(groups, old, strict=True)]
+        for g, lr in zip(groups, lrs, strict=True):
+            g["lr"] = lr
+        sched._last_lr = list(lrs)  # what HF logs as learning_rate until the next scheduler step
+        lines.append(f"train.learning_rate: peak {old[0]} -> {new}; lr at step {sched.last_epoch} now {lrs[0]}")
+    if "train.weight_decay" in overrides:
+        new = float(overrides["train.weight_decay"])
+        old_values = [g.get("weight_decay", 0.0) for g in groups]
+        # A group with 0 beside groups that decay is a no-decay group (biases, norms): it stays at 0.
+        decaying = [g for g, v in zip(groups, old_values, strict=True) if v != 0] or list(groups)
+        for g in decaying:
+            g["weight_decay"] = new
+        lines.append(f"train.weight_decay: {old_values[0]} -> {new} ({len(decaying)}/{len(groups)} param groups)")
+    if "train.adam_beta1" in overrides or "train.adam_beta2" in overrides:
+        old_betas = tuple(groups[0]["betas"])
+        for g in groups:
+            b1, b2 = g["betas"]
+            g["betas"] = (
+                float(overrides.get("train.adam_beta1", b1)),
+                float(overrides.get("train.adam_beta2", b2)),
+            )
+        lines.append(f"train.adam_beta1/2: {old_betas} -> {tuple(groups[0]['betas'])}")
+    if "train.adam_epsilon" in overrides:
+        new = float(overrides["train.adam_epsilon"])
+        old_eps = groups[0].get("eps")
+        for g in groups:
+            g["eps"] = new
+        lines.append(f"train.adam_epsilon: {old_eps} -> {new}")
+    for key in sorted(set(overrides) - set(RANK_APPLIED)):
+        lines.append(f"{key}: {overrides[key]!r} (applied through the new spec)")
+    return lines
+
+
+def _make_callback(ctx: RankContext, spec: dict[str, Any], fault: Fault, resume: str | None = None):
     import torch.distributed as dist
     from transformers import TrainerCallback
 
@@ -201,6 +271,10 @@ def _make_callback(ctx: RankContext, spec: dict[str, Any], fault: Fault):
         """Heartbeat, metrics and commit records, hooked into HF Trainer's own events."""
 
         def on_train_begin(self, args, state, control, **kw):  # noqa: ANN001
+            overrides = spec.get("resume_overrides") or {}
+            if resume and overrides:  # after the checkpoint's optimizer and scheduler state were loaded
+                for line in apply_resume_overrides(overrides, kw.get("optimizer"), kw.get("lr_scheduler")):
+                    print(f"ftkit: resume override {line}", flush=True)
             ctx.heartbeat("train", state.global_step, started_at_step=state.global_step)
             # DeepSpeed has built its ops by now: back to dying at once on SIGTERM, so a rank blocked in a
             # collective (a dead peer) does not hold teardown for its whole grace period.
@@ -245,7 +319,7 @@ def _make_callback(ctx: RankContext, spec: dict[str, Any], fault: Fault):
                     world_size=ctx.world_size,
                     stage=spec["stage"],
                     recipe_hash=spec["recipe_hash"],
-                    extra={"attempt": ctx.attempt},
+                    extra={"attempt": ctx.attempt, "fingerprint": spec.get("fingerprint")},
                 )
                 removed = rotate(args.output_dir, spec["save_total_limit"])
                 append_jsonl(
@@ -363,7 +437,7 @@ def train(ctx: RankContext, resume: str | None) -> None:
         train_dataset=rows,
         processing_class=tokenizer,
         data_collator=functools.partial(collate, pad_id=tokenizer.pad_token_id),
-        callbacks=[_make_callback(ctx, spec, fault)],
+        callbacks=[_make_callback(ctx, spec, fault, resume=resume)],
     )
     ctx.heartbeat("train", None)
     trainer.train(resume_from_checkpoint=resume)
@@ -382,7 +456,7 @@ def train(ctx: RankContext, resume: str | None) -> None:
             stage=spec["stage"],
             kind="model",
             recipe_hash=spec["recipe_hash"],
-            extra={"final": True, "attempt": ctx.attempt},
+            extra={"final": True, "attempt": ctx.attempt, "fingerprint": spec.get("fingerprint")},
         )
     ctx.heartbeat("finished", trainer.state.global_step)
 
