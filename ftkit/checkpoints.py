@@ -776,9 +776,17 @@ def list_checkpoints(output_dir: str | os.PathLike[str]) -> list[tuple[int, Path
         return []
     for entry in entries:
         m = _CKPT_RE.match(entry.name)
-        if m and entry.is_dir():
+        if m and _is_dir(entry):
             out.append((int(m.group(1)), Path(entry.path)))
     return sorted(out, key=lambda sp: sp[0], reverse=True)
+
+
+def _is_dir(entry: os.DirEntry[str]) -> bool:
+    """Like ``os.path.isdir`` (what HF's get_last_checkpoint uses): a symlink loop is not a directory, no error."""
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
 
 
 def select_resume(

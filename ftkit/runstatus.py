@@ -1,25 +1,78 @@
-"""Summaries of a run directory: attempts, restarts, steps, losses, checkpoints (committed or rejected, why)."""
+"""Summaries of a run directory: attempts, restarts, steps, losses, checkpoints (committed or rejected, why).
+
+What is malformed and what is merely odd: a line of ``events.jsonl`` or ``metrics.jsonl`` that is not a JSON object
+(a line cut by a crash, or hand-edited), and a metrics line whose step or loss is not a number, is skipped and
+counted in ``RunSummary.skipped`` (the summary still prints: the rest of the file is intact). A file the summary
+needs but cannot read (a directory where a file belongs, a symlink loop, no permission) or a ``ftkit/spec.json``
+that is not a JSON object raises :class:`ftkit.errors.UserError` naming the path (exit 2): ftkit writes those
+files atomically, so such damage is not a crash artefact and the summary would be guesswork. A checkpoint that
+cannot be read is reported as rejected, with the OS's reason.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checkpoints import COMMIT_FILE, list_checkpoints, verify
+from .checkpoints import list_checkpoints, list_set_aside, read_commit, verify
+from .errors import ExitCode, FtkitError, Problem, UserError
 from .rundir import RunDir
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
+class VerifyFailed(FtkitError):
+    """``ftkit status --verify``: a checkpoint or final/ failed verification (after the summary is printed)."""
+
+    exit_code = ExitCode.VERIFY_FAILED
+
+
+def _unreadable(path: Path, e: OSError) -> UserError:
+    return UserError(Problem(f"cannot read ({e.strerror or e}); the run directory is damaged", file=str(path)))
+
+
+def _read_text(path: Path) -> str | None:
+    """The file's text, None when it does not exist; any other OS error is the user's problem (exit 2)."""
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise _unreadable(path, e) from None
+
+
+def read_jsonl(path: Path, skipped: dict[str, int] | None = None) -> list[dict[str, Any]]:
+    """The JSON objects of a .jsonl file, in order; other lines are skipped and counted in ``skipped[name]``."""
     out = []
-    if path.exists():
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue  # a line cut by a crash: skip it
+    text = _read_text(path)
+    bad = 0
+    for line in (text or "").splitlines():
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            obj = None  # a line cut by a crash
+        if isinstance(obj, dict):
+            out.append(obj)
+        else:
+            bad += 1
+    if bad and skipped is not None:
+        skipped[path.name] = skipped.get(path.name, 0) + bad
     return out
+
+
+def _number(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def _int(x: Any) -> int | None:
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, int):
+        return x
+    return int(x) if isinstance(x, float) and math.isfinite(x) and x.is_integer() else None
 
 
 @dataclass
@@ -38,57 +91,111 @@ class RunSummary:
     final: Path | None = None
     outcome: str | None = None
     failures: list[str] = field(default_factory=list)
+    final_problem: str | None = None  # final/ exists but does not verify
+    verified: bool = False  # checkpoints were checked against their checksums, not only sizes
+    skipped: dict[str, int] = field(default_factory=dict)  # file name -> malformed lines skipped
+
+    @property
+    def verify_failures(self) -> list[str]:
+        """Why each ``checkpoint-N`` or final/ failed verification (set-aside copies are expected, not failures)."""
+        out = [c["reason"] for c in self.checkpoints if c["step"] is not None and not c["committed"]]
+        return out + ([self.final_problem] if self.final_problem else [])
 
     def as_dict(self) -> dict[str, Any]:
         d = self.__dict__.copy()
         d["run_dir"] = str(self.run_dir)
         d["final"] = str(self.final) if self.final else None
+        d["verify_failures"] = self.verify_failures
         return d
 
 
+def _read_spec(path: Path) -> dict[str, Any]:
+    text = _read_text(path)
+    if text is None:
+        return {}
+    try:
+        spec = json.loads(text)
+    except ValueError as e:
+        raise UserError(
+            Problem(f"does not parse as JSON ({e}); the run directory is damaged", file=str(path))
+        ) from None
+    if not isinstance(spec, dict):
+        raise UserError(Problem("is not a JSON object; the run directory is damaged", file=str(path)))
+    return spec
+
+
+def _final_problem(final: Path, checksums: bool) -> tuple[bool, str | None]:
+    """(final/ is committed and verifies, why not when it exists but does not)."""
+    try:
+        if not final.exists() and not final.is_symlink():
+            return False, None
+        if read_commit(final) is None:
+            return False, "final: no commit record: the final save did not finish"
+    except (OSError, ValueError):
+        pass  # verify() reports an unreadable record in its own words
+    v = verify(final, checksums)
+    return v.ok, None if v.ok else v.reason
+
+
 def summarize(run_dir: str | Path, *, checksums: bool = False) -> RunSummary:
+    """Read RUN_DIR's events, metrics, spec and checkpoints; ``checksums`` re-reads every checkpoint file."""
     rd = RunDir(run_dir)
-    events = read_jsonl(rd.events)
-    metrics = read_jsonl(rd.metrics)
+    skipped: dict[str, int] = {}
+    events = read_jsonl(rd.events, skipped)
+    metrics = read_jsonl(rd.metrics, skipped)
     launches = [e for e in events if e.get("event") == "launch"]
     restarts = [e for e in events if e.get("event") == "restart"]
-    # The latest attempt's value wins for a step recomputed after a restart.
-    by_step: dict[int, tuple[float, int]] = {}
+    all_losses: list[tuple[int, float, int]] = []
     for m in metrics:
-        if "loss" in m and "step" in m:
-            by_step[int(m["step"])] = (float(m["loss"]), int(m.get("attempt", 0)))
+        if "loss" not in m:
+            continue  # another kind of line (commit events, ...)
+        step, loss, attempt = _int(m.get("step")), _number(m.get("loss")), _int(m.get("attempt", 0))
+        if step is None or loss is None or attempt is None:
+            skipped[rd.metrics.name] = skipped.get(rd.metrics.name, 0) + 1
+            continue
+        all_losses.append((step, loss, attempt))
+    # The latest attempt's value wins for a step recomputed after a restart.
+    by_step = {step: (loss, attempt) for step, loss, attempt in all_losses}
     losses = [(s, loss, a) for s, (loss, a) in sorted(by_step.items())]
-    all_losses = [
-        (int(m["step"]), float(m["loss"]), int(m.get("attempt", 0))) for m in metrics if "loss" in m and "step" in m
-    ]
-    spec = json.loads(rd.spec.read_text()) if rd.spec.exists() else {}
+    spec = _read_spec(rd.spec)
+    targs = spec.get("training_args")
+    max_steps = _int(targs.get("max_steps")) if isinstance(targs, dict) else None
     resumed = [e for e in events if e.get("event") == "checkpoint_chosen"]
     ckpts = []
-    for step, path in list_checkpoints(rd.path):
-        v = verify(path, checksums=checksums)
+    try:
+        found = list_checkpoints(rd.path)
+        set_aside = list_set_aside(rd.path)
+    except OSError as e:
+        raise _unreadable(rd.path, e) from None
+    for step, path in found:
+        v = verify(path, checksums)
         ckpts.append({"step": step, "path": str(path), "committed": v.ok, "reason": v.reason if not v.ok else ""})
-    for p in sorted(rd.path.glob("checkpoint-*.rejected-*")):
+    for _, p in set_aside:
         ckpts.append({"step": None, "path": str(p), "committed": False, "reason": "set aside by a restart"})
+    final_ok, final_problem = _final_problem(rd.final, checksums)
     outcome = None
     for e in reversed(events):
         if e.get("event") in ("finished", "gave_up", "interrupted", "refused", "no_valid_checkpoint", "failed"):
-            outcome = e.get("message") or e["event"]
+            outcome = str(e.get("message") or e["event"])
             break
     return RunSummary(
         run_dir=rd.path,
         attempts=len(launches),
         restarts=len(restarts),
         step=losses[-1][0] if losses else None,
-        max_steps=(spec.get("training_args") or {}).get("max_steps"),
+        max_steps=max_steps,
         first_loss=losses[0][1] if losses else None,
         last_loss=losses[-1][1] if losses else None,
         losses=losses,
         all_losses=all_losses,
-        restart_steps=[int(e.get("step") or 0) for e in resumed],
+        restart_steps=[_int(e.get("step")) or 0 for e in resumed],
         checkpoints=ckpts,
-        final=rd.final if (rd.final / COMMIT_FILE).exists() else None,
+        final=rd.final if final_ok else None,
         outcome=outcome,
-        failures=[e.get("message", "") for e in events if e.get("event") == "failure"],
+        failures=[str(e.get("message", "")) for e in events if e.get("event") == "failure"],
+        final_problem=final_problem,
+        verified=checksums,
+        skipped=skipped,
     )
 
 
@@ -108,7 +215,18 @@ def format_summary(s: RunSummary) -> str:
             state = "committed" if c["committed"] else f"rejected ({c['reason']})"
             lines.append(f"  {Path(c['path']).name}: {state}")
     rd = RunDir(s.run_dir)
-    lines.append(f"final model: {s.final or 'not written'}")
+    if s.final_problem:
+        lines.append(f"final model: rejected ({s.final_problem})")
+    else:
+        lines.append(f"final model: {s.final or 'not written'}")
+    if s.verified:
+        bad = len(s.verify_failures)
+        lines.append(
+            "verify: every file checked against its checksum: "
+            + (f"{bad} failed" if bad else "all committed checkpoints and the final model verify")
+        )
+    for name, n in sorted(s.skipped.items()):
+        lines.append(f"note: {name}: {n} malformed line(s) skipped (not a JSON object, or no numeric step/loss)")
     lines.append(f"logs: {rd.path / 'logs'}   events: {rd.events}   metrics: {rd.metrics}")
     return "\n".join(lines)
 
@@ -118,8 +236,6 @@ def plot_losses(s: RunSummary, out: Path) -> Path:
     try:
         import matplotlib
     except ImportError:
-        from .errors import UserError
-
         raise UserError("--plot needs matplotlib: pip install 'ftkit[plot]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -143,7 +259,13 @@ def plot_losses(s: RunSummary, out: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, format="png")
+    except OSError as e:
+        raise UserError(
+            Problem(f"cannot write the plot ({e.strerror or e}) [give a writable file path]", file=str(out))
+        ) from None
+    finally:
+        plt.close(fig)
     return out

@@ -8,31 +8,50 @@ from pathlib import Path
 import click
 
 from ..errors import Problem, UserError
-from ..runstatus import format_summary, plot_losses, summarize
+from ..runstatus import VerifyFailed, format_summary, plot_losses, summarize
 from .options import json_option
 
 
 @click.command(
     "status",
     epilog="""\b
+Exit codes:
+  0   summary printed (with --verify: every checkpoint-N and final/ verifies)
+  2   RUN_DIR is not a readable ftkit run directory, ftkit/spec.json or a log is damaged,
+      or --plot cannot be written (one line naming the path)
+  13  --verify: a checkpoint-N or final/ failed verification (printed after the summary;
+      copies a restart set aside as checkpoint-N.rejected-* do not count)
+Malformed lines in events.jsonl or metrics.jsonl (not a JSON object, no numeric step or
+loss) are skipped and counted in a note; the summary still prints.
+
+\b
 Examples:
   ftkit status runs/demo
   ftkit status runs/demo --plot loss.png     # loss against step, restarts marked
-  ftkit status runs/demo --verify --json
+  ftkit status runs/demo --verify --json     # re-read every checkpoint byte; exit 13 if any fails
 """,
 )
-@click.argument("run_dir", type=click.Path(file_okay=False, path_type=str))
+@click.argument("run_dir", type=click.Path(path_type=str))
 @click.option(
     "--plot",
-    type=click.Path(dir_okay=False, path_type=str),
+    type=click.Path(path_type=str),
     default=None,
     help="Write a PNG of loss against step with each restart marked.",
 )
-@click.option("--verify", is_flag=True, help="Verify checkpoint checksums too (reads a sample of every file).")
+@click.option(
+    "--verify",
+    is_flag=True,
+    help="Re-read every file of every checkpoint and of final/ against its recorded checksum; exit 13 if any fails.",
+)
 @json_option
 def command(run_dir: str, plot: str | None, verify: bool, as_json: bool) -> None:
     """Summarise RUN_DIR: attempts, restarts, current step, loss, checkpoints (committed or rejected, and why)."""
-    if not (Path(run_dir) / "events.jsonl").exists() and not (Path(run_dir) / "ftkit").is_dir():
+    path = Path(run_dir)
+    if not path.exists():
+        raise UserError(Problem("does not exist [give the run's train.output_dir]", file=run_dir))
+    if not path.is_dir():
+        raise UserError(Problem("not a directory [give the run's train.output_dir]", file=run_dir))
+    if not (path / "events.jsonl").exists() and not (path / "ftkit").is_dir():
         raise UserError(Problem("not an ftkit run directory (no events.jsonl)", file=run_dir))
     s = summarize(run_dir, checksums=verify)
     if as_json:
@@ -43,3 +62,6 @@ def command(run_dir: str, plot: str | None, verify: bool, as_json: bool) -> None
         if not s.losses:
             raise UserError(Problem("no losses recorded yet: nothing to plot", file=run_dir))
         click.echo(f"wrote {plot_losses(s, Path(plot))}")
+    if verify and (failures := s.verify_failures):
+        more = f" (and {len(failures) - 1} more, listed above)" if len(failures) > 1 else ""
+        raise VerifyFailed(f"{run_dir}: verification failed: {failures[0]}{more}")

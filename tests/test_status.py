@@ -1,0 +1,255 @@
+"""`ftkit status` on run directories built by hand (no training): odd content, damaged content, --verify, --plot.
+
+The contract (``ftkit status --help``): a readable run directory prints its summary and exits 0, even when some
+lines of events.jsonl/metrics.jsonl are malformed (they are skipped and counted in a note); a file the summary needs
+that cannot be read (a directory where a file belongs, a symlink loop, a path under a regular file), a damaged
+``ftkit/spec.json``, or a --plot path that cannot be written ends with exactly one ``ftkit: error:`` line and exit
+2; ``--verify`` exits 13 after the summary when a checkpoint-N or final/ fails. Never a traceback.
+
+Permissions cannot be tested with chmod here (the tests run as root, which bypasses it): unreadability is produced
+with a directory where a file is expected, a path under a regular file, and symlink loops, which stop root too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from test_checkpoints import MiB, commit, flip_byte, make_ckpt
+
+from ftkit.checkpoints import manifest_part, set_aside_newer, write_commit
+from ftkit.errors import ExitCode
+
+from conftest import run_ftkit
+
+
+def _jsonl(path: Path, rows: list[object], extra: str = "") -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + extra)
+
+
+def make_run(tmp_path: Path) -> Path:
+    """A finished two-attempt run: events, metrics, spec, checkpoints 10 and 20 (committed) and final/."""
+    run = tmp_path / "run"
+    (run / "ftkit").mkdir(parents=True)
+    _jsonl(
+        run / "events.jsonl",
+        [
+            {"event": "launch", "attempt": 1, "time": 1.0},
+            {"event": "failure", "message": "rank 1 exited with -9", "time": 2.0},
+            {"event": "restart", "attempt": 2, "time": 3.0},
+            {"event": "checkpoint_chosen", "step": 10, "time": 3.1},
+            {"event": "launch", "attempt": 2, "time": 3.2},
+            {"event": "finished", "message": "finished at step 20", "time": 4.0},
+        ],
+    )
+    metrics = [{"step": s, "loss": 4.0 - s / 10, "attempt": 1} for s in range(1, 13)]
+    metrics += [{"event": "commit", "step": 10, "commit_s": 0.01, "attempt": 1}]
+    metrics += [{"step": s, "loss": 4.0 - s / 10, "attempt": 2} for s in range(11, 21)]
+    _jsonl(run / "metrics.jsonl", metrics)
+    (run / "ftkit/spec.json").write_text(json.dumps({"training_args": {"max_steps": 20}}))
+    commit(make_ckpt(run, 10))
+    commit(make_ckpt(run, 20, optim_bytes=9 * MiB))
+    final = run / "final"
+    final.mkdir()
+    (final / "config.json").write_text("{}")
+    (final / "model.safetensors").write_bytes(os.urandom(4096))
+    write_commit(final, [manifest_part(final, 0, 1)], step=20, world_size=2, stage=2, recipe_hash="h", kind="model")
+    return run
+
+
+def _loop(path: Path) -> None:
+    """Replace ``path`` by a symlink to itself: every open or stat of it fails with ELOOP, even for root."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+    os.symlink(path.name, path)
+
+
+def _redirect(path: Path, kind: str) -> None:
+    """Put a directory where a file belongs, or a file where a directory belongs (a path under a regular file)."""
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+    if kind == "dir":
+        path.mkdir()
+    else:
+        path.write_text("not a directory")
+
+
+Mutation = Callable[[Path], object]
+
+# (id, damage, expected exit, a substring of the one error line or of stdout)
+ODD_BUT_READABLE: list[tuple[str, Mutation, str]] = [
+    (
+        "events-non-object-lines",
+        lambda r: (r / "events.jsonl").write_text(
+            (r / "events.jsonl").read_text() + '[1, 2]\n"text"\nnull\n42\n\n{"event": "lau\n'
+        ),
+        "note: events.jsonl: 5 malformed line(s) skipped",
+    ),
+    (
+        "metrics-null-and-text-losses",
+        lambda r: _jsonl(
+            r / "metrics.jsonl",
+            [
+                {"step": 1, "loss": 4.0, "attempt": 1},
+                {"step": 2, "loss": None, "attempt": 1},
+                {"step": 3, "loss": "nan-ish", "attempt": 1},
+                {"step": "four", "loss": 3.6, "attempt": 1},
+                {"step": None, "loss": 3.5},
+                {"step": 6, "loss": True},
+                ["step", 7],
+                {"step": 8, "loss": 3.2, "attempt": "x"},
+                {"step": 9, "loss": 3.1, "attempt": 1},
+            ],
+        ),
+        "note: metrics.jsonl: 7 malformed line(s) skipped",
+    ),
+    ("events-empty", lambda r: (r / "events.jsonl").write_text(""), "attempts: 0"),
+    ("metrics-missing", lambda r: (r / "metrics.jsonl").unlink(), "step: none yet"),
+    ("spec-missing", lambda r: (r / "ftkit/spec.json").unlink(), "restarts: 1   step: 20\n"),
+    ("spec-odd-training-args", lambda r: (r / "ftkit/spec.json").write_text('{"training_args": [1]}'), "step: 20"),
+    (
+        "checkpoint-name-is-a-loop",
+        lambda r: os.symlink("checkpoint-30", r / "checkpoint-30"),
+        "checkpoint-20: committed",
+    ),
+    (
+        "file-in-checkpoint-is-a-loop",
+        lambda r: _loop(r / "checkpoint-20/scheduler.pt"),
+        "checkpoint-20: rejected (checkpoint-20: cannot read scheduler.pt (",
+    ),
+    (
+        "final-is-a-loop",
+        lambda r: _loop(r / "final"),
+        "final model: rejected (final: not a directory)",
+    ),
+    (
+        "final-without-record",
+        lambda r: (r / "final/ftkit_commit.json").unlink(),
+        "final model: rejected (final: no commit record: the final save did not finish)",
+    ),
+]
+
+DAMAGED: list[tuple[str, Mutation, str]] = [
+    ("spec-broken-json", lambda r: (r / "ftkit/spec.json").write_text('{"training_'), "spec.json: does not parse"),
+    ("spec-not-an-object", lambda r: (r / "ftkit/spec.json").write_text("[1, 2]"), "spec.json: is not a JSON object"),
+    ("spec-is-a-directory", lambda r: _redirect(r / "ftkit/spec.json", "dir"), "spec.json: cannot read"),
+    ("spec-is-a-loop", lambda r: _loop(r / "ftkit/spec.json"), "spec.json: cannot read"),
+    ("ftkit-dir-is-a-file", lambda r: _redirect(r / "ftkit", "file"), "spec.json: cannot read"),
+    ("events-is-a-directory", lambda r: _redirect(r / "events.jsonl", "dir"), "events.jsonl: cannot read"),
+    ("events-is-a-loop", lambda r: _loop(r / "events.jsonl"), "events.jsonl: cannot read"),
+    ("metrics-is-a-directory", lambda r: _redirect(r / "metrics.jsonl", "dir"), "metrics.jsonl: cannot read"),
+    ("metrics-is-a-loop", lambda r: _loop(r / "metrics.jsonl"), "metrics.jsonl: cannot read"),
+]
+
+
+def _one_error_line(out, code: int) -> str:  # noqa: ANN001
+    assert out.returncode == code, (out.returncode, out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ftkit: error: "), out.stderr
+    return lines[0]
+
+
+def test_intact_run_summary_and_verify(tmp_path: Path) -> None:
+    run = make_run(tmp_path)
+    out = run_ftkit("status", str(run), "--verify")
+    assert (out.returncode, out.stderr) == (0, ""), out.stderr
+    assert "step: 20/20" in out.stdout and "checkpoint-20: committed" in out.stdout
+    assert f"final model: {run / 'final'}" in out.stdout
+    assert "verify: every file checked against its checksum: all committed checkpoints" in out.stdout
+
+
+@pytest.mark.parametrize(("damage", "expect"), [c[1:] for c in ODD_BUT_READABLE], ids=[c[0] for c in ODD_BUT_READABLE])
+def test_odd_but_readable_content_still_summarises(tmp_path: Path, damage: Mutation, expect: str) -> None:
+    run = make_run(tmp_path)
+    damage(run)
+    out = run_ftkit("status", str(run))
+    assert (out.returncode, out.stderr) == (0, ""), (out.stdout, out.stderr)
+    assert expect in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize(("damage", "expect"), [c[1:] for c in DAMAGED], ids=[c[0] for c in DAMAGED])
+def test_damaged_run_directory_is_one_line_exit_2(tmp_path: Path, damage: Mutation, expect: str) -> None:
+    run = make_run(tmp_path)
+    damage(run)
+    line = _one_error_line(run_ftkit("status", str(run)), ExitCode.USAGE)
+    assert expect in line and str(run) in line, line
+
+
+@pytest.mark.parametrize(
+    ("make", "expect"),
+    [
+        (lambda t: t / "missing", "does not exist"),
+        (lambda t: (t / "f").write_text("x") and t / "f", "not a directory"),
+        (lambda t: (t / "f").write_text("x") and t / "f" / "run", "does not exist"),
+        (lambda t: (t / "empty").mkdir() or t / "empty", "not an ftkit run directory"),
+        (lambda t: os.symlink("loop", t / "loop") or t / "loop", "does not exist"),
+    ],
+    ids=["missing", "a-file", "under-a-file", "not-a-run", "a-symlink-loop"],
+)
+def test_run_dir_argument_is_one_line_exit_2(tmp_path: Path, make: Callable[[Path], Path], expect: str) -> None:
+    line = _one_error_line(run_ftkit("status", str(make(tmp_path))), ExitCode.USAGE)
+    assert expect in line, line
+
+
+@pytest.mark.parametrize(
+    ("damage", "expect"),
+    [
+        (
+            lambda r: [
+                flip_byte(r / "checkpoint-20/global_step20/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", o)
+                for o in range(4 * MiB, 4 * MiB + 16)
+            ],
+            "verification failed: checkpoint-20: global_step20/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt checksum",
+        ),
+        (lambda r: flip_byte(r / "final/model.safetensors", 100), "verification failed: final: model.safetensors"),
+        (lambda r: make_ckpt(r, 30), "verification failed: checkpoint-30: no commit record"),
+        (lambda r: _loop(r / "final"), "verification failed: final: not a directory"),
+    ],
+    ids=["flipped-shard", "flipped-final", "uncommitted", "final-loop"],
+)
+def test_verify_failure_exits_13_after_the_summary(
+    tmp_path: Path, damage: Mutation, expect: str, request: pytest.FixtureRequest
+) -> None:
+    run = make_run(tmp_path)
+    damage(run)
+    assert run_ftkit("status", str(run)).returncode == 0  # without --verify: a summary, not a verdict
+    for extra in ((), ("--json",)) if "flipped-shard" in request.node.name else ((),):
+        out = run_ftkit("status", str(run), "--verify", *extra)
+        line = _one_error_line(out, ExitCode.VERIFY_FAILED)
+        assert expect in line, line
+        assert ("verify_failures" if extra else "verify: every file checked against its checksum: 1 failed") in (
+            out.stdout
+        )
+
+
+def test_set_aside_checkpoints_do_not_fail_verify(tmp_path: Path) -> None:
+    run = make_run(tmp_path)
+    make_ckpt(run, 30)
+    from ftkit.checkpoints import select_resume
+
+    assert len(set_aside_newer(run, select_resume(run))) == 1
+    out = run_ftkit("status", str(run), "--verify")
+    assert (out.returncode, out.stderr) == (0, ""), out.stderr
+    assert "(set aside by a restart)" in out.stdout
+
+
+def test_plot_to_a_bad_path_is_one_line_exit_2(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    run = make_run(tmp_path)
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "adir").mkdir()
+    for bad in (tmp_path / "file" / "loss.png", tmp_path / "adir"):
+        line = _one_error_line(run_ftkit("status", str(run), "--plot", str(bad)), ExitCode.USAGE)
+        assert f"{bad}: cannot write the plot" in line, line
+    good = tmp_path / "plots" / "loss.png"
+    out = run_ftkit("status", str(run), "--plot", str(good))
+    assert (out.returncode, out.stderr) == (0, "") and good.read_bytes()[:4] == b"\x89PNG"
