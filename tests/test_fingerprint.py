@@ -221,3 +221,67 @@ def test_compute_is_cheap(setup):
     t0 = time.perf_counter()
     f = fp()
     assert f["seconds"] < 0.5 and time.perf_counter() - t0 < 5
+
+
+# ------------------------------------------------------------------------------------------- the rank side
+
+
+def _resumed(lr: float, state: dict | None, *, steps: int = 8, warmup: int = 2):
+    """An AdamW + HF cosine schedule as the Trainer builds them from TrainingArguments(learning_rate=lr), with a
+    checkpoint's optimizer and scheduler state loaded into them the way DeepSpeed/HF do on resume."""
+    import torch
+    from transformers import get_scheduler
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.AdamW([w], lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    sched = get_scheduler("cosine", optimizer=opt, num_warmup_steps=warmup, num_training_steps=steps)
+    if state is not None:
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+    return w, opt, sched
+
+
+def _train(w, opt, sched, n: int) -> None:
+    for _ in range(n):
+        (w**2).sum().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+
+def test_rank_applies_new_optimizer_values_after_the_checkpoint_is_loaded():
+    pytest.importorskip("torch")
+    import math
+
+    from ftkit.launch.train import apply_resume_overrides
+
+    w, opt, sched = _resumed(1e-3, None)
+    _train(w, opt, sched, 4)
+    ckpt = {"opt": opt.state_dict(), "sched": sched.state_dict()}
+
+    # The defect: a new learning rate in TrainingArguments alone is overwritten by the checkpoint's state.
+    _, opt2, sched2 = _resumed(5e-4, ckpt)
+    assert sched2.base_lrs == [1e-3] and opt2.param_groups[0]["initial_lr"] == 1e-3
+
+    overrides = {
+        "train.learning_rate": 5e-4,
+        "train.weight_decay": 0.1,
+        "train.adam_beta2": 0.95,
+        "train.adam_epsilon": 1e-6,
+        "data.max_seq_len": 64,
+    }
+    lines = apply_resume_overrides(overrides, opt2, sched2)
+    assert len(lines) == 5 and lines[-1] == "data.max_seq_len: 64 (applied through the new spec)"
+
+    def cosine(step: int, warmup: int = 2, total: int = 8) -> float:
+        if step < warmup:
+            return step / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
+
+    g = opt2.param_groups[0]
+    assert g["lr"] == pytest.approx(5e-4 * cosine(4)) and sched2.get_last_lr() == [g["lr"]]
+    assert g["weight_decay"] == 0.1 and g["betas"] == (0.9, 0.95) and g["eps"] == 1e-6
+    for step in range(5, 8):  # and the schedule goes on from the new peak
+        _train(w, opt2, sched2, 1)
+        assert sched2.get_last_lr()[0] == pytest.approx(5e-4 * cosine(step))
