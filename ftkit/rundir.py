@@ -116,20 +116,53 @@ class RunDir:
 
 
 def atomic_write(path: Path, data: str | bytes, *, fsync: bool = True) -> None:
-    """Replace ``path`` in one step: readers see the old or the new content, never a torn one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    """Replace ``path`` in one step: readers see the old or the new content, never a torn one.
+
+    The file gets the mode a plain ``open()`` would give it (0666 less the umask; mkstemp alone makes 0600). On
+    any error the temp file is removed; an OSError from writing or renaming names ``path`` (not the temp file).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)  # an error here names the directory that could not be made
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from e
     try:
         with os.fdopen(fd, "wb") as fh:
+            os.fchmod(fh.fileno(), creation_mode())
             fh.write(data.encode() if isinstance(data, str) else data)
             if fsync:
                 fh.flush()
                 os.fsync(fh.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        _unlink_quietly(tmp)
+        if e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from e
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        _unlink_quietly(tmp)
         raise
+
+
+def _unlink_quietly(tmp: str) -> None:
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+
+
+def creation_mode() -> int:
+    """0666 less this process's umask: the mode ``open(path, "w")`` gives a new file."""
+    try:  # Linux >= 4.7 shows it without changing it (os.umask can only be read by setting it)
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:

@@ -485,7 +485,10 @@ def _launched_devices(ds: SimpleNamespace, cmd, slots: dict[str, int], tmp_path:
 def test_slot_selection_reaches_the_ranks(
     ds: SimpleNamespace, write_recipe, tmp_path: Path, engine: str, text: str, include, exclude
 ) -> None:
-    from ftkit.cli.launch import launch_inputs
+    try:
+        from ftkit.launcher import launch_inputs
+    except ImportError:  # before launch_inputs moved out of the CLI
+        from ftkit.launcher import launch_inputs
     from ftkit.command import build_launch
     from ftkit.configs import load_and_plan
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from ..configs import default_out_dir, load_and_plan
-from ..errors import ExitCode
+from ..errors import ExitCode, os_error
 from ..render import render_files
 from .options import out_option, overrides_argument, recipe_argument
 
@@ -18,7 +18,7 @@ from .options import out_option, overrides_argument, recipe_argument
     "check",
     epilog="""\b
 Examples:
-  ftkit check recipe.yaml            # in CI: exit 0 in sync, 1 drifted (diff printed), 2 bad recipe
+  ftkit check recipe.yaml            # in CI: exit 0 in sync, 1 drifted (diff printed), 2 bad recipe or path
   ftkit check recipe.yaml -o deploy
 """,
 )
@@ -38,6 +38,10 @@ def command(recipe: str, out: str | None, overrides: tuple[str, ...]) -> None:
             click.echo(f"{path}: missing (run `ftkit render {recipe}`)")
             drifted += 1
             continue
+        except (OSError, UnicodeDecodeError) as e:  # a directory, a path under a file, unreadable: not drift
+            if isinstance(e, UnicodeDecodeError):
+                e = OSError(0, f"not UTF-8 text ({e.reason} at byte {e.start})", str(path))
+            raise os_error(e, path, "cannot read") from None
         if on_disk != fresh:
             drifted += 1
             diff = difflib.unified_diff(

@@ -22,7 +22,7 @@ Examples:
   ftkit init . --template cpu-demo --force
 """,
 )
-@click.argument("directory", default=".", type=click.Path(file_okay=False, path_type=str))
+@click.argument("directory", default=".", type=click.Path(path_type=str))
 @click.option(
     "--template",
     "-t",
@@ -40,11 +40,11 @@ def command(directory: str, template: str, force: bool) -> None:
         "recipe.yaml": read_template(RECIPE_TEMPLATES[template][0]),
         "hostfile": read_template(HOSTFILE_TEMPLATE),
     }
+    if out.exists() and not out.is_dir():
+        raise UserError(Problem("exists and is not a directory; name a directory to write into", file=str(out)))
     existing = [out / name for name in targets if (out / name).exists()]
     if existing and not force:
         raise UserError([Problem("already exists; pass --force to overwrite", file=str(p)) for p in existing])
-    if out.exists() and not out.is_dir():
-        raise UserError(Problem("exists and is not a directory", file=str(out)))
-    for path in write_files(out, targets):
+    for path in write_files(out, targets):  # all or nothing; an OS error names the path (exit 2, 12 for no space)
         click.echo(f"wrote {path}")
     click.echo(f"next: edit {out / 'recipe.yaml'} (model.path, data.train), then `ftkit plan {out / 'recipe.yaml'}`")

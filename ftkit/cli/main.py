@@ -1,17 +1,21 @@
 """The ``ftkit`` command group and its single exit point for errors.
 
 Library code raises :class:`ftkit.errors.FtkitError`; here, and only here, it becomes a message on stderr (one
-line per problem, no traceback) and the documented exit code.
+line per problem, no traceback) and the documented exit code. Two safety nets sit beside it: an ``OSError`` that
+no command turned into an FtkitError (a full disk, a read-only or unreadable place) becomes one line naming the
+path (exit 12 for no space, else 2), and Ctrl-C becomes one line and exit 130 (click would say "Aborted!", exit 1).
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import sys
 
 import click
 
 from .. import __version__
-from ..errors import FtkitError
+from ..errors import ExitCode, FtkitError, Problem, UserError, os_error
 
 EPILOG = """\b
 Examples:
@@ -28,9 +32,70 @@ class FtkitGroup(click.Group):
         try:
             return super().invoke(ctx)
         except FtkitError as e:
-            for line in e.lines():
-                click.echo(f"ftkit: error: {line}", err=True)
-            sys.exit(e.exit_code)
+            _fail(e)
+        except OSError as e:
+            if e.filename is None and _stdout_broken(e):
+                if e.errno == errno.EPIPE:
+                    sys.exit(ExitCode.OK)  # `ftkit schema | head`: the reader had enough
+                _fail(os_error(e, "standard output", "writing"))
+            _fail(from_os_error(e))
+        except RuntimeError as e:
+            if not str(e).startswith("Symlink loop from "):
+                raise
+            # Path.resolve() on Python < 3.13 reports a symlink loop as RuntimeError, not OSError(ELOOP)
+            path = str(e).removeprefix("Symlink loop from ").strip("'\"")
+            _fail(from_os_error(OSError(errno.ELOOP, "symlink loop", path)))
+        except KeyboardInterrupt:
+            click.echo("ftkit: interrupted (Ctrl-C)", err=True)
+            sys.exit(ExitCode.SIGINT)
+
+
+_WHAT = {
+    errno.EROFS: "read-only file system; write somewhere else",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.ENOTDIR: "a part of this path is a file, not a directory",
+    errno.EISDIR: "is a directory, expected a file",
+    errno.ELOOP: "too many levels of symbolic links (a symlink loop?)",
+    errno.ENOENT: "no such file or directory",
+    errno.EEXIST: "already exists",
+    errno.ENAMETOOLONG: "file name too long",
+}
+
+
+def from_os_error(e: OSError) -> FtkitError:
+    """The safety net's one line for an OSError no command handled: the path(s) it names and what went wrong."""
+    where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return os_error(e, where or "a device ftkit writes to", "writing")
+    what = _WHAT.get(e.errno or -1) or e.strerror or type(e).__name__
+    return UserError(Problem(what, file=where or None))
+
+
+def _fail(e: FtkitError) -> None:
+    for line in e.lines():
+        click.echo(f"ftkit: error: {line}", err=True)
+    sys.exit(e.exit_code)
+
+
+def _stdout_broken(e: OSError) -> bool:
+    """Whether ``e`` came from click.echo writing to standard output (a full /dev/full, a closed pipe). If so, point
+    standard output at /dev/null, so the interpreter's own flush at exit does not print a second error (exit 120)."""
+    tb = e.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "echo" and frame.f_globals.get("__name__") == "click.utils":
+            try:
+                to_stdout = frame.f_locals["file"].fileno() == sys.stdout.fileno()
+            except (KeyError, AttributeError, OSError, ValueError):
+                to_stdout = False
+            if to_stdout:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+                os.close(devnull)
+                return True
+        tb = tb.tb_next
+    return False
 
 
 @click.group(cls=FtkitGroup, epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})

@@ -1,23 +1,27 @@
-"""Options shared by several commands, declared once so their help text is identical everywhere."""
+"""Options shared by several commands, declared once so their help text is identical everywhere.
+
+Path arguments leave file/directory checks to the code that opens them, so a wrong kind of path gets ftkit's one
+line naming it (``ftkit: error: PATH: ...``, exit 2) like every other problem, not click's usage block.
+"""
 
 from __future__ import annotations
 
 import click
 
-recipe_argument = click.argument("recipe", type=click.Path(dir_okay=False, path_type=str), metavar="RECIPE")
+recipe_argument = click.argument("recipe", type=click.Path(path_type=str), metavar="RECIPE")
 overrides_argument = click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 out_option = click.option(
     "-o",
     "--out",
     "out",
-    type=click.Path(file_okay=False, path_type=str),
+    type=click.Path(path_type=str),
     default=None,
     help="Directory for ds_config.json and accelerate.yaml (default: configs/ beside the recipe).",
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table.")
 hostfile_option = click.option(
     "--hostfile",
-    type=click.Path(dir_okay=False, path_type=str),
+    type=click.Path(path_type=str),
     default=None,
     help="Hostfile (host slots=N per line); same as cluster.hostfile=FILE.",
 )

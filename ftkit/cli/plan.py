@@ -32,6 +32,9 @@ Examples:
   ftkit plan recipe.yaml
   ftkit plan recipe.yaml cluster.gpus_per_node=4 model.gradient_checkpointing=true
   ftkit plan recipe.yaml --json | jq .selected
+\b
+Exit codes: 0 the plan fits, 10 nothing fits (or the recipe's own choice does not; the table says what would),
+2 bad recipe, hostfile or model config.
 """,
 )
 @recipe_argument
@@ -99,4 +102,4 @@ def command(recipe: str, overrides: tuple[str, ...], as_json: bool) -> None:
         for s in rep.suggestions:
             click.echo(f"  - {s}")
     if (sel is not None and not sel.fits) or (rep.auto and rep.choice.chosen is None):
-        sys.exit(ExitCode.DRIFT)  # 1: a finding (does not fit), not a usage error
+        sys.exit(ExitCode.NOTHING_FITS)  # a finding (does not fit), not a usage error; 1 is `ftkit check` drift

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -35,23 +36,45 @@ def _ds_reference(plan: Plan, out_dir: Path) -> str:
 
 
 def write_files(out_dir: Path, files: dict[str, str]) -> list[Path]:
-    """Write all files or none: each goes to a temp file first, then all are renamed into place."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """Write all files or none: each goes to a temp file first, then all are renamed into place.
+
+    Files get the mode a plain ``open()`` would give them (0666 less the umask), not mkstemp's 0600. An OSError
+    (no space, read-only, not a directory, ...) becomes an FtkitError naming the path, with no temp file left.
+    """
+    from ..errors import os_error
+    from ..rundir import creation_mode
+
+    if out_dir.exists() and not out_dir.is_dir():
+        raise os_error(NotADirectoryError(errno.ENOTDIR, "not a directory", str(out_dir)), out_dir, "cannot write")
     staged: list[tuple[str, Path]] = []
+    target: Path | None = None  # the file being written; None while making the directory
     try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        mode = creation_mode()
         for name, text in files.items():
+            target = out_dir / name
             fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=out_dir)
+            staged.append((name, Path(tmp)))
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                os.fchmod(fh.fileno(), mode)
                 fh.write(text)
                 fh.flush()
                 os.fsync(fh.fileno())
-            staged.append((name, Path(tmp)))
         written = []
         for name, tmp in staged:
-            os.replace(tmp, out_dir / name)
-            written.append(out_dir / name)
+            target = out_dir / name
+            os.replace(tmp, target)
+            written.append(target)
         return written
+    except OSError as e:
+        # Name the file being written, not its temp name; while making directories, the one that failed.
+        where = target if target is not None else (e.filename or out_dir)
+        raise os_error(_with_path(e, where), where, "cannot write") from None
     finally:
         for _, tmp in staged:
             if tmp.exists():
                 tmp.unlink()
+
+
+def _with_path(e: OSError, path: object) -> OSError:
+    return OSError(e.errno, e.strerror, str(path))
