@@ -293,10 +293,20 @@ SECTIONS: tuple[Section, ...] = (
             _f("backoff_s", "float", 10, "First wait before a restart; doubles each time, with jitter.", minimum=0),
             _f("backoff_max_s", "float", 300, "Longest wait between restarts.", minimum=0),
             _f(
+                "checksum",
+                "choice",
+                "full",
+                "How each checkpoint file is checksummed at save: full (every byte, XXH3-128, several GB/s per "
+                "core) or sampled (about 1.1 MiB of each file over 8 MiB: only for checkpoints too large to read "
+                "once per save; misses a flipped block between samples).",
+                choices=("full", "sampled"),
+            ),
+            _f(
                 "verify_checksums",
                 "bool",
-                False,
-                "Verify checkpoint checksums (not only presence and sizes) before resuming.",
+                True,
+                "Before resuming, re-read every file of each checkpoint considered against its checksum (false: "
+                "sizes only, a faster restart that misses same-size corruption).",
             ),
         ),
     ),
