@@ -512,3 +512,35 @@ def test_slot_selection_shows_in_dry_run(tmp_path: Path, write_recipe) -> None:
         out = run_ftkit(*argv, "--dry-run", cwd=tmp_path)
         assert out.returncode == 0, out.stderr
         assert shown in out.stdout, out.stdout
+
+
+@pytest.mark.slow
+def test_deepspeed_runner_puts_the_selected_ranks_on_the_selected_devices(tmp_path: Path, write_recipe) -> None:
+    """The real DeepSpeed runner, fed ftkit's argv (the training module swapped for a stub that prints what it
+    sees): `--include localhost:1,3` on `localhost slots=4` starts 2 ranks with CUDA_VISIBLE_DEVICES=1,3."""
+    try:
+        from ftkit.launcher import launch_inputs
+    except ImportError:
+        from ftkit.cli.launch import launch_inputs
+    from ftkit.command import TRAIN_MODULE, build_launch
+    from ftkit.configs import load_and_plan
+
+    (tmp_path / "stub").mkdir()
+    (tmp_path / "stub" / "showdev.py").write_text(
+        "import os\nprint('SEEN', os.environ['RANK'], os.environ['LOCAL_RANK'], os.environ['CUDA_VISIBLE_DEVICES'])\n"
+    )
+    (tmp_path / "hostfile").write_text("localhost slots=4\n")
+    overrides = [f"cluster.hostfile={tmp_path / 'hostfile'}", "cluster.engine=deepspeed", "cluster.master_port=29617"]
+    plan = load_and_plan(str(write_recipe()), overrides, include="localhost:1,3")
+    cmd = build_launch(launch_inputs(plan), {**os.environ, "DS_ACCELERATOR": "cpu"})
+    for path, text in cmd.files.items():
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text)
+    (node,) = cmd.nodes
+    argv = list(node.argv)
+    argv = [*argv[: argv.index(TRAIN_MODULE)], "showdev"]
+    env = {**node.env, "PYTHONPATH": str(tmp_path / "stub")}
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = sorted(line.split()[1:] for line in out.stdout.splitlines() if line.startswith("SEEN"))
+    assert seen == [["0", "0", "1,3"], ["1", "1", "1,3"]], out.stdout[-3000:]
