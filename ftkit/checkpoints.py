@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import re
 import secrets
@@ -77,6 +78,7 @@ _SAMPLED = "blake2b-sampled"  # the opt-in sampled digest (unchanged since versi
 _ALGORITHMS = frozenset({_XXH3, _BLAKE2B, _SAMPLED})
 _DIGEST_BYTES = 16  # 128 bits: ample against accidental collisions, keeps the record small
 _READ_BYTES = 4 * 1024 * 1024
+_MANIFEST_THREADS = 4  # per rank; several ranks share a node's cores
 
 
 class CommitError(FtkitError):
@@ -169,18 +171,30 @@ class SampleSpec:
 DEFAULT_SPEC = SampleSpec()
 
 
-def _hash_file(path: str | os.PathLike[str], h: Any) -> str:
-    buf = bytearray(_READ_BYTES)
-    view = memoryview(buf)
+def _hash_file(path: str | os.PathLike[str], h: Any, *, use_mmap: bool = False) -> str:
+    """Feed every byte of ``path`` to ``h``; returns its hex digest.
+
+    ``use_mmap`` hashes the page cache in place instead of copying it into a buffer first: about twice as fast
+    here (4.9 vs 2.5 GB/s for a cached 1 GiB file), which matters on the save path. But a file truncated while
+    mapped kills the reader with SIGBUS rather than raising, so only a caller that owns the file (the rank that
+    just wrote it, before the barrier) may ask for it; verification, which may run beside other processes
+    (``ftkit status --verify`` during a run), reads.
+    """
     with open(path, "rb", buffering=0) as f:
+        if use_mmap and os.fstat(f.fileno()).st_size > 0:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                h.update(m)
+            return h.hexdigest()
+        buf = bytearray(_READ_BYTES)
+        view = memoryview(buf)
         while n := f.readinto(buf):
             h.update(view[:n])
     return h.hexdigest()
 
 
-def full_checksum(path: str | os.PathLike[str]) -> str:
+def full_checksum(path: str | os.PathLike[str], *, use_mmap: bool = False) -> str:
     """``xxh3_128:<hex>`` over every byte: the default (several GB/s per core from the page cache, plus I/O)."""
-    return f"{_XXH3}:{_hash_file(path, xxhash.xxh3_128())}"
+    return f"{_XXH3}:{_hash_file(path, xxhash.xxh3_128(), use_mmap=use_mmap)}"
 
 
 def blake2b_checksum(path: str | os.PathLike[str]) -> str:
@@ -307,15 +321,23 @@ def manifest_part(
     if checksum not in CHECKSUM_MODES:
         raise ValueError(f"checksum must be one of {', '.join(CHECKSUM_MODES)}, got {checksum!r}")
     ckpt = Path(ckpt_dir)
-    part: dict[str, dict[str, Any]] = {}
-    for rel in files_owned_by_rank(ckpt, rank, world_size):
+
+    def one(rel: str) -> tuple[str, dict[str, Any]]:
         path = ckpt / rel
         if fsync:
             _fsync_path(path)
         size = path.stat().st_size
-        digest = full_checksum(path) if checksum == "full" else sampled_checksum(path, spec)
-        part[rel] = {"size": size, "checksum": digest, "rank": rank}
-    return part
+        # This rank wrote the file and nobody touches it before the barrier: safe to hash it mapped.
+        digest = full_checksum(path, use_mmap=True) if checksum == "full" else sampled_checksum(path, spec)
+        return rel, {"size": size, "checksum": digest, "rank": rank}
+
+    files = files_owned_by_rank(ckpt, rank, world_size)
+    if len(files) <= 1:
+        return dict(map(one, files))
+    # A few threads: fsync and hashing release the GIL, and concurrent fsyncs share the filesystem's journal
+    # commits (rank 0 owns a dozen small files, each fsync otherwise waiting for its own device flush).
+    with ThreadPoolExecutor(max_workers=min(_MANIFEST_THREADS, len(files))) as pool:
+        return dict(pool.map(one, files))
 
 
 def _fsync_path(path: Path, directory: bool = False) -> None:
