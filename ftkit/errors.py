@@ -20,6 +20,12 @@ class ExitCode:
     NO_CHECKPOINT = 5  # a restart needed a valid checkpoint and none verified
     TRAINING_FAILED = 6  # the job failed in a way a restart cannot fix (e.g. the engine exited 0 without a model)
     HOST_LOST = 7  # a host was lost and cluster.min_nodes does not allow continuing without it
+    STOPPED = 8  # stopped on request after a committed save (graceful stop; reserved until it lands)
+    RESUME_MISMATCH = 9  # a resumed attempt recomputed logged steps and got other losses: resumed state is wrong
+    NOTHING_FITS = 10  # ftkit plan: no candidate fits the GPUs (a finding, not a usage error)
+    RUN_BUSY = 11  # the run directory is owned by a live job, or ranks of a dead supervisor still run
+    NO_SPACE = 12  # no space left on a device the run writes to
+    VERIFY_FAILED = 13  # ftkit status --verify: a checkpoint failed verification
     SIGINT = 130
     SIGTERM = 143
 
@@ -102,3 +108,25 @@ class TrainingFailed(FtkitError):
 
 class HostLost(FtkitError):
     exit_code = ExitCode.HOST_LOST
+
+
+class RunBusy(FtkitError):
+    """Another live job owns the run directory (or a dead supervisor's ranks still run there)."""
+
+    exit_code = ExitCode.RUN_BUSY
+
+
+class NoSpace(FtkitError):
+    """A write failed with ENOSPC: one line naming the path."""
+
+    exit_code = ExitCode.NO_SPACE
+
+
+def os_error(e: OSError, path: object, doing: str) -> FtkitError:
+    """An OSError as one user-facing line naming the path: NoSpace (exit 12) for ENOSPC, else UserError (exit 2)."""
+    import errno
+
+    where = str(getattr(e, "filename", None) or path)
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return NoSpace(f"{doing}: no space left on {where}")
+    return UserError(Problem(f"{doing}: {e.strerror or e}", file=where))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from .plan import Plan
 from .render import render_files, write_files
@@ -10,13 +11,17 @@ from .rundir import RunDir, atomic_write
 from .spec import build_spec
 
 
-def prepare_run(plan: Plan, *, load_universal: bool = False) -> RunDir:
+def prepare_run(
+    plan: Plan, *, load_universal: bool = False, resume_overrides: dict[str, Any] | None = None
+) -> RunDir:
     """Write ``ftkit/ds_config.json``, ``ftkit/accelerate.yaml`` and ``ftkit/spec.json`` into the run directory.
 
     The run's copy of the configs uses absolute paths (it is not meant to be checked in), and is rewritten at
     every launch so a changed recipe (e.g. more steps) takes effect when resuming. ``load_universal`` adds
     DeepSpeed's ``checkpoint.load_universal`` for the one attempt that resumes a converted checkpoint on a
-    different world size (see :mod:`ftkit.universal`).
+    different world size (see :mod:`ftkit.universal`). ``resume_overrides``: changed recipe values the user
+    allowed (``--allow-changes``) that a resumed attempt applies after loading its checkpoint; kept across the
+    attempts of one launch (a later shrink rewrites the spec with them too).
     """
     rd = RunDir(plan.recipe["train.output_dir"])
     files = render_files(plan, rd.meta, ds_path_in_yaml=str(rd.ds_config.resolve()))
@@ -25,6 +30,11 @@ def prepare_run(plan: Plan, *, load_universal: bool = False) -> RunDir:
         cfg["checkpoint"] = {"load_universal": True}
         files["ds_config.json"] = json.dumps(cfg, indent=2) + "\n"
     write_files(rd.meta, files)
-    spec = build_spec(plan, rd.path.resolve(), rd.ds_config.resolve())
+    if resume_overrides is None and rd.spec.is_file():
+        try:
+            resume_overrides = json.loads(rd.spec.read_text()).get("resume_overrides")
+        except (OSError, ValueError, AttributeError):
+            resume_overrides = None
+    spec = build_spec(plan, rd.path.resolve(), rd.ds_config.resolve(), resume_overrides=resume_overrides)
     atomic_write(rd.spec, json.dumps(spec, indent=2, default=str) + "\n")
     return rd

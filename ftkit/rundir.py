@@ -25,6 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+NEARLY_FULL = 16 * 1024 * 1024  # free bytes below which a failed write is taken for a full disk
+
 
 class RunDir:
     def __init__(self, path: str | os.PathLike[str]):

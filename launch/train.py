@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ftkit.errors import ExitCode, UserError
-from ftkit.rundir import RunDir, append_jsonl, atomic_write
+from ftkit.errors import ExitCode, FtkitError, NoSpace, UserError
+from ftkit.rundir import NEARLY_FULL, RunDir, append_jsonl, atomic_write
 
 PROBE_TOKENS = 16  # logits of the first tokens of the first example, saved after training to check the final model
 FAULT_ENV = "FTKIT_FAULT_INJECT"  # test-only fault injection, see Fault
@@ -117,7 +117,7 @@ class RankContext:
         }
         atomic_write(self.rd.pid_file(self.attempt, self.rank), json.dumps(rec), fsync=False)
 
-    def record_error(self, err: UserError) -> None:
+    def record_error(self, err: FtkitError) -> None:
         rec = {
             "rank": self.rank,
             "host": self.host,
@@ -461,6 +461,18 @@ def train(ctx: RankContext, resume: str | None) -> None:
     ctx.heartbeat("finished", trainer.state.global_step)
 
 
+def _watch_supervisor(ctx: RankContext) -> None:
+    """Stop by itself when ftkit launch is gone (launch/watchdog.py); resilience.orphan_timeout_s bounds it."""
+    from .watchdog import SupervisorWatchdog
+
+    try:
+        timeout = float(ctx.rd.read_spec()["recipe"]["resilience"]["orphan_timeout_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        timeout = 60.0
+    if not SupervisorWatchdog(ctx.rd, timeout).start():
+        print("ftkit: no supervisor owns this run directory: not watching for one", flush=True)
+
+
 def _exit_on_sigterm(signum: int, frame: Any) -> None:  # noqa: ARG001
     raise SystemExit(128 + signum)
 
@@ -482,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         _redirect_output(ctx.rd.rank_log(args.attempt, ctx.rank))
     ctx.record_pid()
     ctx.heartbeat("starting")
+    _watch_supervisor(ctx)
     print(
         f"ftkit rank {ctx.rank}/{ctx.world_size} on {ctx.host} pid {os.getpid()} attempt {args.attempt} "
         f"resume={args.resume}",
@@ -490,11 +503,42 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(ctx, args.resume)
     except UserError as e:
-        ctx.record_error(e)
-        for line in e.lines():
-            print(f"ftkit: error: {line}", file=sys.stderr, flush=True)
-        return e.exit_code if e.exit_code else ExitCode.USAGE
+        return _report(ctx, e)
+    except Exception as e:  # noqa: BLE001 - only a full disk is turned into a record; the rest re-raises
+        if not _no_space(e, ctx.rd.path):
+            raise
+        import traceback
+
+        traceback.print_exc()
+        return _report(ctx, NoSpace(f"no space left on {getattr(e, 'filename', None) or ctx.rd.path}"))
     return 0
+
+
+def _report(ctx: RankContext, e: FtkitError) -> int:
+    """An error a restart cannot fix: a record for the supervisor (best effort: the disk may be full) and one line."""
+    try:
+        ctx.record_error(e)
+    except OSError:
+        pass  # the supervisor still sees the exit, and checks the free space itself
+    for line in e.lines():
+        print(f"ftkit: error: {line}", file=sys.stderr, flush=True)
+    return e.exit_code if e.exit_code else ExitCode.USAGE
+
+
+def _no_space(e: BaseException, run_dir: Path) -> bool:
+    """ENOSPC however the library reports it: OSError, torch.save's "file write failed", safetensors' StorageFull."""
+    import errno
+    import shutil
+
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(e)
+    if "No space left" in text or "StorageFull" in text:
+        return True
+    try:
+        return "write failed" in text and shutil.disk_usage(run_dir).free < NEARLY_FULL
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":

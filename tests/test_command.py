@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import random
-
 from ftkit.command import LaunchInputs, build_launch, describe, forwarded_env
-from ftkit.errors import ExitCode
 from ftkit.procs import exit_meaning
-from ftkit.supervise import NO_PROGRESS_LIMIT, RestartPolicy
 
 BASE_ENV = {
     "PATH": "/usr/bin",
@@ -139,23 +135,3 @@ def test_exit_meanings():
     assert exit_meaning(-9) == "killed by SIGKILL"
     assert "SIGTERM" in exit_meaning(143)
     assert exit_meaning(1) == "exit 1"
-
-
-def test_restart_policy_budget_backoff_and_no_progress():
-    p = RestartPolicy(max_restarts=3, backoff_s=10, backoff_max_s=25, rng=random.Random(0))
-    d1 = p.on_failure(step=7, newest_commit=4)
-    assert d1.restart and 5.0 <= d1.delay_s <= 10.0
-    d2 = p.on_failure(step=11, newest_commit=8)  # progress since: a new incident, not a repeat
-    assert d2.restart and 10.0 <= d2.delay_s <= 20.0
-    d3 = p.on_failure(step=15, newest_commit=12)
-    assert d3.restart and 12.5 <= d3.delay_s <= 25.0  # capped at backoff_max_s
-    d4 = p.on_failure(step=19, newest_commit=16)
-    assert not d4.restart and d4.exit_code == ExitCode.BUDGET_EXHAUSTED and "3 of 3" in d4.reason
-
-
-def test_restart_policy_gives_up_on_repeats_without_progress():
-    p = RestartPolicy(max_restarts=10, backoff_s=0, backoff_max_s=0, rng=random.Random(0))
-    decisions = [p.on_failure(step=6, newest_commit=4) for _ in range(NO_PROGRESS_LIMIT + 1)]
-    assert all(d.restart for d in decisions[:-1])
-    assert not decisions[-1].restart and "no new committed checkpoint" in decisions[-1].reason
-    assert decisions[-1].exit_code == ExitCode.BUDGET_EXHAUSTED

@@ -235,7 +235,7 @@ def test_nested_config_hidden_size(write_recipe, model_dir):
 def test_a_hostfile_naming_only_this_machine_needs_no_ssh(write_recipe, tmp_path):
     import socket
 
-    from ftkit.cli.launch import launch_inputs
+    from ftkit.launcher import launch_inputs
     from ftkit.command import build_launch
 
     hf = tmp_path / "hostfile"

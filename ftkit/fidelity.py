@@ -1,0 +1,92 @@
+"""Resume fidelity: a resumed attempt recomputes steps an earlier attempt already logged; they must agree.
+
+On CPU a run resumed from checkpoint k reproduces the uninterrupted run's losses bit for bit; on GPUs
+non-deterministic kernels allow a small relative difference (``resilience.resume_tolerance``). A larger one means the
+resumed state is not the logged one (the "resume succeeds but the loss jumps" reports: DeepSpeed#6691, a universal
+checkpoint fix in DeepSpeed PR#7601). Beyond the tolerance: an event and a warning; beyond 10x: the run stops
+(exit 9). Only steps whose logging window lies wholly after the resume point are compared: HF Trainer logs the mean
+loss since its last log, and the first log after a resume averages fewer steps than the original one did.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+STOP_FACTOR = 10
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    step: int
+    what: str  # "loss" or "grad_norm"
+    logged: float
+    now: float
+    logged_attempt: int
+    rel: float
+    stop: bool
+
+    def message(self, tolerance: float) -> str:
+        verdict = (
+            f"more than {STOP_FACTOR}x resume_tolerance={tolerance:g}"
+            if self.stop
+            else (f"over resume_tolerance={tolerance:g}")
+        )
+        return (
+            f"step {self.step} recomputed after the resume: {self.what} {self.now:.6g}, attempt "
+            f"{self.logged_attempt} logged {self.logged:.6g} (relative difference {self.rel:.2e}, {verdict})"
+        )
+
+
+def _rel(a: float, b: float) -> float:
+    if a == b:
+        return 0.0
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf
+    return abs(a - b) / max(abs(a), abs(b), 1e-12)
+
+
+@dataclass
+class FidelityCheck:
+    """Compares each metric of the running attempt with what earlier attempts logged for the same step."""
+
+    tolerance: float
+    logging_steps: int
+    resume_step: int | None
+    logged: dict[int, Mapping[str, Any]] = field(default_factory=dict)  # step -> the earlier attempt's metric
+
+    @classmethod
+    def from_metrics(
+        cls,
+        metrics: Iterable[Mapping[str, Any]],
+        attempt: int,
+        tolerance: float,
+        logging_steps: int,
+        resume_step: int | None,
+    ) -> FidelityCheck:
+        logged: dict[int, Mapping[str, Any]] = {}
+        for m in metrics:
+            if isinstance(m, Mapping) and isinstance(m.get("step"), int) and isinstance(m.get("loss"), (int, float)):
+                if isinstance(m.get("attempt"), int) and m["attempt"] < attempt:
+                    logged[m["step"]] = m  # the latest earlier attempt's value wins
+        return cls(tolerance, max(1, logging_steps), resume_step, logged)
+
+    def observe(self, m: Mapping[str, Any]) -> list[Mismatch]:
+        step = m.get("step")
+        if self.resume_step is None or not isinstance(step, int) or step not in self.logged:
+            return []
+        if step - self.resume_step < self.logging_steps:
+            return []  # the first window after a resume is shorter than the logged one
+        old = self.logged[step]
+        out = []
+        for what in ("loss", "grad_norm"):
+            a, b = old.get(what), m.get(what)
+            if not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
+                continue
+            rel = _rel(float(a), float(b))
+            if rel > self.tolerance:
+                stop = rel > STOP_FACTOR * self.tolerance
+                out.append(Mismatch(step, what, float(a), float(b), int(old.get("attempt", -1)), rel, stop))
+        return out

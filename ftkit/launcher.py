@@ -1,0 +1,214 @@
+"""``ftkit launch`` as a library call: plan → own the run directory → preflight → decide the resume → write the
+run's configs and spec → supervise → summary.
+
+The order is the contract of DESIGN §7: nothing of the run directory (spec, configs, checkpoints) is written
+before the run is owned (:mod:`ftkit.owner`) and the resume decision is made: which checkpoint, and whether what
+changed since it was saved may be applied (:mod:`ftkit.fingerprint`). A refused launch leaves the directory as it
+found it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .command import LaunchInputs, build_launch, describe
+from .configs import load_and_plan
+from .errors import ExitCode, FtkitError, RecipeError
+from .plan import Plan, build_plan
+from .rundir import RunDir
+
+
+def launch_inputs(plan: Plan, attempt: int = 0, resume: str | None = None) -> LaunchInputs:
+    r = plan.recipe
+    return LaunchInputs(
+        engine=r["cluster.engine"],
+        hosts=tuple(plan.hosts),
+        master_addr=plan.master_addr,
+        master_port=plan.master_port,
+        run_dir=str(Path(r["train.output_dir"]).resolve()),
+        attempt=attempt,
+        resume=resume,
+        accelerator=r["cluster.accelerator"],
+        python=sys.executable,
+        name=r["name"],
+        ssh_config=r["cluster.ssh_config"],
+        devices=dict(plan.devices),
+    )
+
+
+def plan_summary(plan: Plan) -> str:
+    hosts = ", ".join(f"{h} ({n})" for h, n in plan.hosts)
+    off = f", optimizer offload {plan.offload_optimizer}" if plan.offload_optimizer != "none" else ""
+    off += f", parameter offload {plan.offload_params}" if plan.offload_params != "none" else ""
+    r = plan.recipe
+    steps = f"{r['train.max_steps']} steps" if r["train.max_steps"] else f"{r['train.epochs']} epochs"
+    return (
+        f"plan: {r['cluster.engine']} on {plan.num_nodes} node(s): {hosts}; world size {plan.world_size}; "
+        f"ZeRO-{plan.stage}{off}; batch {plan.global_batch_size} = micro {plan.micro_batch_size} x accum "
+        f"{plan.grad_accum} x {plan.world_size} ranks; {steps}; {'LoRA' if r.has_peft else 'full fine-tuning'}, "
+        f"{r['train.precision']}\nrun directory: {r['train.output_dir']}"
+    )
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    recipe: str
+    overrides: tuple[str, ...] = ()
+    include: str | None = None
+    exclude: str | None = None
+    dry_run: bool = False
+    takeover: bool = False
+    allow_changes: tuple[str, ...] = ()
+
+
+class Interrupted(FtkitError):
+    """A signal before supervision began (during preflight): nothing was started, exit 128+N."""
+
+    def __init__(self, signum: int):
+        self.exit_code = 128 + signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name} before anything was started")
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:  # noqa: ARG001
+    raise Interrupted(signum)
+
+
+def ssh_args_of(plan: Plan) -> list[str]:
+    cfg = plan.recipe["cluster.ssh_config"]
+    return ["-F", cfg] if cfg else []
+
+
+def launch(req: LaunchRequest, echo: Callable[[str], None] = print) -> int:
+    """Run the job; returns the exit code (README "Exit codes"). Raises FtkitError for what ends it before start."""
+    plan = load_and_plan(req.recipe, req.overrides, include=req.include, exclude=req.exclude)
+    echo(plan_summary(plan))
+    if req.dry_run:
+        echo(dry_run(plan))
+        return ExitCode.OK
+    r = plan.recipe
+    data = Path(r["data.train"])
+    if not data.is_file():
+        what = "is a directory, expected a file" if data.is_dir() else "file not found"
+        raise RecipeError(r.problem("data.train", f"{data}: {what}"))
+    # Until the supervisor installs its own handlers, a signal ends the launch at once (subprocess.run kills a
+    # running ssh probe when the exception passes through it): exit 128+N, nothing started.
+    old = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return _owned_launch(plan, req, echo)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _owned_launch(plan: Plan, req: LaunchRequest, echo: Callable[[str], None]) -> int:
+    from .owner import Ownership, stop_records
+    from .preflight import run_preflight
+
+    r = plan.recipe
+    rd = RunDir(r["train.output_dir"])
+    ssh_args = ssh_args_of(plan)
+    ownership = Ownership(rd, ssh_args)
+    ownership.acquire(takeover=req.takeover, teardown=lambda recs: stop_records(recs, ssh_args, echo))
+    try:
+        report = run_preflight(
+            hosts=plan.hosts,
+            master_addr=plan.master_addr,
+            master_port=plan.master_port,
+            run_dir=rd.path,
+            engine=r["cluster.engine"],
+            ssh_args=ssh_args,
+        )
+        sup = _supervisor(plan, rd, ssh_args, echo)
+        choice = sup.select()
+        if choice.exit_code is not None:
+            sup.events.attempt = sup.rd.next_attempt()
+            return sup.apply(choice).exit_code or ExitCode.NO_CHECKPOINT
+        overrides, changes = _check_changes(plan, choice, req.allow_changes, echo)
+        from .prepare import prepare_run
+
+        prepare_run(plan, resume_overrides=overrides)
+        sup.events.attempt = sup.rd.next_attempt()
+        if ownership.taken_over:
+            sup.events("takeover", f"took the run over: stopped {len(ownership.taken_over)} orphaned rank(s)")
+        if changes:
+            sup.events("resume_changes", None, changes=changes)
+        sup.check_fidelity = not overrides  # recomputed steps legitimately differ after an allowed change
+        sup.events("preflight", "preflight passed: " + "; ".join(report.checks), versions=report.versions)
+        code = sup.run(first=choice)
+    finally:
+        ownership.release()
+    from .runstatus import format_summary, summarize
+
+    try:
+        echo(format_summary(summarize(rd.path)))
+    except (OSError, ValueError) as e:
+        echo(f"ftkit: cannot summarise {rd.path}: {e}")
+    return code
+
+
+def _check_changes(
+    plan: Plan, choice: Any, allow: Iterable[str], echo: Callable[[str], None]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Compare what shapes training now with what the chosen checkpoint was saved with; refuse (exit 2, nothing
+    written) what the user did not allow. Returns the spec's resume_overrides and the changes for events.jsonl."""
+    from .fingerprint import compare, compute
+
+    allow = [k.strip() for item in allow for k in item.split(",") if k.strip()]
+    if choice.resume is None:
+        if allow:
+            echo("ftkit: note: --allow-changes has no effect: nothing to resume from")
+        return {}, []
+    recorded = ((choice.record or {}).get("extra") or {}).get("fingerprint")
+    check = compare(recorded, compute(plan), allow)
+    for note in check.notes:
+        echo(f"ftkit: note: {note}")
+    check.raise_if_refused()
+    for line in check.lines():
+        echo(f"ftkit: changed since {Path(choice.resume).name}: {line}")
+    return check.overrides(), [c.to_json() for c in check.applied]
+
+
+def _supervisor(plan: Plan, rd: RunDir, ssh_args: list[str], echo: Callable[[str], None]):
+    from .prepare import prepare_run
+    from .supervise import Supervisor
+
+    r = plan.recipe
+    return Supervisor(
+        rd=rd,
+        inputs=launch_inputs(plan),
+        base_env=dict(os.environ),
+        resilience={k.split(".", 1)[1]: v for k, v in r.values.items() if k.startswith("resilience.")},
+        stage=plan.stage,
+        world_size=plan.world_size,
+        max_steps=r["train.max_steps"],
+        logging_steps=r["train.logging_steps"],
+        ssh_args=ssh_args,
+        echo=echo,
+        min_nodes=r["cluster.min_nodes"],
+        replan=lambda hosts: build_plan(r, hosts=hosts),
+        prepare=lambda p, universal: prepare_run(p, load_universal=universal),
+    )
+
+
+def dry_run(plan: Plan) -> str:
+    """What a launch would start (per-node argv and environment), and who owns the run directory now. Reads only."""
+    from .checkpoints import select_resume
+    from .owner import owner_state, read_owner
+
+    rd = RunDir(plan.recipe["train.output_dir"])
+    lines = []
+    resume = None
+    if rd.path.is_dir():
+        sel = select_resume(rd.path, world_size=plan.world_size, stage=plan.stage)
+        resume = str(sel.chosen) if sel.chosen else None
+        owner = read_owner(rd)
+        if owner is not None and owner_state(owner, ssh_args_of(plan)) != "dead":
+            lines.append(f"note: a live job owns {rd.path} ({owner.describe()}): a launch now would be refused")
+    lines.append(describe(build_launch(launch_inputs(plan, rd.next_attempt(), resume), dict(os.environ))))
+    return "\n".join(lines)

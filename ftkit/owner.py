@@ -1,0 +1,367 @@
+"""Who owns a run directory: one live supervisor per run (DESIGN §7).
+
+``ftkit launch`` holds two things for its whole life, both under ``RUN_DIR/ftkit/``:
+
+* ``lock``: an ``fcntl.flock`` on an open file. The kernel drops it when the process dies, however it dies, so on
+  a local file system a second launch can never slip in. flock is not reliable on every shared file system (NFS
+  versions differ), hence the second guard:
+* ``owner.json``: the owner record (host, pid, process start time, boot id, time, argv), created with
+  ``link()`` of a complete temp file, which fails if the record exists, on NFS too. A record naming a process that
+  still runs, on its host, is a live owner whatever the lock says.
+
+The owner is *dead* only when its pid with that start time is gone on its host (checked locally, or over ssh),
+never because a heartbeat is old: clocks and shared file systems lie. A dead owner's record is stale; before it is
+replaced, the ranks of its last attempt are looked up in their pid records: if any still runs (the supervisor was
+SIGKILLed, its terminal closed), the launch refuses unless ``--takeover`` is given, which tears them down on every
+host first.
+
+``supervisor.json`` is the supervisor's heartbeat (rewritten every :data:`HEARTBEAT_S` seconds by a thread). Ranks
+watch it (and the owner's pid when it is on their host) and stop by themselves when the supervisor has been gone
+for ``resilience.orphan_timeout_s`` (see ``ftkit.launch.watchdog``).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import Problem, RunBusy, UserError, os_error
+from .procs import is_alive, is_this_machine, proc_start_time, ssh_run
+from .rundir import RunDir, atomic_write
+
+HEARTBEAT_S = 2.0  # how often the supervisor rewrites supervisor.json
+
+
+def boot_id() -> str:
+    """This boot's id: a pid and start time mean nothing across a reboot."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def this_host() -> str:
+    return socket.gethostname()
+
+
+@dataclass(frozen=True)
+class Owner:
+    host: str
+    pid: int
+    start_time: int | None
+    boot_id: str = ""
+    time: float = 0.0
+    argv: tuple[str, ...] = ()
+
+    @classmethod
+    def me(cls) -> Owner:
+        pid = os.getpid()
+        return cls(this_host(), pid, proc_start_time(pid), boot_id(), round(time.time(), 3), tuple(sys.argv))
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Owner:
+        return cls(
+            str(data["host"]),
+            int(data["pid"]),
+            None if data.get("start_time") is None else int(data["start_time"]),
+            str(data.get("boot_id", "")),
+            float(data.get("time", 0.0)),
+            tuple(str(a) for a in data.get("argv", ())),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps({**self.__dict__, "argv": list(self.argv)}) + "\n"
+
+    def describe(self) -> str:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.time)) if self.time else "?"
+        return f"pid {self.pid} on {self.host}, started {since}"
+
+    @property
+    def local(self) -> bool:
+        return is_this_machine(self.host) or self.host == this_host()
+
+
+def owner_state(owner: Owner, ssh_args: list[str]) -> str:
+    """'alive', 'dead' or 'unknown' (its host cannot be reached)."""
+    if owner.local:
+        if owner.boot_id and owner.boot_id != boot_id():
+            return "dead"  # recorded before a reboot of this machine
+        return "alive" if is_alive(owner.pid, owner.start_time) else "dead"
+    check = f"cut -d' ' -f22 /proc/{int(owner.pid)}/stat 2>/dev/null; echo ."
+    ok, out = ssh_run(owner.host, check, ssh_args, 10)
+    if not ok:
+        return "unknown"
+    first = out.split()[0] if out.split() else "."
+    if first == ".":
+        return "dead"
+    return "alive" if owner.start_time is None or first == str(owner.start_time) else "dead"
+
+
+def read_owner(rd: RunDir) -> Owner | None:
+    """The owner record, or None when there is none. A malformed record is a user-facing error."""
+    path = rd.meta / "owner.json"
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise UserError(Problem(f"cannot read the owner record: {e.strerror}", file=str(path))) from None
+    try:
+        return Owner.from_json(json.loads(text))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise UserError(
+            Problem("owner record is malformed; if no job runs here, delete it and launch again", file=str(path))
+        ) from None
+
+
+def live_ranks(rd: RunDir) -> list[dict[str, Any]]:
+    """Pid records of the newest attempt whose processes still run on this machine (remote ones are listed too:
+    they cannot be checked without ssh, and teardown handles them)."""
+    attempt = rd.next_attempt() - 1
+    if attempt < 0:
+        return []
+    out = []
+    for rec in rd.records("pids", attempt):
+        try:
+            local = is_this_machine(rec["host"]) or rec.get("hostname") == this_host()
+            if not local or is_alive(int(rec["pid"]), rec.get("start_time")):
+                out.append(rec)
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out
+
+
+@dataclass
+class Ownership:
+    """Held by ``ftkit launch`` for its whole life: ``acquire()`` first, ``release()`` in a ``finally``."""
+
+    rd: RunDir
+    ssh_args: list[str] = field(default_factory=list)
+    me: Owner = field(default_factory=Owner.me)
+    _fd: int | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+    taken_over: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def owner_path(self) -> Path:
+        return self.rd.meta / "owner.json"
+
+    @property
+    def heartbeat_path(self) -> Path:
+        return self.rd.meta / "supervisor.json"
+
+    def acquire(self, *, takeover: bool = False, teardown: Callable[[list[dict[str, Any]]], Any] | None = None) -> None:
+        """Become the run's owner or raise RunBusy naming who owns it and how to stop it."""
+        meta = self.rd.meta
+        try:
+            meta.mkdir(parents=True, exist_ok=True)
+            fd = os.open(meta / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise os_error(e, meta / "lock", "cannot create the run directory's lock") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            other = self._read_quietly()
+            who = other.describe() if other else "another ftkit launch"
+            raise RunBusy(self._busy(who)) from None
+        self._fd = fd
+        try:
+            self._claim(takeover, teardown)
+        except BaseException:
+            self.release()
+            raise
+        self._start_heartbeat()
+
+    def _read_quietly(self) -> Owner | None:
+        try:
+            return read_owner(self.rd)
+        except UserError:
+            return None
+
+    def _busy(self, who: str) -> str:
+        return (
+            f"{self.rd.path}: a live job owns this run directory ({who}); "
+            f"stop it with `ftkit stop {self.rd.path}` or use another train.output_dir"
+        )
+
+    def _claim(self, takeover: bool, teardown: Callable[[list[dict[str, Any]]], Any] | None) -> None:
+        for _ in range(3):
+            old = read_owner(self.rd)
+            if old is not None:
+                state = owner_state(old, self.ssh_args)
+                if state == "alive":
+                    raise RunBusy(self._busy(old.describe()))
+                if state == "unknown" and not takeover:
+                    raise RunBusy(
+                        f"{self.rd.path}: the owner record names {old.describe()}, and {old.host} cannot be reached "
+                        "to tell whether it still runs; if it does not, launch with --takeover"
+                    )
+            orphans = live_ranks(self.rd)
+            if orphans:
+                names = ", ".join(f"rank {r.get('rank')} pid {r.get('pid')} on {r.get('host')}" for r in orphans[:4])
+                if not takeover:
+                    raise RunBusy(
+                        f"{self.rd.path}: its supervisor is gone but ranks of its last attempt still run ({names}); "
+                        f"launch with --takeover to stop them and continue, or `ftkit stop --force {self.rd.path}`"
+                    )
+                if teardown is not None:
+                    teardown(orphans)
+                self.taken_over = orphans
+            if old is not None:
+                stale = self.owner_path.with_name(f".owner.stale-{secrets.token_hex(4)}")
+                try:
+                    os.rename(self.owner_path, stale)
+                    stale.unlink()
+                except FileNotFoundError:
+                    pass  # another launcher moved it first; the link below decides who wins
+            if self._link_record():
+                return
+        raise RunBusy(self._busy("another ftkit launch starting at the same moment"))
+
+    def _link_record(self) -> bool:
+        tmp = self.owner_path.with_name(f".owner.{os.getpid()}.{secrets.token_hex(4)}")
+        atomic_write(tmp, self.me.to_json())
+        try:
+            os.link(tmp, self.owner_path)  # atomic and exclusive, NFS included
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _start_heartbeat(self) -> None:
+        def beat() -> None:
+            seq = 0
+            while True:
+                seq += 1
+                try:
+                    atomic_write(
+                        self.heartbeat_path,
+                        json.dumps({"pid": self.me.pid, "host": self.me.host, "seq": seq, "time": time.time()}),
+                        fsync=False,
+                    )
+                except OSError:
+                    pass  # a full disk: the supervisor reports it where it writes; ranks then see silence
+                if self._stop.wait(HEARTBEAT_S):
+                    return
+
+        self._thread = threading.Thread(target=beat, name="ftkit-supervisor-heartbeat", daemon=True)
+        self._thread.start()
+
+    def release(self) -> None:
+        """Stop the heartbeat, remove the owner record (only if it is still ours) and drop the lock."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        try:
+            current = read_owner(self.rd)
+        except UserError:
+            current = None
+        if current is not None and current.pid == self.me.pid and current.host == self.me.host:
+            for p in (self.owner_path, self.heartbeat_path):
+                try:
+                    p.unlink()
+                except OSError:
+                    pass
+        if self._fd is not None:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            finally:
+                os.close(self._fd)
+                self._fd = None
+
+
+# ----------------------------------------------------------------------------------------------------- stopping
+
+
+def stop_records(records: list[dict[str, Any]], ssh_args: list[str], echo: Callable[[str], None] = print) -> bool:
+    """Tear down the processes of pid records on every host (ranks and their per-node agents), then their /dev/shm
+    buffers. True when nothing is left."""
+    from .procs import remove_shm, targets_from_records, teardown
+
+    res = teardown([], targets_from_records(records), grace_s=10.0, ssh_args=ssh_args)
+    remove_shm([r for r in records if r.get("host") not in set(res.unreachable)], ssh_args)
+    stopped = len(res.signalled)
+    echo(f"ftkit: stopped {stopped} process(es) of the run" + (f"; left: {', '.join(res.left)}" if res.left else ""))
+    if res.unreachable:
+        echo(f"ftkit: could not reach {', '.join(sorted(set(res.unreachable)))}: stop its processes there by hand")
+    return res.clean
+
+
+def _ssh_args_from_spec(rd: RunDir) -> list[str]:
+    try:
+        cfg = json.loads(rd.spec.read_text())["recipe"]["cluster"]["ssh_config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return ["-F", str(cfg)] if cfg else []
+
+
+def _signal_owner(owner: Owner, ssh_args: list[str]) -> None:
+    import signal
+
+    if owner.local:
+        if is_alive(owner.pid, owner.start_time):
+            os.kill(owner.pid, signal.SIGTERM)
+        return
+    check = f'[ "$(cut -d" " -f22 /proc/{int(owner.pid)}/stat 2>/dev/null)" = "{owner.start_time}" ]'
+    ssh_run(owner.host, f"{check} && kill -TERM {int(owner.pid)}; true", ssh_args, 10)
+
+
+def stop_run(run_dir: str, *, force: bool = False, timeout: float = 120.0, echo: Callable[[str], None] = print) -> int:
+    """``ftkit stop``: SIGTERM the live supervisor and wait until it and the ranks are gone; with ``force``, when
+    the supervisor is gone (or cannot be reached), tear the ranks down by their pid records. Exit 0 when nothing of
+    the run is left, 11 (RUN_BUSY) when something is."""
+    from .errors import ExitCode
+
+    rd = RunDir(run_dir)
+    if not rd.meta.is_dir():
+        raise UserError(Problem("not an ftkit run directory (no ftkit/)", file=str(run_dir)))
+    ssh_args = _ssh_args_from_spec(rd)
+    owner = read_owner(rd)
+    state = owner_state(owner, ssh_args) if owner else "dead"
+    if state == "alive":
+        assert owner is not None
+        echo(f"ftkit: asking its supervisor ({owner.describe()}) to stop")
+        _signal_owner(owner, ssh_args)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and owner_state(owner, ssh_args) == "alive":
+            time.sleep(0.2)
+        if owner_state(owner, ssh_args) == "alive":
+            echo(f"ftkit: error: the supervisor ({owner.describe()}) still runs after {timeout:g}s")
+            return ExitCode.RUN_BUSY
+    elif state == "unknown" and not force:
+        assert owner is not None
+        echo(
+            f"ftkit: error: {owner.host} cannot be reached to stop the supervisor ({owner.describe()}); "
+            "use --force to stop the ranks by their pid records"
+        )
+        return ExitCode.RUN_BUSY
+    left = live_ranks(rd)
+    if left:
+        if not force:
+            names = ", ".join(f"rank {r.get('rank')} pid {r.get('pid')} on {r.get('host')}" for r in left[:4])
+            echo(
+                f"ftkit: error: its supervisor is gone but ranks still run ({names}); "
+                f"use `ftkit stop --force {run_dir}`"
+            )
+            return ExitCode.RUN_BUSY
+        if not stop_records(left, ssh_args, echo):
+            return ExitCode.RUN_BUSY
+    echo(f"ftkit: nothing of the run in {run_dir} is running")
+    return ExitCode.OK

@@ -1,0 +1,77 @@
+"""Continuing on fewer hosts: find the lost ones, and convert a checkpoint to DeepSpeed's universal format.
+
+After a teardown the supervisor probes every remote host of the attempt (:func:`probe_hosts`). When some are lost
+and ``cluster.min_nodes`` allows it (:func:`ftkit.decide.decide` says SHRINK), the job is replanned on the rest
+keeping the global batch, and the newest committed checkpoint, saved by more ranks, is converted with DeepSpeed's
+``ds_to_universal`` (:func:`convert_newest`) and loaded with ``checkpoint.load_universal`` for one attempt.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .checkpoints import Selection, Verdict, set_aside_newer
+from .errors import ExitCode
+from .procs import LOCAL_HOSTS, ssh_run
+
+
+def probe_hosts(hosts: list[tuple[str, int]], ssh_args: list[str], timeout: float = 10) -> list[str]:
+    """Remote hosts that ssh cannot reach now (ssh ``true``)."""
+    lost = []
+    for host, _ in hosts:
+        if host in LOCAL_HOSTS:
+            continue
+        ok, _ = ssh_run(host, "true", ssh_args, timeout)
+        if not ok:
+            lost.append(host)
+    return lost
+
+
+def convert_newest(
+    sel: Selection, incompatible: list[Verdict], world_size: int, events: Callable[..., None]
+) -> str | int | None:
+    """Convert the newest intact checkpoint saved with another world size (newer than any compatible one) to the
+    universal format. Returns its path, an exit code (refused), or None when a compatible checkpoint is newer."""
+    from .universal import ConversionError, convert_to_universal
+
+    v = max(incompatible, key=lambda x: x.step or -1)
+    if sel.step is not None and (v.step or -1) <= sel.step:
+        return None
+    assert v.path is not None
+    if v.kind != "world_size_mismatch":
+        events(
+            "refused",
+            f"{v.reason}: a different ZeRO stage cannot be resumed; launch with the original zero.stage",
+            checkpoint=str(v.path),
+        )
+        return ExitCode.NO_CHECKPOINT
+    record: dict[str, Any] = v.record or {}
+    tag = record.get("tag") or (v.path / "latest").read_text().strip()
+    t0 = time.monotonic()
+    try:
+        convert_to_universal(v.path, tag)
+    except ConversionError as e:
+        events("refused", f"{e}; cannot resume on {world_size} rank(s)", checkpoint=str(v.path))
+        return ExitCode.NO_CHECKPOINT
+    events(
+        "converted",
+        f"converted {v.path.name} ({record.get('world_size')} ranks) to DeepSpeed's universal checkpoint for "
+        f"{world_size} rank(s) in {time.monotonic() - t0:.1f}s",
+        checkpoint=str(v.path),
+        from_world_size=record.get("world_size"),
+        to_world_size=world_size,
+    )
+    # Newer torn checkpoints are moved aside as usual; older compatible ones stay.
+    for dst in set_aside_newer(v.path.parent, Selection(chosen=v.path, step=v.step, verdict=v, rejected=[])):
+        events("set_aside", f"moved {dst.name.split('.rejected')[0]} aside to {dst.name}", dst=str(dst))
+    events(
+        "checkpoint_chosen",
+        f"resuming from {v.path.name} (step {v.step}, commit verified, universal format)",
+        checkpoint=str(v.path),
+        step=v.step,
+        universal=True,
+    )
+    return str(Path(v.path))

@@ -1,0 +1,107 @@
+"""Ranks watch their supervisor, as the supervisor watches them (DESIGN §7).
+
+A rank whose ``ftkit launch`` is gone (SIGKILLed, its terminal or ssh session closed, its head node lost) must not
+train on unwatched, holding GPUs with no hang detection and no restarts. A daemon thread in every rank looks every
+:data:`POLL_S` seconds at the run's owner record and the supervisor heartbeat (``ftkit/owner.json``,
+``ftkit/supervisor.json``, see :mod:`ftkit.owner`):
+
+* the supervisor counts as *seen* when its pid (with its start time) is alive on this host, or when the heartbeat's
+  content changed since the last look (timed on this rank's own monotonic clock, so clock skew between hosts and
+  attribute caching of a shared file system only delay detection, never fake it);
+* when it has not been seen for ``resilience.orphan_timeout_s`` (default 60), or the owner record names another
+  supervisor (a ``--takeover``), the rank removes the run's /dev/shm buffers on this host and SIGTERMs itself.
+  Its engine agent (torchrun, DeepSpeed's launcher) then stops the node's other ranks, which also notice on their own.
+
+Bound: a rank stops at most ``orphan_timeout_s + POLL_S`` seconds after its supervisor died (plus the time the
+engine's agent takes to stop its peers, about a second). With graceful stop (save on request), it will save first.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from ftkit.owner import Owner, owner_state
+from ftkit.procs import SHM_DIR, SHM_PREFIX
+from ftkit.rundir import RunDir
+
+POLL_S = 2.0
+
+
+class SupervisorWatchdog:
+    def __init__(self, rd: RunDir, timeout_s: float, log=print, clock=time.monotonic):
+        self.rd = rd
+        self.timeout_s = float(timeout_s)
+        self.log = log
+        self.clock = clock
+        self.owner = self._owner()
+        self.last_seen = clock()
+        self._beat: str | None = None
+        self._stop = threading.Event()
+
+    def _owner(self) -> Owner | None:
+        try:
+            return Owner.from_json(json.loads((self.rd.meta / "owner.json").read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def check(self) -> str | None:
+        """One look; returns why the rank must stop, or None."""
+        now = self.clock()
+        current = self._owner()
+        if self.owner is not None and current is not None and current.pid != self.owner.pid:
+            return f"another supervisor took the run over ({current.describe()})"
+        if self.owner is None and current is not None:
+            self.owner = current
+        try:
+            beat = (self.rd.meta / "supervisor.json").read_text()
+        except OSError:
+            beat = None
+        if beat is not None and beat != self._beat:
+            self._beat = beat
+            self.last_seen = now
+        elif self.owner is not None and self.owner.local and owner_state(self.owner, []) == "alive":
+            self.last_seen = now
+        if now - self.last_seen > self.timeout_s:
+            who = self.owner.describe() if self.owner else "unknown"
+            return f"supervisor ({who}) not seen for {now - self.last_seen:.0f}s (orphan_timeout_s={self.timeout_s:g})"
+        return None
+
+    def start(self) -> bool:
+        """Start watching; False (nothing started) when no supervisor owns the run (the entry run by hand)."""
+        if self.owner is None:
+            return False
+        threading.Thread(target=self._run, name="ftkit-supervisor-watchdog", daemon=True).start()
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            why = self.check()
+            if why:
+                self.log(f"ftkit: {why}: this rank stops itself", flush=True)
+                remove_own_shm()
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+
+def remove_own_shm() -> None:
+    """DeepSpeed's CPU collectives name their buffers after MASTER_ADDR/MASTER_PORT and never remove them."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not (addr and port):
+        return
+    pattern = f"{SHM_PREFIX}*_{addr}_{port}_*"
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        if fnmatch.fnmatchcase(name, pattern):
+            try:
+                Path(SHM_DIR, name).unlink()
+            except OSError:
+                pass

@@ -1,0 +1,155 @@
+"""The supervisor's decisions without spawning anything: failure kind x history -> restart / shrink / stop, startup
+and hang detection on a fake clock, and resume fidelity."""
+
+from __future__ import annotations
+
+import random
+import signal
+
+import pytest
+
+from ftkit.decide import (
+    NO_PROGRESS_LIMIT,
+    Action,
+    FailureKind,
+    Progress,
+    RestartPolicy,
+    Situation,
+    decide,
+    interrupted_code,
+)
+from ftkit.errors import ExitCode
+from ftkit.fidelity import FidelityCheck
+
+
+def policy(**kw) -> RestartPolicy:
+    base = {"max_restarts": 3, "backoff_s": 10, "backoff_max_s": 25, "rng": random.Random(0)}
+    return RestartPolicy(**{**base, **kw})
+
+
+def test_restart_policy_budget_backoff_and_no_progress():
+    p = policy()
+    d1 = p.on_failure(step=7, newest_commit=4)
+    assert d1.restart and d1.action is Action.RESTART and 5.0 <= d1.delay_s <= 10.0
+    d2 = p.on_failure(step=11, newest_commit=8)  # progress since: a new incident, not a repeat
+    assert d2.restart and 10.0 <= d2.delay_s <= 20.0
+    d3 = p.on_failure(step=15, newest_commit=12)
+    assert d3.restart and 12.5 <= d3.delay_s <= 25.0  # capped at backoff_max_s
+    d4 = p.on_failure(step=19, newest_commit=16)
+    assert not d4.restart and d4.exit_code == ExitCode.BUDGET_EXHAUSTED and "3 of 3" in d4.reason
+
+
+def test_restart_policy_gives_up_on_repeats_without_progress():
+    p = policy(max_restarts=10, backoff_s=0, backoff_max_s=0)
+    decisions = [p.on_failure(step=6, newest_commit=4) for _ in range(NO_PROGRESS_LIMIT + 1)]
+    assert all(d.restart for d in decisions[:-1])
+    assert not decisions[-1].restart and "no new committed checkpoint" in decisions[-1].reason
+    assert decisions[-1].exit_code == ExitCode.BUDGET_EXHAUSTED
+
+
+@pytest.mark.parametrize("kind", [FailureKind.EXIT, FailureKind.HANG, FailureKind.STARTUP])
+def test_restartable_failures_restart_within_budget(kind):
+    p = policy()
+    d = decide(Situation(kind, step=5, newest_commit=4), p)
+    assert d.action is Action.RESTART and d.exit_code == ExitCode.OK and p.used == 1
+
+
+@pytest.mark.parametrize(
+    ("kind", "code"),
+    [
+        (FailureKind.USER_ERROR, ExitCode.USAGE),
+        (FailureKind.NO_SPACE, ExitCode.NO_SPACE),
+        (FailureKind.RESUME_MISMATCH, ExitCode.RESUME_MISMATCH),
+    ],
+)
+def test_failures_a_restart_cannot_fix_stop_at_once_without_using_the_budget(kind, code):
+    p = policy()
+    d = decide(Situation(kind, step=5, newest_commit=4), p)
+    assert d.action is Action.STOP and d.exit_code == code and p.used == 0
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_interrupted_stops_with_128_plus_signal(sig, code):
+    d = decide(Situation(FailureKind.INTERRUPTED, signum=sig), policy())
+    assert d.action is Action.STOP and d.exit_code == code == interrupted_code(sig)
+    assert sig.name in d.reason
+
+
+def test_lost_host_with_all_nodes_required_stops_with_host_lost():
+    p = policy()
+    d = decide(Situation(FailureKind.HANG, step=9, lost_hosts=("node1",), nodes=2, min_nodes=None), p)
+    assert d.action is Action.STOP and d.exit_code == ExitCode.HOST_LOST and p.used == 0
+    assert "null (all nodes)" in d.reason
+
+
+def test_lost_host_within_min_nodes_shrinks_and_counts_a_restart():
+    p = policy()
+    d = decide(Situation(FailureKind.EXIT, step=9, lost_hosts=("node1",), nodes=2, min_nodes=1), p)
+    assert d.action is Action.SHRINK and d.restart and p.used == 1
+
+
+def test_losing_every_host_stops_even_with_min_nodes_zero():
+    d = decide(Situation(FailureKind.EXIT, lost_hosts=("a", "b"), nodes=2, min_nodes=0), policy())
+    assert d.action is Action.STOP and d.exit_code == ExitCode.HOST_LOST
+
+
+def test_shrink_still_respects_the_budget():
+    p = policy(max_restarts=0)
+    d = decide(Situation(FailureKind.EXIT, lost_hosts=("node1",), nodes=3, min_nodes=2), p)
+    assert d.action is Action.STOP and d.exit_code == ExitCode.BUDGET_EXHAUSTED
+
+
+def test_progress_startup_timeout_on_a_fake_clock():
+    pr = Progress(started=100.0, startup_timeout_s=30, hang_timeout_s=10)
+    pr.observe([{"rank": 0, "phase": "loading", "step": None, "time": 1}], now=105)
+    assert pr.failure(now=129, step=None) is None
+    kind, msg = pr.failure(now=131, step=None)
+    assert kind is FailureKind.STARTUP and "ranks heard from: [0]" in msg
+
+
+def test_progress_hang_is_timed_on_the_supervisor_clock_not_the_heartbeat_time():
+    pr = Progress(started=0.0, startup_timeout_s=30, hang_timeout_s=10)
+    pr.observe([{"rank": 0, "phase": "train", "step": 3, "time": 99999}], now=5)  # a rank clock far ahead
+    assert pr.failure(now=14, step=3) is None
+    pr.observe([{"rank": 0, "phase": "train", "step": 3, "time": 99999}], now=14)  # unchanged: no progress
+    kind, msg = pr.failure(now=15.5, step=3)
+    assert kind is FailureKind.HANG and "at step 3" in msg
+    pr.observe([{"rank": 0, "phase": "train", "step": 4, "time": 1}], now=16)  # changed, even if "older"
+    assert pr.failure(now=25, step=4) is None
+
+
+def test_progress_ignores_malformed_heartbeats():
+    pr = Progress(started=0.0, startup_timeout_s=30, hang_timeout_s=10)
+    pr.observe([{"phase": "train", "step": 1}, {"rank": "x", "phase": "train", "step": 1}], now=1)
+    assert not pr.first_step_seen
+
+
+def metrics(*rows):
+    return [{"step": s, "loss": loss, "grad_norm": g, "attempt": a} for s, loss, g, a in rows]
+
+
+def test_fidelity_identical_recomputed_steps_pass():
+    fc = FidelityCheck.from_metrics(metrics((5, 2.0, 1.0, 0), (6, 1.9, 0.9, 0)), 1, 0.0, 1, resume_step=4)
+    assert fc.observe({"step": 5, "loss": 2.0, "grad_norm": 1.0, "attempt": 1}) == []
+
+
+def test_fidelity_small_difference_warns_large_difference_stops():
+    fc = FidelityCheck.from_metrics(metrics((5, 2.0, 1.0, 0), (6, 4.41, 0.9, 0)), 1, 0.01, 1, resume_step=4)
+    (warn,) = fc.observe({"step": 5, "loss": 2.05, "grad_norm": 1.0})
+    assert warn.what == "loss" and not warn.stop and 0.01 < warn.rel < 0.1
+    (stop,) = fc.observe({"step": 6, "loss": 6.12, "grad_norm": 0.9})
+    assert stop.stop and "attempt 0 logged 4.41" in stop.message(0.01)
+
+
+def test_fidelity_skips_the_shorter_first_logging_window_and_new_steps():
+    logged = metrics((8, 3.0, 1.0, 0), (12, 2.0, 1.0, 0))
+    fc = FidelityCheck.from_metrics(logged, 1, 0.0, 4, resume_step=10)
+    assert fc.observe({"step": 12, "loss": 9.0, "grad_norm": 1.0}) == []  # window (10, 12] vs (8, 12]
+    assert fc.observe({"step": 16, "loss": 9.0}) == []  # never logged before
+
+
+def test_fidelity_off_for_a_fresh_start_and_reads_only_earlier_attempts():
+    fc = FidelityCheck.from_metrics(metrics((5, 2.0, 1.0, 0)), 1, 0.0, 1, resume_step=None)
+    assert fc.observe({"step": 5, "loss": 3.0}) == []
+    fc = FidelityCheck.from_metrics(metrics((5, 2.0, 1.0, 1)), 1, 0.0, 1, resume_step=4)  # same attempt: not history
+    assert fc.observe({"step": 5, "loss": 3.0}) == []
