@@ -11,6 +11,7 @@ cannot be read is reported as rejected, with the OS's reason.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoints import list_checkpoints, list_set_aside, read_commit, verify
-from .errors import ExitCode, FtkitError, Problem, UserError
+from .errors import ExitCode, FtkitError, NoSpace, Problem, UserError
 from .rundir import RunDir
 
 
@@ -263,6 +264,8 @@ def plot_losses(s: RunSummary, out: Path) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, format="png")
     except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise NoSpace(f"{out}: cannot write the plot: no space left on {e.filename or out.parent}") from None
         raise UserError(
             Problem(f"cannot write the plot ({e.strerror or e}) [give a writable file path]", file=str(out))
         ) from None

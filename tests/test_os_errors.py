@@ -239,9 +239,7 @@ def _temp_files(root: Path) -> list[Path]:
 
 
 # Cases that fail because of code outside this test's reach, each with whom it waits for.
-PENDING = {
-    "status-plot-no-space": "status --plot reports ENOSPC as exit 2, not 12 (runstatus.plot_losses / cli/status.py)",
-}
+PENDING: dict[str, str] = {}
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ Exit codes:
   0   summary printed (with --verify: every checkpoint-N and final/ verifies)
   2   RUN_DIR is not a readable ftkit run directory, ftkit/spec.json or a log is damaged,
       or --plot cannot be written (one line naming the path)
+  12  --plot: no space left on the device
   13  --verify: a checkpoint-N or final/ failed verification (printed after the summary;
       copies a restart set aside as checkpoint-N.rejected-* do not count)
 Malformed lines in events.jsonl or metrics.jsonl (not a JSON object, no numeric step or
