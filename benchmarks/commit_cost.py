@@ -1,42 +1,80 @@
-"""How much does ftkit's checkpoint commit cost compared with the save itself?
+"""What do ftkit's full-content checksums cost: at save (the commit) and at resume (verification)?
 
-Why: the commit (per-rank manifest with fsync + sampled checksums, then the atomic record) runs after every
-save, on the critical path of training. It must stay a small fraction of the save for big checkpoints, and
-resume-time verification must stay cheap enough for the supervisor to run before every relaunch.
+Why: every checkpoint file is hashed over its whole content (XXH3-128) right after the save and re-read against
+that hash before a resume, so a same-size corrupted shard can never resume as "verified". The commit runs on the
+critical path of training after every save and must stay a small share of the save (target <= 3%); verification
+runs before every restart and must stay short next to the restart itself.
 
-The benchmark writes a synthetic ``checkpoint-100/`` laid out like HF Trainer + DeepSpeed (``--shards``
-optimizer shards, one per rank, carrying the bulk of ``--size-gb``; plus model states, RNG files, trainer
-state), with real writes and fsync so the save time is what a disk really takes. Then it times, with the page
-cache dropped for the files (``posix_fadvise(DONTNEED)``, no root needed) so reads hit the disk:
+1. Hash speed, in memory (no I/O), one thread: xxh3_128 (the default), blake2b (the full checksum of commit
+   records version 1) and blake3 when it is installed. Picks the algorithm, and bounds what hashing can cost.
+2. For each ``--sizes`` (GiB): write a synthetic ``checkpoint-100/`` laid out like HF Trainer + DeepSpeed
+   (``--shards`` optimizer shards, one per rank, carrying the bulk; model states, RNG files, trainer state) with
+   real writes and an fsync per file, as a save that claims durability must; that is the "save". Then, as
+   ``launch/train.py`` does, right after the save with the data still in the page cache:
 
-* commit: ``manifest_part`` for every rank (run one after another here; in a real job they run in parallel,
-  so the "max rank" column is the wall time a job would see) + ``write_commit``;
-* verify (sizes only), the supervisor's default; verify with sampled checksums; and a thorough commit/verify
-  with full checksums (``--thorough``).
+   * commit: ``manifest_part`` for every rank (here one after another, in a real job in parallel, so the share
+     of the save is the same: the save's writes are spread over the ranks alike) + ``write_commit``;
+   * verify on resume with every byte checked (``verify`` with defaults, what ``select_resume`` does), once with
+     the page cache dropped for the files (``posix_fadvise(DONTNEED)``, "cold": a restart on a node that did not
+     write them, or long after) and once warm (a restart on the node that just wrote them); and sizes only;
+   * for comparison, the opt-in sampled commit (``resilience.checksum: sampled``).
 
-Usage: ``python benchmarks/commit_cost.py --size-gb 2 [--shards 8] [--dir /fast/disk] [--no-save-fsync]``.
-``--no-save-fsync`` writes like torch.save does (no fsync), so the commit's own fsync pays the writeback.
+Usage: ``python benchmarks/commit_cost.py [--sizes 2 8] [--shards 8] [--dir /fast/disk]``. Needs free disk and
+ideally free memory of the largest size (the warm numbers assume the checkpoint fits in the page cache).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import xxhash  # noqa: E402
 
 from ftkit.checkpoints import manifest_part, verify, write_commit  # noqa: E402
 
 CHUNK = 16 * 1024 * 1024
 
 
-def _write(path: Path, size: int, pattern: bytes, fsync: bool) -> None:
+def hash_speeds(mib: int = 512) -> dict[str, float]:
+    """GB/s (10^9 bytes) of each algorithm over ``mib`` MiB already in memory, one thread, best of 3."""
+    buf = os.urandom(64 * 1024 * 1024)
+    algos: dict[str, Callable[[], Any]] = {
+        "xxh3_128": xxhash.xxh3_128,
+        "blake2b": lambda: hashlib.blake2b(digest_size=16),
+    }
+    try:
+        import blake3  # type: ignore[import-not-found]
+
+        algos["blake3"] = blake3.blake3
+    except ImportError:
+        pass
+    out = {}
+    for name, make in algos.items():
+        rounds = max(1, mib // 64) if name != "blake2b" else max(1, mib // 256)  # blake2b is ~10x slower
+        best = float("inf")
+        for _ in range(3):
+            h = make()
+            t = time.perf_counter()
+            for _ in range(rounds):
+                h.update(buf)
+            h.digest()
+            best = min(best, time.perf_counter() - t)
+        out[name] = rounds * len(buf) / best / 1e9
+    return out
+
+
+def _write(path: Path, size: int, pattern: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb", buffering=0) as f:
         left = size
@@ -47,8 +85,7 @@ def _write(path: Path, size: int, pattern: bytes, fsync: bool) -> None:
             f.write(i.to_bytes(8, "little") + pattern[8:n])
             left -= n
             i += 1
-        if fsync:
-            os.fsync(f.fileno())
+        os.fsync(f.fileno())
 
 
 def _evict(root: Path) -> None:
@@ -63,110 +100,129 @@ def _evict(root: Path) -> None:
                 os.close(fd)
 
 
-def make_checkpoint(root: Path, size: int, shards: int, fsync: bool) -> Path:
+def make_checkpoint(root: Path, size: int, shards: int) -> Path:
     step = 100
     ckpt = root / f"checkpoint-{step}"
     tag = f"global_step{step}"
     pattern = os.urandom(CHUNK)
     shard_bytes = size // shards
     for r in range(shards):
-        _write(ckpt / tag / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt", shard_bytes, pattern, fsync)
-    _write(ckpt / tag / "mp_rank_00_model_states.pt", 4 * 1024 * 1024, pattern, fsync)
+        _write(ckpt / tag / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt", shard_bytes, pattern)
+    _write(ckpt / tag / "mp_rank_00_model_states.pt", 4 * 1024 * 1024, pattern)
     for r in range(shards):
-        _write(ckpt / f"rng_state_{r}.pth", 15 * 1024, pattern, fsync)
+        _write(ckpt / f"rng_state_{r}.pth", 15 * 1024, pattern)
     for name, n in [("scheduler.pt", 1064), ("training_args.bin", 5432), ("zero_to_fp32.py", 30_000)]:
-        _write(ckpt / name, n, pattern, fsync)
+        _write(ckpt / name, n, pattern)
     (ckpt / "config.json").write_text(json.dumps({"hidden_size": 4096}))
     (ckpt / "latest").write_text(tag)
     (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": []}))
-    if fsync:
-        for d in (ckpt / tag, ckpt, root):
-            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-            os.fsync(fd)
-            os.close(fd)
+    for d in (ckpt / tag, ckpt, root):
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        os.fsync(fd)
+        os.close(fd)
     return ckpt
 
 
-def run(size_gb: float, shards: int, base: Path, save_fsync: bool, thorough: bool) -> dict[str, float]:
+def _commit(ckpt: Path, shards: int, checksum: str) -> tuple[float, float]:
+    """(all ranks in series + record, slowest rank + record): a job's ranks hash in parallel on their own cores."""
+    per_rank, parts = [], []
+    for r in range(shards):
+        t = time.perf_counter()
+        parts.append(manifest_part(ckpt, r, shards, checksum=checksum))
+        per_rank.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    write_commit(ckpt, parts, step=100, world_size=shards, stage=2, recipe_hash="bench")
+    record_s = time.perf_counter() - t
+    return sum(per_rank) + record_s, max(per_rank) + record_s
+
+
+def _timed_verify(ckpt: Path, checksums: bool) -> float:
+    t = time.perf_counter()
+    v = verify(ckpt, checksums)
+    elapsed = time.perf_counter() - t
+    if not v.ok:
+        raise SystemExit(f"benchmark checkpoint did not verify: {v.reason}")
+    return elapsed
+
+
+def run(size_gib: float, shards: int, base: Path) -> dict[str, float]:
     root = Path(tempfile.mkdtemp(prefix="ftkit-commit-bench-", dir=base))
     try:
-        size = int(size_gb * 1024**3)
+        size = int(size_gib * 1024**3)
         t0 = time.perf_counter()
-        ckpt = make_checkpoint(root, size, shards, save_fsync)
+        ckpt = make_checkpoint(root, size, shards)
         save_s = time.perf_counter() - t0
-        if save_fsync:
-            _evict(root)  # without save fsync the data is still dirty: leave it, the commit must flush it
-
-        per_rank = []
-        parts = []
-        for r in range(shards):
-            t = time.perf_counter()
-            parts.append(manifest_part(ckpt, r, shards))
-            per_rank.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        write_commit(ckpt, parts, step=100, world_size=shards, stage=2, recipe_hash="bench")
-        record_s = time.perf_counter() - t
-
+        commit_s, commit_max_s = _commit(ckpt, shards, "full")  # right after the save: data in the page cache
+        out = {"size_gib": size / 1024**3, "save_s": save_s, "commit_s": commit_s, "commit_max_s": commit_max_s}
         _evict(root)
-        t = time.perf_counter()
-        v = verify(ckpt)
-        verify_sizes_s = time.perf_counter() - t
-        assert v.ok, v.reason
-        _evict(root)
-        t = time.perf_counter()
-        v = verify(ckpt, checksums=True)
-        verify_sampled_s = time.perf_counter() - t
-        assert v.ok, v.reason
-
-        out = {
-            "size_gib": size / 1024**3,
-            "save_s": save_s,
-            "commit_sum_s": sum(per_rank) + record_s,
-            "commit_max_s": max(per_rank) + record_s,
-            "verify_sizes_s": verify_sizes_s,
-            "verify_sampled_s": verify_sampled_s,
-        }
-        if thorough:
-            _evict(root)
-            t = time.perf_counter()
-            parts = [manifest_part(ckpt, r, shards, thorough=True) for r in range(shards)]
-            write_commit(ckpt, parts, step=100, world_size=shards, stage=2, recipe_hash="bench")
-            out["commit_full_s"] = time.perf_counter() - t
-            _evict(root)
-            t = time.perf_counter()
-            v = verify(ckpt, checksums=True)
-            out["verify_full_s"] = time.perf_counter() - t
-            assert v.ok, v.reason
+        out["verify_cold_s"] = _timed_verify(ckpt, True)
+        out["verify_warm_s"] = _timed_verify(ckpt, True)
+        out["verify_sizes_s"] = _timed_verify(ckpt, False)
+        out["commit_sampled_s"] = _commit(ckpt, shards, "sampled")[0]
         return out
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(" | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size-gb", type=float, default=2.0, help="total checkpoint size in GiB (default 2)")
+    ap.add_argument("--sizes", type=float, nargs="+", default=[2.0, 8.0], help="checkpoint sizes in GiB (2 8)")
     ap.add_argument("--shards", type=int, default=8, help="optimizer shard files = simulated ranks (default 8)")
     ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help="where to write (default: tmp)")
-    ap.add_argument("--no-save-fsync", action="store_true", help="save without fsync, like torch.save")
-    ap.add_argument("--thorough", action="store_true", help="also time a full-checksum commit and verify")
+    ap.add_argument("--no-hash-speed", action="store_true", help="skip the in-memory hash speed table")
     args = ap.parse_args(argv)
 
-    r = run(args.size_gb, args.shards, args.dir, not args.no_save_fsync, args.thorough)
-    cols = [
-        ("size GiB", f"{r['size_gib']:.2f}"),
-        ("save s", f"{r['save_s']:.2f}"),
-        ("commit s (ranks in series)", f"{r['commit_sum_s']:.3f}"),
-        ("commit s (max rank)", f"{r['commit_max_s']:.3f}"),
-        ("ratio %", f"{100 * r['commit_sum_s'] / r['save_s']:.2f}"),
-        ("verify sizes s", f"{r['verify_sizes_s']:.4f}"),
-        ("verify sampled s", f"{r['verify_sampled_s']:.3f}"),
+    if not args.no_hash_speed:
+        speeds = hash_speeds()
+        print("hash speed, in memory, one thread (GB/s):")
+        print(_table([list(speeds), [f"{v:.2f}" for v in speeds.values()]]))
+        if "blake3" not in speeds:
+            print("(blake3 not installed: pip install blake3 to compare)")
+        print()
+
+    rows = [
+        [
+            "size GiB",
+            "save s",
+            "commit s",
+            "% of save",
+            "max rank s",
+            "% of save",
+            "verify cold s",
+            "verify cold GB/s",
+            "verify warm s",
+            "verify sizes s",
+            "sampled commit s",
+        ]
     ]
-    if "commit_full_s" in r:
-        cols += [("commit full s", f"{r['commit_full_s']:.2f}"), ("verify full s", f"{r['verify_full_s']:.2f}")]
-    widths = [max(len(h), len(v)) for h, v in cols]
-    print(" | ".join(h.rjust(w) for (h, _), w in zip(cols, widths, strict=True)))
-    print(" | ".join(v.rjust(w) for (_, v), w in zip(cols, widths, strict=True)))
-    print(f"(save fsync: {'off' if args.no_save_fsync else 'on'}; page cache dropped before each timed read)")
+    for size in args.sizes:
+        r = run(size, args.shards, args.dir)
+        rows.append(
+            [
+                f"{r['size_gib']:.2f}",
+                f"{r['save_s']:.2f}",
+                f"{r['commit_s']:.3f}",
+                f"{100 * r['commit_s'] / r['save_s']:.2f}",
+                f"{r['commit_max_s']:.3f}",
+                f"{100 * r['commit_max_s'] / r['save_s']:.2f}",
+                f"{r['verify_cold_s']:.2f}",
+                f"{r['size_gib'] * 1024**3 / r['verify_cold_s'] / 1e9:.2f}",
+                f"{r['verify_warm_s']:.2f}",
+                f"{r['verify_sizes_s']:.4f}",
+                f"{r['commit_sampled_s']:.3f}",
+            ]
+        )
+    print(
+        f"commit = full xxh3_128 manifests of {args.shards} ranks + record (in series: one core does all the "
+        "hashing; max rank: ranks hash in parallel, as in a job); save = writes with fsync"
+    )
+    print(_table(rows))
+    print("(commit right after the save, data in the page cache; verify cold: page cache dropped for the files)")
     return 0
 
 
