@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import ipaddress
 import json
+import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,13 @@ except ImportError:  # pragma: no cover
 
 CLI = "command line"
 DEFAULT = "default"
+
+# Limits that keep a hostile or mistaken file from costing more than milliseconds: a recipe is a few KiB with a
+# few dozen keys. YAML aliases are allowed (``<<: *defaults``) but every use counts the aliased nodes again, so a
+# "billion laughs" file (a few hundred bytes expanding to 10^9 nodes) is refused before it is composed.
+MAX_RECIPE_BYTES = 1 << 20
+MAX_YAML_NODES = 10_000  # nodes after expanding aliases
+MAX_YAML_DEPTH = 32  # nesting depth (libyaml's composer recurses on the C stack: 100k levels crash it)
 
 
 @dataclass
@@ -87,7 +97,64 @@ class Recipe:
 # Reading YAML with line numbers
 
 
+def _yaml_limits(text: str, filename: str) -> None:
+    """Refuse alias bombs, recursive aliases and deep nesting from the event stream, before anything is composed.
+
+    Counts the nodes the document would have once every alias is expanded (an alias counts its anchor's whole
+    subtree again): linear in the file's size, so a bomb is refused in milliseconds.
+    """
+    sizes: dict[str, int] = {}  # anchor -> expanded node count of its (finished) subtree
+    stack: list[list] = []  # open collections: [count, anchor]
+    total = 0
+    try:
+        for ev in yaml.parse(text, Loader=_Loader):
+            line = ev.start_mark.line + 1 if ev.start_mark else None
+            if isinstance(ev, yaml.AliasEvent):
+                if any(anchor == ev.anchor for _, anchor in stack):
+                    raise RecipeError(
+                        Problem(f"recursive YAML alias *{ev.anchor} (it refers to itself)", file=filename, line=line)
+                    )
+                n = sizes.get(ev.anchor, 1)
+            elif isinstance(ev, yaml.ScalarEvent):
+                n = 1
+                if ev.anchor:
+                    sizes[ev.anchor] = 1
+            elif isinstance(ev, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+                stack.append([1, ev.anchor])
+                if len(stack) > MAX_YAML_DEPTH:
+                    raise RecipeError(
+                        Problem(
+                            f"nested deeper than {MAX_YAML_DEPTH} levels (a recipe is flat)", file=filename, line=line
+                        )
+                    )
+                n = 1
+            elif isinstance(ev, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+                count, anchor = stack.pop()
+                if anchor:
+                    sizes[anchor] = count
+                if stack:
+                    stack[-1][0] += count
+                continue
+            else:
+                continue
+            if stack and not isinstance(ev, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+                stack[-1][0] += n
+            total += n
+            if total > MAX_YAML_NODES:
+                raise RecipeError(
+                    Problem(
+                        f"YAML expands to more than {MAX_YAML_NODES} values (aliases like *{ev.anchor or 'x'} "
+                        "repeat whole subtrees: an alias bomb?); write the values out",
+                        file=filename,
+                        line=line,
+                    )
+                )
+    except yaml.YAMLError:
+        return  # composing reports the syntax error with its line
+
+
 def _compose(text: str, filename: str) -> yaml.Node | None:
+    _yaml_limits(text, filename)
     try:
         return yaml.compose(text, Loader=_Loader)
     except yaml.MarkedYAMLError as e:
@@ -108,12 +175,19 @@ def _to_python(node: yaml.Node) -> Any:
         loader.dispose()
 
 
-def _walk(node: yaml.Node, prefix: str, lines: dict[str, int]) -> None:
+def _walk(node: yaml.Node, prefix: str, lines: dict[str, int], dups: list[tuple[str, int, int]]) -> None:
+    """Record the line of every key (dotted) and collect duplicate keys as (key, first line, second line)."""
     if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
         for k, v in node.value:
             key = f"{prefix}{k.value}" if isinstance(k, yaml.ScalarNode) else f"{prefix}?"
-            lines[key] = k.start_mark.line + 1
-            _walk(v, key + ".", lines)
+            line = k.start_mark.line + 1
+            if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
+                if key in seen:
+                    dups.append((key, seen[key], line))
+                seen[key] = line
+            lines[key] = line
+            _walk(v, key + ".", lines, dups)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -143,8 +217,12 @@ def _coerce(f: Field, value: Any) -> tuple[Any, str | None]:
         if kind == "int" and isinstance(value, float) and value.is_integer() and abs(value) >= 1e3:
             return int(value), None  # allow 5e8 for bucket sizes
         if kind == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                return None, f"must be a finite number; got {value}"
             return float(value), None
         if kind in ("str", "path") and isinstance(value, str) and value:
+            return value, None
+        if kind == "host" and isinstance(value, str) and value:
             return value, None
         if kind == "choice" and isinstance(value, str) and value in f.choices:
             return value, None
@@ -171,6 +249,8 @@ def _describe(value: Any) -> str:
 
 
 def _bounds(f: Field, value: Any) -> str | None:
+    if isinstance(value, str):
+        return _text_problem(f, value)
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return None
     if f.exclusive_minimum is not None and not value > f.exclusive_minimum:
@@ -179,7 +259,44 @@ def _bounds(f: Field, value: Any) -> str | None:
         return f"must be at least {_num(f.minimum)}; got {_num(value)}"
     if f.maximum is not None and value > f.maximum:
         return f"must be at most {_num(f.maximum)}; got {_num(value)}"
+    if f.exclusive_maximum is not None and not value < f.exclusive_maximum:
+        return f"must be less than {_num(f.exclusive_maximum)}; got {_num(value)}"
     return None
+
+
+def _text_problem(f: Field, value: str) -> str | None:
+    """Grammar of text values that reach command lines (and, through engines, remote shells)."""
+    if value == "auto" and "auto" in f.type.split("|"):
+        return None
+    if "host" in f.type.split("|"):
+        return host_problem(value)
+    if f.pattern and not re.fullmatch(f.pattern, value):
+        return f"{f.pattern_doc or 'must match ' + f.pattern}; got {value!r}"
+    return None
+
+
+_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def host_problem(value: str) -> str | None:
+    """None when ``value`` is a host name (RFC 1123 labels) or an IPv4/IPv6 literal, else what is wrong."""
+    try:
+        ipaddress.ip_address(value)
+        return None
+    except ValueError:
+        pass
+    name = value[:-1] if value.endswith(".") else value  # a fully qualified name may end with a dot
+    labels = name.split(".")
+    if (
+        0 < len(name) <= 253
+        and all(_LABEL.fullmatch(label) for label in labels)
+        and not all(label.isdigit() for label in labels)  # 999.1.1.1 is a broken IP, not a name
+    ):
+        return None
+    return (
+        f"must be a host name (letters, digits, '-' and '.') or an IP address; got {value!r}"
+        " (quotes, spaces, '$', ';' and backticks are never part of an address)"
+    )
 
 
 def _num(x: float) -> str:
@@ -203,8 +320,13 @@ def parse_override(text: str) -> tuple[str, Any]:
     key = key.strip()
     if not key:
         raise RecipeError(Problem(f"override {text!r} has no key", file=CLI))
+    if len(raw) > 65536:
+        raise RecipeError(Problem(f"override {key}: value longer than 64 KiB", file=CLI, key=key))
     try:
+        _yaml_limits(raw, CLI)
         value = yaml.load(raw, Loader=_Loader) if raw.strip() else None
+    except RecipeError as e:
+        raise RecipeError([Problem(p.message, file=CLI, key=key) for p in e.problems]) from None
     except yaml.YAMLError:
         value = raw
     if isinstance(value, str):
@@ -232,16 +354,38 @@ def load_recipe(path: str | os.PathLike[str] | None, overrides: list[str] | tupl
     if path is not None:
         rpath = Path(path)
         try:
-            text = rpath.read_text(encoding="utf-8")
+            with open(rpath, "rb") as fh:  # read at most the cap (+1 to notice more): never a huge file or a pipe
+                blob = fh.read(MAX_RECIPE_BYTES + 1)
+            text = blob.decode("utf-8")
         except FileNotFoundError:
             raise RecipeError(Problem("recipe file not found", file=filename)) from None
         except IsADirectoryError:
             raise RecipeError(Problem("is a directory, expected a recipe YAML file", file=filename)) from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise RecipeError(Problem(f"cannot read recipe: {e}", file=filename)) from None
+        except OSError as e:
+            raise RecipeError(Problem(f"cannot read recipe: {e.strerror or e}", file=filename)) from None
+        except UnicodeDecodeError as e:
+            raise RecipeError(Problem(f"cannot read recipe: not UTF-8 text ({e.reason})", file=filename)) from None
+        if len(blob) > MAX_RECIPE_BYTES:
+            raise RecipeError(
+                Problem(
+                    f"larger than {MAX_RECIPE_BYTES >> 20} MiB: a recipe is a few KiB of settings; is this the right "
+                    "file?",
+                    file=filename,
+                )
+            )
         node = _compose(text, filename)
         if node is not None:
-            _walk(node, "", lines)
+            dups: list[tuple[str, int, int]] = []
+            _walk(node, "", lines, dups)
+            for key, first, again in dups:
+                problems.append(
+                    Problem(
+                        f"duplicate key (also set at line {first}); YAML would silently keep the last one: remove one",
+                        file=filename,
+                        line=again,
+                        key=key,
+                    )
+                )
             try:
                 data = _to_python(node)
             except yaml.YAMLError as e:

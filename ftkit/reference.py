@@ -19,6 +19,10 @@ def _json_type(f: Field) -> dict[str, Any]:
             t = {"type": "boolean"}
         elif kind in ("str", "path"):
             t = {"type": "string", "minLength": 1}
+            if f.pattern:
+                t["pattern"] = f"^{f.pattern}$"
+        elif kind == "host":
+            t = {"type": "string", "anyOf": [{"format": "hostname"}, {"format": "ipv4"}, {"format": "ipv6"}]}
         elif kind == "choice":
             t = {"enum": list(f.choices)}
         elif kind == "list[str]":
@@ -36,6 +40,8 @@ def _json_type(f: Field) -> dict[str, Any]:
                 t["exclusiveMinimum"] = f.exclusive_minimum
             if f.maximum is not None:
                 t["maximum"] = f.maximum
+            if f.exclusive_maximum is not None:
+                t["exclusiveMaximum"] = f.exclusive_maximum
         options.append(t)
     out: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
     out = dict(out)

@@ -4,9 +4,11 @@ Everything that describes a recipe field (the loader's type checks, ``ftkit init
 reference in docs/recipe.md, ``ftkit schema``'s JSON Schema) reads this table, so they cannot drift apart.
 
 Types are small strings rather than Python annotations so they print well in errors and docs:
-``int``, ``float``, ``bool``, ``str``, ``path``, ``list[str]``, ``choice`` (with ``choices``), and unions such as
-``int|auto`` or ``path|null``. ``path`` values are relative to the recipe file's directory when they come from the
-file and to the current directory when they come from the command line.
+``int``, ``float``, ``bool``, ``str``, ``path``, ``host`` (a host name or an IP literal), ``list[str]``, ``choice``
+(with ``choices``), and unions such as ``int|auto`` or ``path|null``. ``path`` values are relative to the recipe
+file's directory when they come from the file and to the current directory when they come from the command line.
+Floats must be finite. Text that ends up on command lines (and, through the engines, in remote shells) has a
+grammar: ``host`` values, and ``str`` values with a ``pattern``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ class Field:
     minimum: float | None = None  # inclusive lower bound for numbers
     exclusive_minimum: float | None = None  # strict lower bound for numbers (e.g. > 0)
     maximum: float | None = None  # inclusive upper bound for numbers
+    exclusive_maximum: float | None = None  # strict upper bound for numbers (e.g. < 1)
+    pattern: str | None = None  # regular expression a text value must match in full
+    pattern_doc: str | None = None  # the pattern in words, for the error message
 
     @property
     def required(self) -> bool:
@@ -58,7 +63,16 @@ def _f(name: str, type_: str, default: object, doc: str, **kw: object) -> Field:
     return Field(name, type_, default, doc, **kw)  # type: ignore[arg-type]
 
 
-TOP_LEVEL = (_f("name", "str", "ftkit-run", "Run name, used in logs and the rendezvous id."),)
+TOP_LEVEL = (
+    _f(
+        "name",
+        "str",
+        "ftkit-run",
+        "Run name, used in logs and the rendezvous id: letters, digits, '.', '_', '-', at most 64.",
+        pattern=r"[A-Za-z0-9._-]{1,64}",
+        pattern_doc="must be 1 to 64 letters, digits, '.', '_' or '-' (it becomes the rendezvous id)",
+    ),
+)
 
 SECTIONS: tuple[Section, ...] = (
     Section(
@@ -153,8 +167,8 @@ SECTIONS: tuple[Section, ...] = (
             ),
             _f("warmup_steps", "int", 0, "Linear warm-up steps.", minimum=0),
             _f("weight_decay", "float", 0.0, "AdamW weight decay.", minimum=0),
-            _f("adam_beta1", "float", 0.9, "AdamW beta1.", minimum=0),
-            _f("adam_beta2", "float", 0.999, "AdamW beta2.", minimum=0),
+            _f("adam_beta1", "float", 0.9, "AdamW beta1, 0 to below 1.", minimum=0, exclusive_maximum=1),
+            _f("adam_beta2", "float", 0.999, "AdamW beta2, 0 to below 1.", minimum=0, exclusive_maximum=1),
             _f("adam_epsilon", "float", 1.0e-8, "AdamW epsilon.", exclusive_minimum=0),
             _f("max_grad_norm", "float", 1.0, "Gradient clipping norm (DeepSpeed gradient_clipping).", minimum=0),
             _f("logging_steps", "int", 10, "Log the loss every N optimizer steps.", exclusive_minimum=0),
@@ -166,7 +180,14 @@ SECTIONS: tuple[Section, ...] = (
                 "Committed checkpoints to keep; the newest committed one is never deleted.",
                 exclusive_minimum=0,
             ),
-            _f("seed", "int", 42, "Random seed for weights of new layers, data order and dropout.", minimum=0),
+            _f(
+                "seed",
+                "int",
+                42,
+                "Random seed for weights of new layers, data order and dropout.",
+                minimum=0,
+                maximum=2**32 - 1,
+            ),
         ),
     ),
     Section(
@@ -259,9 +280,21 @@ SECTIONS: tuple[Section, ...] = (
                 "Launcher: the deepspeed runner (pdsh/ssh), accelerate launch, or torchrun (c10d).",
                 choices=("deepspeed", "accelerate", "torchrun"),
             ),
-            _f("master_addr", "str|null", None, "Address of rank 0; null: the first host (127.0.0.1 when local)."),
+            _f(
+                "master_addr",
+                "host|null",
+                None,
+                "Address of rank 0, a host name or IP address; null: the first host (127.0.0.1 when local).",
+            ),
             _f("ssh_config", "path|null", None, "ssh client config passed as -F to ssh and pdsh; null: ~/.ssh/config."),
-            _f("master_port", "int", 29500, "TCP port for the rendezvous on the master host.", minimum=1),
+            _f(
+                "master_port",
+                "int",
+                29500,
+                "TCP port for the rendezvous on the master host, 1-65535.",
+                minimum=1,
+                maximum=65535,
+            ),
             _f(
                 "min_nodes",
                 "int|null",

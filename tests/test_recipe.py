@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -166,3 +167,181 @@ def test_not_a_mapping(tmp_path: Path):
 def test_missing_file(tmp_path: Path):
     with pytest.raises(RecipeError, match="recipe file not found"):
         load_recipe(tmp_path / "nope.yaml")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Boundary validation (issue 10): values that reach command lines and shells, numbers, and hostile YAML
+
+
+@pytest.mark.parametrize(
+    "addr",
+    [
+        "$(touch /tmp/x)",
+        "`touch /tmp/x`",
+        "10.0.0.1;touch /tmp/x",
+        "a b",
+        "'node1'",
+        '"node1"',
+        "-oProxyCommand=x",
+        "node_1",
+        "999.1.1.1",
+        "node..a",
+        "-node",
+        "x" * 64 + ".example",
+    ],
+)
+def test_master_addr_must_be_a_host_name_or_ip(write_recipe, addr):
+    p = write_recipe()
+    with pytest.raises(RecipeError) as e:
+        load_recipe(p, [f"cluster.master_addr={json.dumps(addr)}"])  # a YAML string holding exactly addr
+    (line,) = e.value.lines()
+    assert line.startswith("command line cluster.master_addr: must be a host name") and "IP address" in line
+
+
+@pytest.mark.parametrize(
+    "addr", ["node-1", "node1.cluster.example.com", "node1.example.", "10.0.0.1", "::1", "fe80::1"]
+)
+def test_master_addr_accepts_names_and_ip_literals(write_recipe, addr):
+    assert load_recipe(write_recipe(), [f"cluster.master_addr={addr}"])["cluster.master_addr"] == addr
+
+
+def test_master_addr_in_the_file_names_its_line(write_recipe):
+    p = write_recipe(MINIMAL_WITH + 'cluster:\n  master_addr: "$(touch /tmp/x)"\n')
+    with pytest.raises(RecipeError) as e:
+        load_recipe(p)
+    assert e.value.lines()[0].startswith(f"{p}:6 cluster.master_addr: must be a host name")
+
+
+def test_master_port_is_a_tcp_port(write_recipe):
+    p = write_recipe()
+    with pytest.raises(RecipeError, match="cluster.master_port: must be at most 65535; got 99999999"):
+        load_recipe(p, ["cluster.master_port=99999999"])
+    with pytest.raises(RecipeError, match="cluster.master_port: must be at least 1; got 0"):
+        load_recipe(p, ["cluster.master_port=0"])
+    assert load_recipe(p, ["cluster.master_port=65535"])["cluster.master_port"] == 65535
+
+
+@pytest.mark.parametrize("name", ["team/exp1", "exp 1", "a" * 65, "$(id)", "x;y", "é"])
+def test_name_is_a_safe_identifier(write_recipe, name):
+    with pytest.raises(RecipeError, match=r"^command line name: must be 1 to 64 letters, digits"):
+        load_recipe(write_recipe(), [f"name={name}"])
+
+
+def test_name_accepts_identifiers(write_recipe):
+    assert load_recipe(write_recipe(), ["name=team.exp-1_b"])["name"] == "team.exp-1_b"
+    assert load_recipe(write_recipe(), ["name=" + "a" * 64])["name"] == "a" * 64
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", "1e999", "inf", "nan"])
+def test_floats_are_finite(write_recipe, value):
+    p = write_recipe(MINIMAL_WITH.replace("output_dir: ./run", f"output_dir: ./run\n  learning_rate: {value}"))
+    with pytest.raises(RecipeError) as e:
+        load_recipe(p)
+    (line,) = e.value.lines()
+    assert line.startswith(f"{p}:5 train.learning_rate: must be a finite number"), line
+    with pytest.raises(RecipeError, match="command line train.epochs: must be a finite number"):
+        load_recipe(write_recipe(), [f"train.epochs={value}", "train.max_steps=null"])
+
+
+def test_adam_betas_below_one(write_recipe):
+    with pytest.raises(RecipeError, match="train.adam_beta2: must be less than 1; got 1"):
+        load_recipe(write_recipe(), ["train.adam_beta2=1"])
+
+
+def test_duplicate_keys_name_both_lines(write_recipe):
+    p = write_recipe(MINIMAL_WITH + "train:\n  seed: 1\n  learning_rate: 0.1\n  seed: 2\n")
+    with pytest.raises(RecipeError) as e:
+        load_recipe(p)
+    lines = e.value.lines()
+    assert (
+        f"{p}:5 train: duplicate key (also set at line 3); YAML would silently keep the last one: remove one" in lines
+    )
+    assert (
+        f"{p}:8 train.seed: duplicate key (also set at line 6); YAML would silently keep the last one: remove one"
+        in lines
+    )
+
+
+def test_merge_keys_are_not_duplicates(write_recipe):
+    p = write_recipe(
+        "model: {path: ./model}\ndata: {train: ./data.jsonl}\n"
+        "train: &t {output_dir: ./run, seed: 3}\nzero: {stage: 1}\n"
+    )
+    assert load_recipe(p)["train.seed"] == 3
+
+
+def _laughs(mapping: bool) -> str:
+    """The classic "billion laughs": 9 levels of 9 aliases each, 10^9 values from under 800 bytes."""
+    lines = [
+        "a: &a {k1: lol, k2: lol, k3: lol, k4: lol, k5: lol, k6: lol, k7: lol, k8: lol, k9: lol}"
+        if mapping
+        else 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]'
+    ]
+    prev = "a"
+    for n in "bcdefghi":
+        refs = [f"k{j}: *{prev}" for j in range(1, 10)] if mapping else [f"*{prev}"] * 9
+        lines.append(f"{n}: &{n} " + ("{" + ", ".join(refs) + "}" if mapping else "[" + ",".join(refs) + "]"))
+        prev = n
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("mapping", [False, True], ids=["list", "mapping"])
+def test_alias_bomb_refused_in_milliseconds(tmp_path, mapping):
+    """A 773-byte alias bomb exhausted memory. Refused from the event stream, before it is composed; the CLI runs
+    under a 1 GiB address-space limit so the old code fails here instead of eating the machine."""
+    import resource
+    import subprocess
+    import sys
+    import time
+
+    p = tmp_path / "bomb.yaml"
+    p.write_text(_laughs(mapping))
+    assert len(p.read_bytes()) < 800
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    t0 = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, "-m", "ftkit", "explain", str(p)], capture_output=True, text=True, timeout=20, preexec_fn=limit
+    )
+    elapsed = time.perf_counter() - t0
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.count("\n") == 1 and "alias bomb" in out.stderr and "Traceback" not in out.stderr
+    assert elapsed < 5.0, elapsed  # interpreter start-up included; the refusal itself is timed below
+
+    t0 = time.perf_counter()
+    with pytest.raises(RecipeError) as e:
+        load_recipe(p)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 1.0, elapsed
+    (line,) = e.value.lines()
+    assert "YAML expands to more than" in line and "alias" in line
+
+
+def test_recursive_alias_and_deep_nesting_refused(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("a: &a [1, *a]\n")
+    with pytest.raises(RecipeError, match=r"r.yaml:1: recursive YAML alias \*a"):
+        load_recipe(p)
+    p.write_text("a: " + "[" * 100_000 + "]" * 100_000 + "\n")  # libyaml's composer overflowed the C stack here
+    with pytest.raises(RecipeError, match=r"r.yaml:1: nested deeper than 32 levels"):
+        load_recipe(p)
+
+
+def test_alias_bomb_in_an_override_refused():
+    bomb = "[&a [x,x,x,x,x,x,x,x,x,x], &b [*a,*a,*a,*a,*a,*a,*a,*a,*a,*a], &c [*b,*b,*b,*b,*b,*b,*b,*b,*b,*b], "
+    bomb += "[*c,*c,*c,*c,*c,*c,*c,*c,*c,*c,*c,*c]]"
+    with pytest.raises(RecipeError, match=r"^command line peft.target_modules: YAML expands to more than"):
+        parse_override(f"peft.target_modules={bomb}")
+
+
+def test_recipe_size_cap(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("# padding\n" * 200_000)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(p)
+    assert e.value.lines() == [f"{p}: larger than 1 MiB: a recipe is a few KiB of settings; is this the right file?"]
+
+
+MINIMAL_WITH = "model: {path: ./model}\ndata: {train: ./data.jsonl}\ntrain:\n  output_dir: ./run\n"
