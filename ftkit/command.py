@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .errors import UserError
 from .procs import LOCAL_HOSTS
 
 TRAIN_MODULE = "ftkit.launch.train"
@@ -60,6 +61,11 @@ ENV_ALLOW = (
     "FTKIT_*",
 )
 SECRET = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|_KEY$|CREDENTIAL)", re.IGNORECASE)
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # a name a shell can export (environ can hold any other)
+# What DeepSpeed's pdsh runner splices into the remote shell line unquoted (cd to the runner's directory, the
+# Python path, the user arguments of ftkit's rank entry, --master_addr): shlex's own set of characters that never
+# need quoting. ftkit cannot quote these (DeepSpeed builds that line), so it refuses anything else.
+_PDSH_SAFE = re.compile(r"[A-Za-z0-9_@%+=:,./-]+")
 
 
 @dataclass(frozen=True)
@@ -113,7 +119,11 @@ class LaunchInputs:
 
 def forwarded_env(base_env: Mapping[str, str], accelerator: str, extra: Mapping[str, str] | None = None) -> dict:
     """The allow-listed part of ``base_env`` plus what ftkit sets itself (accelerator choice, unbuffered output)."""
-    env = {k: v for k, v in sorted(base_env.items()) if any(fnmatch.fnmatchcase(k, pat) for pat in ENV_ALLOW)}
+    env = {
+        k: v
+        for k, v in sorted(base_env.items())
+        if _ENV_NAME.fullmatch(k) and any(fnmatch.fnmatchcase(k, pat) for pat in ENV_ALLOW)
+    }
     env["PYTHONUNBUFFERED"] = "1"
     if accelerator == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
@@ -140,8 +150,11 @@ def _is_local(host: str) -> bool:
 
 
 def _ssh(inp: LaunchInputs, host: str, remote_argv: list[str], env: Mapping[str, str]) -> tuple[str, ...]:
-    """ssh HOST 'cd RUN_PARENT && env K=V ... ARGV' — the environment travels inline, visible in --dry-run."""
-    assignments = [f"{k}={shlex.quote(v)}" for k, v in env.items()]
+    """ssh HOST 'cd RUN_PARENT && env K=V ... ARGV' — the environment travels inline, visible in --dry-run.
+
+    This is the one place that remote shell line is built, so every word of it is quoted here, once.
+    """
+    assignments = [shlex.quote(f"{k}={v}") for k, v in env.items()]
     cwd = str(Path(inp.run_dir).parent)
     remote = f"cd {shlex.quote(cwd)} && exec env {' '.join(assignments)} {shlex.join(remote_argv)}"
     argv = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
@@ -170,6 +183,34 @@ def deepspeed_include(inp: LaunchInputs) -> str | None:
     if not any(h in inp.devices for h, _ in inp.hosts):
         return None
     return "@".join(f"{h}:{','.join(map(str, inp.devices[h]))}" if h in inp.devices else h for h, _ in inp.hosts)
+
+
+def pdsh_problems(run_dir: str, python: str, master_addr: str) -> list[str]:
+    """Values DeepSpeed's pdsh runner would put unquoted into the remote shell line, that are not plain words."""
+    out = []
+    for what, value in (("run directory", run_dir), ("its parent", str(Path(run_dir).parent)), ("python", python)):
+        if not _PDSH_SAFE.fullmatch(value):
+            out.append(
+                f"{what} {value!r} has characters DeepSpeed's pdsh launcher passes unquoted to a remote shell; "
+                "use a path of letters, digits and ._-/ (or cluster.engine: torchrun)"
+            )
+    if not _PDSH_SAFE.fullmatch(master_addr):
+        out.append(f"master address {master_addr!r} is not a host name or IP address")
+    return out
+
+
+def ds_env_value(value: str) -> str:
+    r"""A value for DeepSpeed's env file that reaches the remote shell as itself.
+
+    DeepSpeed's runner writes ``export K=V`` into the pdsh command line and wraps V in double quotes when it holds
+    anything but ``[\w@%+=:,./-]`` (``MultiNodeRunner.add_export``); inside double quotes ``$``, backticks, ``"``
+    and ``\\`` still act, so those are escaped here. Newlines cannot be carried (the file is line-based).
+    """
+    if "\n" in value or "\r" in value:
+        raise UserError(f"an environment value forwarded to remote ranks has a newline: {value[:40]!r}...")
+    if re.search(r"[^\w@%+=:,./-]", value.strip()):
+        return re.sub(r'([$`"\\])', r"\\\1", value)
+    return value
 
 
 def build_launch(inp: LaunchInputs, base_env: Mapping[str, str]) -> LaunchCommand:
@@ -208,6 +249,8 @@ def _deepspeed(inp: LaunchInputs, base_env: Mapping[str, str], attempt_dir: Path
     if include:  # DeepSpeed's launch sets CUDA_VISIBLE_DEVICES on each node from it
         argv += ["--include", include]
     remote = len(inp.hosts) > 1 or not _is_local(inp.hosts[0][0])
+    if remote and pdsh_problems(inp.run_dir, inp.python, inp.master_addr):  # preflight said so already
+        raise UserError(pdsh_problems(inp.run_dir, inp.python, inp.master_addr))
     # ftkit's preflight checks ssh itself (with cluster.ssh_config); DeepSpeed's own check would ignore that config.
     argv.append("--no_ssh_check")
     if remote:
@@ -218,7 +261,7 @@ def _deepspeed(inp: LaunchInputs, base_env: Mapping[str, str], attempt_dir: Path
             argv += ["--ssh_port", str(inp.ssh_port)]
         # Remote ranks get exactly this environment: a fresh file per attempt, never ~/.deepspeed_env.
         remote_env = {k: v for k, v in env.items() if k not in ("PATH", "HOME", "USER")}
-        files[str(env_file)] = "".join(f"{k}={v}\n" for k, v in remote_env.items())
+        files[str(env_file)] = "".join(f"{k}={ds_env_value(v)}\n" for k, v in remote_env.items())
         env["DS_ENV_FILE"] = str(env_file)
         env["PDSH_RCMD_TYPE"] = "ssh"
         if inp.ssh_config:

@@ -5,6 +5,7 @@ and key package versions everywhere. Every failure is collected and raised once 
 from __future__ import annotations
 
 import errno
+import shlex
 import socket
 import sys
 import tempfile
@@ -26,6 +27,38 @@ VERSION_PROBE = (
     "print('python=' + '.'.join(map(str, sys.version_info[:3])))\n"
     f"for p in {KEY_PACKAGES!r}: print(p + '=' + v(p))\n"
 )
+
+
+def resolve_probe(addr: str, port: int) -> str:
+    """Python (for ``python -c``) printing whether ``addr`` resolves there; the values are Python literals."""
+    return (
+        "import socket\n"
+        "try:\n"
+        f"    socket.getaddrinfo({addr!r}, {int(port)}, type=socket.SOCK_STREAM); print('master=resolves')\n"
+        "except OSError as e:\n"
+        "    print('master=unresolvable: ' + str(e))\n"
+    )
+
+
+def port_probe(addr: str, port: int) -> str:
+    """Python (for ``python -c``) printing ``free``, ``in-use`` or ``error: why`` for binding ``addr:port`` there."""
+    return (
+        "import errno, socket\n"
+        "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+        "try:\n"
+        f"    s.bind(({addr!r}, {int(port)})); print('free')\n"
+        "except OSError as e:\n"
+        "    print('in-use' if e.errno == errno.EADDRINUSE else 'error: ' + str(e))\n"
+    )
+
+
+def resolves(addr: str, port: int) -> str | None:
+    """None when ``addr`` resolves on this machine, else the resolver's reason."""
+    try:
+        socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:
+        return getattr(e, "strerror", None) or str(e)
+    return None
 
 
 @dataclass
@@ -98,10 +131,25 @@ def run_preflight(
         if mine.get(name) == "missing":
             problems.append(Problem(f"{name} is not installed on this machine (pip install {name})"))
     remote = [h for h, _ in hosts if h not in LOCAL_HOSTS]
+    if engine == "deepspeed" and remote:
+        from .command import pdsh_problems
+
+        problems += [Problem(p, key="train.output_dir") for p in pdsh_problems(str(run_dir), python, master_addr)]
+    # Every rank connects to master_addr: a name that does not resolve hangs each attempt until startup_timeout_s.
+    if len(remote) < len(hosts):
+        err = resolves(master_addr, master_port)
+        if err:
+            problems.append(
+                Problem(f"master address {master_addr} does not resolve here: {err}", key="cluster.master_addr")
+            )
     for host in remote:
+        # Every value is quoted once, here, where the remote shell line is built (the probes hold them as Python
+        # literals inside one quoted -c argument).
+        probe = VERSION_PROBE + resolve_probe(master_addr, master_port)
+        q = shlex.quote
         ok, out = ssh_run(
             host,
-            f"{python} -c {_sh_quote(VERSION_PROBE)} && test -w {_sh_quote(str(run_dir))} && echo run_dir=writable",
+            f"{q(python)} -c {q(probe)} && test -w {q(str(run_dir))} && echo run_dir=writable",
             ssh_args,
             15,
         )
@@ -116,6 +164,14 @@ def run_preflight(
             continue
         theirs = _parse_versions(out)
         versions[host] = theirs
+        master = theirs.pop("master", "")
+        if master.startswith("unresolvable"):
+            problems.append(
+                Problem(
+                    f"host {host}: master address {master_addr} does not resolve there{master[len('unresolvable') :]}",
+                    key="cluster.master_addr",
+                )
+            )
         if theirs.get("run_dir") != "writable":
             problems.append(
                 Problem(
@@ -141,24 +197,19 @@ def run_preflight(
             checks.append(f"master port {master_addr}:{master_port} free")
     elif remote:
         ok, out = ssh_run(
-            hosts[0][0],
-            f'{python} -c "import socket; s=socket.socket(); '
-            f"s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
-            f"s.bind(('{master_addr}', {master_port})); print('free')\"",
-            ssh_args,
-            15,
+            hosts[0][0], f"{shlex.quote(python)} -c {shlex.quote(port_probe(master_addr, master_port))}", ssh_args, 15
         )
-        if ok and "free" not in out:
+        if ok and "in-use" in out:
             problems.append(
                 Problem(
                     f"port {master_port} on {master_addr} is already in use; set cluster.master_port",
                     key="cluster.master_port",
                 )
             )
-        elif ok:
+        elif ok and "free" in out:
             checks.append(f"master port {master_addr}:{master_port} free")
-    if problems:
-        raise PreflightError("\n".join(str(p) for p in problems))
+    if problems:  # one line per problem: a message never spans lines (ssh's stderr is joined by ssh_run)
+        raise PreflightError("\n".join(" ".join(str(p).split()) for p in problems))
     return PreflightReport(versions=versions, checks=checks)
 
 
@@ -169,9 +220,3 @@ def _is_local_address(addr: str) -> bool:
         return True
     except OSError:
         return False
-
-
-def _sh_quote(s: str) -> str:
-    import shlex
-
-    return shlex.quote(s)

@@ -8,6 +8,8 @@ then after a grace period SIGKILL, and reports what is left and which hosts coul
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import signal
 import subprocess
 import time
@@ -146,29 +148,56 @@ def signal_group(pgid: int, sig: int) -> None:
 
 
 def _remote_script(targets: list[Target], sig: str) -> str:
-    """A POSIX sh snippet that signals each pid only if its start time still matches, then lists the living."""
+    """A POSIX sh snippet that signals each pid only if its start time still matches, then lists the living.
+
+    Pids and start times come from pid records on disk: every one is quoted here, where the line is built, so a
+    record holding ``1; touch x`` is a pid that never matches, not a command.
+    """
+    if sig not in ("TERM", "KILL", "0"):
+        raise ValueError(f"signal {sig!r}")  # a programming error: callers pass constants
     parts = []
     for t in targets:
+        pid = shlex.quote(str(t.pid))
+        stat = shlex.quote(f"/proc/{t.pid}/stat")
         check = (
-            f'[ "$(cut -d" " -f22 /proc/{t.pid}/stat 2>/dev/null)" = "{t.start_time}" ]'
+            f'[ "$(cut -d" " -f22 {stat} 2>/dev/null)" = {shlex.quote(str(t.start_time))} ]'
             if t.start_time
-            else f"[ -e /proc/{t.pid} ]"
+            else f"[ -e {shlex.quote(f'/proc/{t.pid}')} ]"
         )
-        cont = f"kill -CONT {t.pid} 2>/dev/null; " if sig == "TERM" else ""  # a stopped process acts on TERM only then
-        parts.append(f"if {check}; then kill -{sig} {t.pid} 2>/dev/null; {cont}echo alive {t.pid}; fi")
+        cont = f"kill -CONT {pid} 2>/dev/null; " if sig == "TERM" else ""  # a stopped process acts on TERM only then
+        parts.append(f"if {check}; then kill -{sig} {pid} 2>/dev/null; {cont}echo alive {pid}; fi")
     return "; ".join(parts) + "; true"
 
 
+# ssh reads a "host" that starts with '-' as an option (-oProxyCommand=... runs a local command): host names from
+# pid records or plans must look like host names before they reach ssh's argv.
+_SSH_HOST = re.compile(r"[A-Za-z0-9_.:%][A-Za-z0-9_.:%-]*")
+
+
 def ssh_run(host: str, script: str, ssh_args: list[str], timeout: float) -> tuple[bool, str]:
-    """Run ``script`` on ``host``; (reachable, stdout)."""
+    """Run ``script`` (a shell line whose values are already quoted) on ``host``; (reachable, stdout or why not).
+
+    When unreachable the reason is one line (ssh's last words), so a caller's error stays one line per problem.
+    """
+    if not _SSH_HOST.fullmatch(host):
+        return False, f"not a host name: {host!r}"
     argv = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={max(1, int(timeout))}", *ssh_args, host, script]
     try:
         out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout + 2, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         return False, ""
+    except OSError as e:  # no ssh client installed
+        return False, f"cannot run ssh: {e.strerror or e}"
     if out.returncode == 255:  # ssh's own failure: the host cannot be reached
-        return False, out.stderr.strip()
+        return False, one_line(out.stderr)
     return True, out.stdout
+
+
+def one_line(text: str) -> str:
+    """ssh's stderr as one line: its messages joined, without the "Warning: Permanently added" noise."""
+    lines = [ln.strip() for ln in text.replace("\r", "\n").splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith("Warning: Permanently added")]
+    return "; ".join(lines)
 
 
 def teardown(
@@ -270,14 +299,29 @@ SHM_DIR = "/dev/shm"
 SHM_PREFIX = "deepspeed_allreduce_buffer_"  # DeepSpeed's CPU shared-memory collectives: ~70 MB per rank per run
 
 
-def shm_patterns(records: Iterable[Mapping[str, Any]]) -> dict[str, set[str]]:
-    """host -> glob patterns of the run's /dev/shm buffers (named ``..._{master_addr}_{master_port}_{rank}``)."""
+def _shm_keys(records: Iterable[Mapping[str, Any]]) -> dict[str, set[str]]:
+    """host -> the run's part of its /dev/shm buffer names, ``_{master_addr}_{master_port}_`` (literal text)."""
     out: dict[str, set[str]] = {}
     for r in records:
         if r.get("master_addr") and r.get("master_port"):
-            pat = f"{SHM_PREFIX}*_{r['master_addr']}_{r['master_port']}_*"
-            out.setdefault(r["host"], set()).add(pat)
+            out.setdefault(str(r["host"]), set()).add(f"_{r['master_addr']}_{r['master_port']}_")
     return out
+
+
+def _glob_literal(text: str) -> str:
+    """``text`` as a glob that matches only itself (for fnmatch)."""
+    return "".join(f"[{c}]" if c in "*?[]" else c for c in text)
+
+
+def shm_patterns(records: Iterable[Mapping[str, Any]]) -> dict[str, set[str]]:
+    """host -> glob patterns of the run's /dev/shm buffers (named ``..._{master_addr}_{master_port}_{rank}``)."""
+    return {host: {f"{SHM_PREFIX}*{_glob_literal(k)}*" for k in keys} for host, keys in _shm_keys(records).items()}
+
+
+def remove_shm_script(keys: Iterable[str]) -> str:
+    """``rm -f`` of the buffers on a remote host: the globs stay unquoted, the recorded address and port (from pid
+    records on disk) are quoted once, here, so they are literal text to the remote shell."""
+    return "rm -f " + " ".join(f"{SHM_DIR}/{SHM_PREFIX}*{shlex.quote(k)}*" for k in sorted(keys))
 
 
 def remove_shm(records: Iterable[Mapping[str, Any]], ssh_args: list[str], timeout: float = 10.0) -> list[str]:
@@ -285,9 +329,10 @@ def remove_shm(records: Iterable[Mapping[str, Any]], ssh_args: list[str], timeou
     them, so without this every attempt leaks ~70 MB of RAM per rank (hundreds of runs filled a 24 GB machine).
     Returns the hosts that could not be reached."""
     import fnmatch
-    import shlex
 
     unreachable = []
+    records = list(records)
+    keys = _shm_keys(records)
     for host, patterns in shm_patterns(records).items():
         if is_this_machine(host):
             try:
@@ -301,8 +346,7 @@ def remove_shm(records: Iterable[Mapping[str, Any]], ssh_args: list[str], timeou
                     except OSError:
                         pass
         else:
-            script = "rm -f " + " ".join(f"{SHM_DIR}/{shlex.quote(p).strip(chr(39))}" for p in sorted(patterns))
-            ok, _ = ssh_run(host, script, ssh_args, timeout)
+            ok, _ = ssh_run(host, remove_shm_script(keys[host]), ssh_args, timeout)
             if not ok:
                 unreachable.append(host)
     return unreachable
