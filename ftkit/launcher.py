@@ -107,14 +107,14 @@ def launch(req: LaunchRequest, echo: Callable[[str], None] = print) -> int:
 
 
 def _owned_launch(plan: Plan, req: LaunchRequest, echo: Callable[[str], None]) -> int:
-    from .owner import Ownership, stop_records
+    from .owner import Ownership, stop_leftovers
     from .preflight import run_preflight
 
     r = plan.recipe
     rd = RunDir(r["train.output_dir"])
     ssh_args = ssh_args_of(plan)
     ownership = Ownership(rd, ssh_args)
-    ownership.acquire(takeover=req.takeover, teardown=lambda recs: stop_records(recs, ssh_args, echo))
+    ownership.acquire(takeover=req.takeover, teardown=lambda left: stop_leftovers(left, ssh_args, echo))
     try:
         report = run_preflight(
             hosts=plan.hosts,
@@ -129,10 +129,12 @@ def _owned_launch(plan: Plan, req: LaunchRequest, echo: Callable[[str], None]) -
         if choice.exit_code is not None:
             sup.events.attempt = sup.rd.next_attempt()
             return sup.apply(choice).exit_code or ExitCode.NO_CHECKPOINT
-        overrides, changes = _check_changes(plan, choice, req.allow_changes, echo)
+        from .fingerprint import compute
         from .prepare import prepare_run
 
-        prepare_run(plan, resume_overrides=overrides)
+        fingerprint = compute(plan)  # hashes the data file: once per launch
+        overrides, changes = _check_changes(fingerprint, choice, req.allow_changes, echo)
+        prepare_run(plan, resume_overrides=overrides, fingerprint=fingerprint)
         sup.events.attempt = sup.rd.next_attempt()
         if ownership.taken_over:
             sup.events("takeover", f"took the run over: stopped {len(ownership.taken_over)} orphaned rank(s)")
@@ -153,11 +155,11 @@ def _owned_launch(plan: Plan, req: LaunchRequest, echo: Callable[[str], None]) -
 
 
 def _check_changes(
-    plan: Plan, choice: Any, allow: Iterable[str], echo: Callable[[str], None]
+    fingerprint: dict[str, Any], choice: Any, allow: Iterable[str], echo: Callable[[str], None]
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Compare what shapes training now with what the chosen checkpoint was saved with; refuse (exit 2, nothing
     written) what the user did not allow. Returns the spec's resume_overrides and the changes for events.jsonl."""
-    from .fingerprint import compare, compute
+    from .fingerprint import compare
 
     allow = [k.strip() for item in allow for k in item.split(",") if k.strip()]
     if choice.resume is None:
@@ -165,7 +167,7 @@ def _check_changes(
             echo("ftkit: note: --allow-changes has no effect: nothing to resume from")
         return {}, []
     recorded = ((choice.record or {}).get("extra") or {}).get("fingerprint")
-    check = compare(recorded, compute(plan), allow)
+    check = compare(recorded, fingerprint, allow)
     for note in check.notes:
         echo(f"ftkit: note: {note}")
     check.raise_if_refused()
@@ -205,7 +207,8 @@ def dry_run(plan: Plan) -> str:
     lines = []
     resume = None
     if rd.path.is_dir():
-        sel = select_resume(rd.path, world_size=plan.world_size, stage=plan.stage)
+        # Sizes only, to stay quick on large checkpoints; the launch itself verifies every byte.
+        sel = select_resume(rd.path, checksums=False, world_size=plan.world_size, stage=plan.stage)
         resume = str(sel.chosen) if sel.chosen else None
         owner = read_owner(rd)
         if owner is not None and owner_state(owner, ssh_args_of(plan)) != "dead":

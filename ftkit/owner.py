@@ -125,19 +125,47 @@ def read_owner(rd: RunDir) -> Owner | None:
         ) from None
 
 
-def live_ranks(rd: RunDir) -> list[dict[str, Any]]:
-    """Pid records of the newest attempt whose processes still run on this machine (remote ones are listed too:
-    they cannot be checked without ssh, and teardown handles them)."""
+@dataclass
+class Leftovers:
+    """What of a run's newest attempt still runs: rank pid records (remote ones included: they cannot be checked
+    without ssh, and teardown handles them) and the engine launcher groups ftkit spawned on this machine."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+    groups: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.records or self.groups)
+
+    def describe(self) -> str:
+        names = [f"rank {r.get('rank')} pid {r.get('pid')} on {r.get('host')}" for r in self.records[:4]]
+        names += [f"launcher pid {g}" for g in self.groups[: max(0, 4 - len(names))]]
+        return ", ".join(names)
+
+
+def leftovers(rd: RunDir) -> Leftovers:
+    """The processes of the newest attempt that still run (see :class:`Leftovers`)."""
     attempt = rd.next_attempt() - 1
+    out = Leftovers()
     if attempt < 0:
-        return []
-    out = []
+        return out
     for rec in rd.records("pids", attempt):
         try:
             local = is_this_machine(rec["host"]) or rec.get("hostname") == this_host()
             if not local or is_alive(int(rec["pid"]), rec.get("start_time")):
-                out.append(rec)
+                out.records.append(rec)
         except (KeyError, TypeError, ValueError):
+            continue
+    try:
+        lines = rd.events.read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        try:
+            e = json.loads(line)
+            if e.get("event") == "spawn" and e.get("attempt") == attempt and e.get("start_time"):
+                if is_alive(int(e["pid"]), int(e["start_time"])):
+                    out.groups.append(int(e["pid"]))
+        except (ValueError, TypeError, AttributeError, KeyError):
             continue
     return out
 
@@ -211,9 +239,9 @@ class Ownership:
                         f"{self.rd.path}: the owner record names {old.describe()}, and {old.host} cannot be reached "
                         "to tell whether it still runs; if it does not, launch with --takeover"
                     )
-            orphans = live_ranks(self.rd)
+            orphans = leftovers(self.rd)
             if orphans:
-                names = ", ".join(f"rank {r.get('rank')} pid {r.get('pid')} on {r.get('host')}" for r in orphans[:4])
+                names = orphans.describe()
                 if not takeover:
                     raise RunBusy(
                         f"{self.rd.path}: its supervisor is gone but ranks of its last attempt still run ({names}); "
@@ -221,7 +249,7 @@ class Ownership:
                     )
                 if teardown is not None:
                     teardown(orphans)
-                self.taken_over = orphans
+                self.taken_over = orphans.records
             if old is not None:
                 stale = self.owner_path.with_name(f".owner.stale-{secrets.token_hex(4)}")
                 try:
@@ -290,12 +318,17 @@ class Ownership:
 # ----------------------------------------------------------------------------------------------------- stopping
 
 
-def stop_records(records: list[dict[str, Any]], ssh_args: list[str], echo: Callable[[str], None] = print) -> bool:
-    """Tear down the processes of pid records on every host (ranks and their per-node agents), then their /dev/shm
-    buffers. True when nothing is left."""
-    from .procs import remove_shm, targets_from_records, teardown
+def stop_leftovers(left: Leftovers, ssh_args: list[str], echo: Callable[[str], None] = print) -> bool:
+    """Tear down what a dead supervisor left on every host (ranks, their per-node agents, the engine launchers it
+    spawned here), then the run's /dev/shm buffers. True when nothing is left."""
+    from .procs import group_exists, remove_shm, targets_from_records, teardown
 
-    res = teardown([], targets_from_records(records), grace_s=10.0, ssh_args=ssh_args)
+    records = left.records
+    res = teardown(left.groups, targets_from_records(records), grace_s=10.0, ssh_args=ssh_args)
+    # The launchers were children of the dead supervisor: init reaps them a moment after they die.
+    end = time.monotonic() + 5.0
+    while time.monotonic() < end and any(group_exists(g) for g in left.groups):
+        time.sleep(0.05)
     remove_shm([r for r in records if r.get("host") not in set(res.unreachable)], ssh_args)
     stopped = len(res.signalled)
     echo(f"ftkit: stopped {stopped} process(es) of the run" + (f"; left: {', '.join(res.left)}" if res.left else ""))
@@ -352,16 +385,16 @@ def stop_run(run_dir: str, *, force: bool = False, timeout: float = 120.0, echo:
             "use --force to stop the ranks by their pid records"
         )
         return ExitCode.RUN_BUSY
-    left = live_ranks(rd)
+    left = leftovers(rd)
     if left:
         if not force:
-            names = ", ".join(f"rank {r.get('rank')} pid {r.get('pid')} on {r.get('host')}" for r in left[:4])
+            names = left.describe()
             echo(
                 f"ftkit: error: its supervisor is gone but ranks still run ({names}); "
                 f"use `ftkit stop --force {run_dir}`"
             )
             return ExitCode.RUN_BUSY
-        if not stop_records(left, ssh_args, echo):
+        if not stop_leftovers(left, ssh_args, echo):
             return ExitCode.RUN_BUSY
     echo(f"ftkit: nothing of the run in {run_dir} is running")
     return ExitCode.OK

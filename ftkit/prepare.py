@@ -12,7 +12,11 @@ from .spec import build_spec
 
 
 def prepare_run(
-    plan: Plan, *, load_universal: bool = False, resume_overrides: dict[str, Any] | None = None
+    plan: Plan,
+    *,
+    load_universal: bool = False,
+    resume_overrides: dict[str, Any] | None = None,
+    fingerprint: dict[str, Any] | None = None,
 ) -> RunDir:
     """Write ``ftkit/ds_config.json``, ``ftkit/accelerate.yaml`` and ``ftkit/spec.json`` into the run directory.
 
@@ -21,7 +25,8 @@ def prepare_run(
     DeepSpeed's ``checkpoint.load_universal`` for the one attempt that resumes a converted checkpoint on a
     different world size (see :mod:`ftkit.universal`). ``resume_overrides``: changed recipe values the user
     allowed (``--allow-changes``) that a resumed attempt applies after loading its checkpoint; kept across the
-    attempts of one launch (a later shrink rewrites the spec with them too).
+    attempts of one launch (a later shrink rewrites the spec with them too). ``fingerprint``: already computed by
+    the caller (it hashes the data file), else computed here.
     """
     rd = RunDir(plan.recipe["train.output_dir"])
     files = render_files(plan, rd.meta, ds_path_in_yaml=str(rd.ds_config.resolve()))
@@ -35,6 +40,8 @@ def prepare_run(
             resume_overrides = json.loads(rd.spec.read_text()).get("resume_overrides")
         except (OSError, ValueError, AttributeError):
             resume_overrides = None
-    spec = build_spec(plan, rd.path.resolve(), rd.ds_config.resolve(), resume_overrides=resume_overrides)
+    spec = build_spec(
+        plan, rd.path.resolve(), rd.ds_config.resolve(), fingerprint=fingerprint, resume_overrides=resume_overrides
+    )
     atomic_write(rd.spec, json.dumps(spec, indent=2, default=str) + "\n")
     return rd

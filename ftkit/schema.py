@@ -326,6 +326,22 @@ SECTIONS: tuple[Section, ...] = (
             _f("backoff_s", "float", 10, "First wait before a restart; doubles each time, with jitter.", minimum=0),
             _f("backoff_max_s", "float", 300, "Longest wait between restarts.", minimum=0),
             _f(
+                "orphan_timeout_s",
+                "float",
+                60,
+                "Seconds a rank trains on without its supervisor (ftkit launch killed, terminal closed) before it "
+                "stops itself; 60 leaves room for a --takeover.",
+                exclusive_minimum=0,
+            ),
+            _f(
+                "resume_tolerance",
+                "float",
+                0.01,
+                "Relative difference allowed between a recomputed step's loss or grad norm and the value logged "
+                "before the restart (GPU kernels are not bit-exact; CPU runs match exactly); 10x it stops the run.",
+                minimum=0,
+            ),
+            _f(
                 "checksum",
                 "choice",
                 "full",

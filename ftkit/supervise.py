@@ -35,7 +35,7 @@ from .command import LaunchCommand, LaunchInputs, build_launch
 from .decide import Action, Decision, FailureKind, Progress, RestartPolicy, Situation, decide
 from .errors import ExitCode
 from .fidelity import FidelityCheck
-from .procs import exit_meaning, group_exists, remove_shm, targets_from_records, teardown
+from .procs import exit_meaning, group_exists, proc_start_time, remove_shm, targets_from_records, teardown
 from .rundir import NEARLY_FULL, RunDir, append_jsonl, atomic_write
 from .shrink import convert_newest, probe_hosts
 
@@ -256,6 +256,7 @@ class Supervisor:
                 node=node.node_rank,
                 host=node.host,
                 pid=proc.pid,
+                start_time=proc_start_time(proc.pid),  # ftkit stop --force and --takeover find the launcher by it
                 remote=node.remote,
                 argv=list(node.argv),
             )
@@ -501,7 +502,7 @@ class Supervisor:
         resumed from, and keeping them keeps the disk full; committed ones are untouched."""
         newest = self._newest_commit()
         for step, path in list_checkpoints(self.rd.path):
-            if (newest is None or step > newest) and not verify(path, require_commit=True).committed:
+            if (newest is None or step > newest) and not verify(path, False, require_commit=True).committed:
                 doomed = path.with_name(f".deleting-{path.name}")
                 try:
                     path.rename(doomed)
@@ -568,7 +569,10 @@ class Supervisor:
         return bool(rec) and (rec.get("extra") or {}).get("attempt") == attempt
 
     def _newest_commit(self) -> int | None:
-        sel = select_resume(self.rd.path, require_commit=True, world_size=self.world_size, stage=self.stage)
+        # Sizes only: this feeds the no-progress rule; the resume choice itself (select) reads every byte.
+        sel = select_resume(
+            self.rd.path, checksums=False, require_commit=True, world_size=self.world_size, stage=self.stage
+        )
         return sel.step
 
     def _on_signal(self, signum: int, frame: Any) -> None:  # noqa: ARG002

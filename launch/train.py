@@ -305,7 +305,7 @@ def _make_callback(ctx: RankContext, spec: dict[str, Any], fault: Fault, resume:
         def on_save(self, args, state, control, **kw):  # noqa: ANN001
             ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             t0 = time.time()
-            part = manifest_part(ckpt, ctx.rank, ctx.world_size)
+            part = manifest_part(ckpt, ctx.rank, ctx.world_size, checksum=_checksum_mode(spec))
             parts: list[Any] = [None] * ctx.world_size
             if dist.is_available() and dist.is_initialized():
                 dist.all_gather_object(parts, part)  # every rank has finished writing: this is the barrier
@@ -447,7 +447,7 @@ def train(ctx: RankContext, resume: str | None) -> None:
     _probe(trainer, rows[0], ctx)
     if ctx.rank == 0:
         tokenizer.save_pretrained(str(final))
-        part = manifest_part(final, 0, 1)
+        part = manifest_part(final, 0, 1, checksum=_checksum_mode(spec))
         write_commit(
             final,
             [part],
@@ -459,6 +459,11 @@ def train(ctx: RankContext, resume: str | None) -> None:
             extra={"final": True, "attempt": ctx.attempt, "fingerprint": spec.get("fingerprint")},
         )
     ctx.heartbeat("finished", trainer.state.global_step)
+
+
+def _checksum_mode(spec: dict[str, Any]) -> str:
+    """resilience.checksum: full (every byte, the default) or sampled (opt-in for very large checkpoints)."""
+    return str(spec["recipe"]["resilience"].get("checksum") or "full")
 
 
 def _watch_supervisor(ctx: RankContext) -> None:

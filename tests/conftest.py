@@ -85,3 +85,36 @@ def run_ftkit(*args: str, cwd: Path | None = None, env: dict | None = None, time
     return subprocess.run(
         [sys.executable, "-m", "ftkit", *args], cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout
     )
+
+
+# Real 2-rank runs (tests marked slow): the fixtures model and one uninterrupted reference run per test module.
+RUN_ENV = {"DS_ACCELERATOR": "cpu"}
+RUN_STEPS = 12  # tests.runs.write_recipe's default: checkpoints every 4 steps, the newest 2 kept
+RUN_TIMEOUT_S = 240  # an upper bound for one whole `ftkit launch` with a restart or two (a clean run takes ~15 s)
+
+
+@pytest.fixture(scope="module")
+def fx(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny model, tokenizer and learnable data, made once per module."""
+    from tests.runs import make_fixtures
+
+    return make_fixtures(tmp_path_factory.mktemp("fixtures"))
+
+
+@pytest.fixture(scope="module")
+def baseline(fx: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One uninterrupted run: its losses are what every recovered run must reproduce; its run directory is
+    copied by the corruption tests (checkpoint-8 and checkpoint-12 committed)."""
+    from tests.runs import assert_no_process_left, ftkit, losses, mp_lock
+    from tests.runs import write_recipe as recipe_for
+
+    d = tmp_path_factory.mktemp("baseline")
+    recipe = recipe_for(d, fx)
+    with mp_lock():
+        r = ftkit("launch", str(recipe), env=RUN_ENV, timeout=RUN_TIMEOUT_S)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run = d / "run"
+    assert_no_process_left(run)
+    got = losses(run)
+    assert sorted(got) == list(range(1, RUN_STEPS + 1))
+    return {"run": run, "losses": got}

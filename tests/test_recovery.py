@@ -35,7 +35,6 @@ from tests.runs import (
     heartbeat_step,
     kill_tree,
     losses,
-    make_fixtures,
     mp_lock,
     rank_pid,
     start_ftkit,
@@ -43,36 +42,17 @@ from tests.runs import (
 )
 from tests.runs import write_recipe as _write_recipe  # conftest has a fixture of the same name
 
+from conftest import RUN_ENV, RUN_STEPS, RUN_TIMEOUT_S  # fx and baseline: conftest's module fixtures
+
 pytestmark = pytest.mark.slow
 
-ENV = {"DS_ACCELERATOR": "cpu"}
-STEPS = 12  # write_recipe's default: checkpoints every 4 steps, the newest 2 kept
+ENV = RUN_ENV
+STEPS = RUN_STEPS
 GRACE_S = 10.0  # the supervisor's teardown grace period (Supervisor.grace_s)
-RUN_S = 240  # an upper bound for one whole `ftkit launch` with a restart or two (a clean run takes ~15 s)
+RUN_S = RUN_TIMEOUT_S
 
 
 # ------------------------------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def fx(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return make_fixtures(tmp_path_factory.mktemp("fixtures"))
-
-
-@pytest.fixture(scope="module")
-def baseline(fx: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One uninterrupted run: its losses are what every recovered run must reproduce; its run directory is
-    copied by the corruption tests (checkpoint-8 and checkpoint-12 committed)."""
-    d = tmp_path_factory.mktemp("baseline")
-    recipe = _write_recipe(d, fx)
-    with mp_lock():
-        r = ftkit("launch", str(recipe), env=ENV, timeout=RUN_S)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    run = d / "run"
-    assert_no_process_left(run)
-    got = losses(run)
-    assert sorted(got) == list(range(1, STEPS + 1))
-    return {"run": run, "losses": got}
 
 
 # ------------------------------------------------------------------------------------------------- helpers
@@ -205,7 +185,9 @@ def test_rank_killed_while_saving_torn_checkpoint_is_set_aside(fx, baseline, tmp
     assert rejected[0]["kind"] == "no_commit" and "no commit record" in rejected[0]["reason"], rejected
     aside = [e for e in named(run, "set_aside") if e["attempt"] == 1]
     assert len(aside) == 1 and Path(aside[0]["dst"]).name.startswith("checkpoint-8.rejected-"), aside
-    assert Path(aside[0]["dst"]).is_dir()  # kept for a post-mortem, out of the checkpoint-N namespace
+    # Kept out of the checkpoint-N namespace, and deleted once a newer committed checkpoint exists: set-aside
+    # copies must not keep eating the disk.
+    assert not Path(aside[0]["dst"]).exists()
     chosen = [e for e in named(run, "checkpoint_chosen") if e["attempt"] == 1]
     assert [Path(e["checkpoint"]).name for e in chosen] == ["checkpoint-4"], chosen
     assert_same_losses(run, baseline["losses"])
@@ -226,6 +208,17 @@ def _delete_trainer_state(ckpt: Path) -> None:
     (ckpt / "trainer_state.json").unlink()
 
 
+def _flip_mid_shard(ckpt: Path) -> None:
+    """16 bytes inverted in the middle of an optimizer shard, size unchanged (a sampled digest missed this)."""
+    shard = sorted((ckpt / "global_step12").glob("*optim_states.pt"))[-1]
+    middle = shard.stat().st_size // 2
+    with open(shard, "r+b") as fh:
+        fh.seek(middle)
+        data = fh.read(16)
+        fh.seek(middle)
+        fh.write(bytes(b ^ 0xFF for b in data))
+
+
 def _dangling_latest(ckpt: Path) -> None:
     # Same length as "global_step12": the size check passes, so the tag itself must be checked.
     (ckpt / "latest").write_text("global_step99")
@@ -236,10 +229,11 @@ def _dangling_latest(ckpt: Path) -> None:
     ("corrupt", "why"),
     [
         (_truncate_shard, "commit record says"),
+        (_flip_mid_shard, "checksum"),
         (_delete_trainer_state, "trainer_state.json is listed in the commit record but missing"),
         (_dangling_latest, "names global_step99 which does not exist"),
     ],
-    ids=["shard", "trainer_state", "latest"],
+    ids=["shard", "flipped-bytes", "trainer_state", "latest"],
 )
 def test_corrupted_newest_checkpoint_resumes_from_older_valid_one(corrupt, why, fx, baseline, tmp_path):
     recipe, run = _recipe(tmp_path, fx)
@@ -318,7 +312,11 @@ def test_rank_failing_at_the_same_step_every_time_gives_up_and_keeps_checkpoints
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("sig", "expected"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(
+    ("sig", "expected"),
+    [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)],  # SIGHUP: a closed terminal
+    ids=["SIGINT", "SIGTERM", "SIGHUP"],
+)
 def test_interrupting_ftkit_tears_the_run_down(sig, expected, fx, tmp_path):
     recipe, run = _recipe(tmp_path, fx)
     with launched(recipe, run) as proc:

@@ -235,8 +235,8 @@ def test_nested_config_hidden_size(write_recipe, model_dir):
 def test_a_hostfile_naming_only_this_machine_needs_no_ssh(write_recipe, tmp_path):
     import socket
 
-    from ftkit.launcher import launch_inputs
     from ftkit.command import build_launch
+    from ftkit.launcher import launch_inputs
 
     hf = tmp_path / "hostfile"
     hf.write_text(f"{socket.gethostname()} slots=2\n")

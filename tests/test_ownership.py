@@ -1,0 +1,293 @@
+"""Issue 10's acceptance with real processes: one live job per run directory, ranks that do not outlive their
+supervisor, ``ftkit stop``, refusals that write nothing, resume fidelity, and a full disk.
+
+2 CPU ranks, the tiny fixtures model, the real ``ftkit launch`` CLI; every test ends by checking by pid (and in
+/dev/shm) that nothing of the run is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ftkit.errors import ExitCode
+from ftkit.procs import is_alive
+from ftkit.rundir import RunDir
+from tests.runs import assert_no_process_left, events, free_port, ftkit, losses, mp_lock, wait_for
+from tests.test_recovery import (  # fx and baseline: conftest's module fixtures
+    ENV,
+    STEPS,
+    _recipe,
+    assert_same_losses,
+    committed_ok,
+    finish,
+    launched,
+    named,
+    output,
+    wait_step,
+)
+
+pytestmark = pytest.mark.slow
+LONG = 120  # steps of a run that must still be training a few seconds after a step-5 event (~0.15 s per step)
+
+
+def live(run: Path) -> list[str]:
+    """Ranks and per-node agents of any attempt that still run."""
+    rd = RunDir(run)
+    out = []
+    for a in sorted((rd.meta / "attempts").glob("*")):
+        for rec in rd.records("pids", int(a.name)):
+            if is_alive(int(rec["pid"]), rec.get("start_time")):
+                out.append(f"rank {rec['rank']} pid {rec['pid']}")
+            if rec.get("ppid_start_time") and is_alive(int(rec["ppid"]), rec["ppid_start_time"]):
+                out.append(f"agent pid {rec['ppid']}")
+    for e in named(run, "spawn"):  # the engine's launcher, which ends once its ranks are gone
+        try:
+            os.killpg(int(e["pid"]), 0)
+            out.append(f"launcher group {e['pid']}")
+        except ProcessLookupError:
+            pass
+    return out
+
+
+def assert_same_as_lone_run(run: Path, baseline: dict) -> None:
+    """Steps 1-12 equal the lone 12-step run (constant learning rate, same data order), and every step an
+    attempt computed again equals what the earlier attempt logged: nothing was lost or trained twice differently."""
+    rows = [json.loads(x) for x in RunDir(run).metrics.read_text().splitlines()]
+    by_step: dict[int, set[float]] = {}
+    for m in rows:
+        if "loss" in m:
+            by_step.setdefault(int(m["step"]), set()).add(round(float(m["loss"]), 6))
+    assert sorted(by_step) == list(range(1, max(by_step) + 1)), "steps missing"
+    assert all(len(v) == 1 for v in by_step.values()), {s: v for s, v in by_step.items() if len(v) > 1}
+    got = losses(run)
+    assert all(abs(got[s] - baseline["losses"][s]) <= 1e-6 for s in range(1, STEPS + 1))
+
+
+def error_lines(r: subprocess.CompletedProcess) -> list[str]:
+    assert "Traceback" not in r.stderr, r.stderr
+    return [line for line in r.stderr.splitlines() if line.startswith("ftkit: error:")]
+
+
+# ------------------------------------------------------------------------------------------------- one live job
+
+
+@pytest.mark.timeout(600)
+def test_second_launch_into_a_live_run_is_refused_at_once(fx, baseline, tmp_path):
+    recipe, run = _recipe(tmp_path, fx)
+    with launched(recipe, run) as first:
+        wait_for(lambda: (run / "ftkit" / "owner.json").exists(), 60, "the owner record")
+        t0 = time.monotonic()
+        second = ftkit(
+            "launch",
+            str(recipe),
+            f"cluster.master_port={free_port()}",
+            "train.learning_rate=0.0001",
+            "train.seed=7",
+            env=ENV,
+            timeout=60,
+        )
+        took = time.monotonic() - t0
+        assert second.returncode == ExitCode.RUN_BUSY, second.stdout + second.stderr
+        (line,) = error_lines(second)
+        assert "a live job owns this run directory" in line and f"pid {first.pid}" in line, line
+        assert f"ftkit stop {run}" in line, line
+        assert took < 2.0, f"the refusal took {took:.2f}s"
+        code = finish(first)
+        assert code == ExitCode.OK, output(recipe)[-3000:]
+    spec = json.loads((run / "ftkit" / "spec.json").read_text())
+    assert spec["recipe"]["train"]["learning_rate"] == 1e-3 and spec["recipe"]["train"]["seed"] == 7
+    assert [e["attempt"] for e in named(run, "launch")] == [0]  # the second never started an attempt
+    assert_same_losses(run, baseline["losses"])
+    assert not (run / "ftkit" / "owner.json").exists()  # released at the end
+    assert_no_process_left(run)
+
+
+@pytest.mark.timeout(600)
+def test_sigkilled_supervisor_ranks_stop_by_themselves_and_relaunch_finishes(fx, baseline, tmp_path):
+    orphan_timeout = 2
+    # A step takes ~0.15 s here: 120 steps outlast the orphans' timeout by far.
+    recipe, run = _recipe(tmp_path, fx, resilience__orphan_timeout_s=orphan_timeout, train__max_steps=LONG)
+    with launched(recipe, run) as proc:
+        wait_step(run, 0, 5)
+        assert live(run)
+        proc.kill()  # kill -9 of ftkit launch only: the ranks run in their own session
+        killed = time.monotonic()
+        proc.wait(10)
+        wait_for(lambda: not live(run), orphan_timeout + 30, "the orphaned ranks to stop by themselves", poll=0.2)
+        stopped_s = time.monotonic() - killed
+        # The documented bound: orphan_timeout_s + the watchdog's 2 s poll, plus the engine agent's own teardown.
+        assert stopped_s <= orphan_timeout + 2 + 8, f"ranks stopped {stopped_s:.1f}s after the supervisor died"
+        assert_no_process_left(run)  # /dev/shm included: each rank removed the run's buffers
+        logs = "".join(p.read_text(errors="replace") for p in RunDir(run).log_dir(0).glob("rank-*.log"))
+        assert "this rank stops itself" in logs
+    with launched(recipe, run) as proc:
+        code = finish(proc)
+        assert code == ExitCode.OK, output(recipe)[-3000:]
+    assert_same_as_lone_run(run, baseline)
+    assert_no_process_left(run)
+
+
+@pytest.mark.timeout(600)
+def test_takeover_of_a_dead_supervisors_ranks_and_stop_force(fx, baseline, tmp_path):
+    # Orphans that would train on for 10 minutes: a relaunch must refuse, --takeover must stop them first.
+    recipe, run = _recipe(tmp_path, fx, resilience__orphan_timeout_s=600, train__max_steps=LONG)
+    with launched(recipe, run) as proc:
+        wait_step(run, 0, 3)
+        proc.kill()
+        proc.wait(10)
+        refused = ftkit("launch", str(recipe), env=ENV, timeout=60)
+        assert refused.returncode == ExitCode.RUN_BUSY, refused.stdout + refused.stderr
+        (line,) = error_lines(refused)
+        assert "ranks of its last attempt still run" in line and "--takeover" in line, line
+        stop = ftkit("stop", str(run), env=ENV, timeout=60)
+        assert stop.returncode == ExitCode.RUN_BUSY and "--force" in stop.stdout, stop.stdout + stop.stderr
+        assert live(run), "the orphans were expected to still run"
+    with launched(recipe, run, "--takeover") as proc:
+        code = finish(proc)
+        assert code == ExitCode.OK, output(recipe)[-3000:]
+    assert "stopped" in output(recipe) and named(run, "takeover")
+    assert_same_as_lone_run(run, baseline)
+    assert_no_process_left(run)
+
+    # ftkit stop --force: the same situation, ended from another shell instead of a relaunch.
+    (tmp_path / "b").mkdir()
+    recipe2, run2 = _recipe(tmp_path / "b", fx, resilience__orphan_timeout_s=600, train__max_steps=LONG)
+    with launched(recipe2, run2) as proc:
+        wait_step(run2, 0, 2)
+        proc.kill()
+        proc.wait(10)
+        forced = ftkit("stop", "--force", str(run2), env=ENV, timeout=120)
+        assert forced.returncode == 0, forced.stdout + forced.stderr
+        assert not live(run2)
+        assert_no_process_left(run2)
+
+
+@pytest.mark.timeout(600)
+def test_ftkit_stop_ends_a_live_run_from_another_shell(fx, tmp_path):
+    recipe, run = _recipe(tmp_path, fx, train__max_steps=LONG)
+    with launched(recipe, run) as proc:
+        wait_step(run, 0, 2)
+        stop = ftkit("stop", str(run), env=ENV, timeout=120)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        assert proc.wait(10) == ExitCode.SIGTERM
+        assert named(run, "interrupted")
+        assert_no_process_left(run)
+    again = ftkit("stop", str(run), env=ENV, timeout=60)
+    assert again.returncode == 0 and "nothing of the run" in again.stdout, again.stdout + again.stderr
+
+
+# ------------------------------------------------------------------------------------------------- resuming
+
+
+@pytest.mark.timeout(600)
+def test_lowering_max_steps_below_the_newest_checkpoint_is_refused_and_writes_nothing(fx, baseline, tmp_path):
+    recipe, run = _recipe(tmp_path, fx)
+    shutil.copytree(baseline["run"], run, symlinks=True)
+    before = {p: p.stat().st_mtime_ns for p in (run / "ftkit").rglob("*") if p.is_file()}
+    with mp_lock():
+        r = ftkit("launch", str(recipe), "train.max_steps=10", env=ENV, timeout=120)
+    assert r.returncode == ExitCode.USAGE, r.stdout + r.stderr
+    assert "checkpoint-12 is past train.max_steps=10" in r.stdout, r.stdout
+    after = {p: p.stat().st_mtime_ns for p in (run / "ftkit").rglob("*") if p.is_file() and p.name != "lock"}
+    assert {p: t for p, t in before.items() if p.name != "lock"} == after  # spec and configs untouched
+
+
+@pytest.mark.timeout(600)
+def test_recomputed_steps_that_disagree_with_the_logged_run_stop_it(fx, baseline, tmp_path):
+    recipe, run = _recipe(tmp_path, fx, resilience__max_restarts=0, resilience__resume_tolerance=0.0)
+    with launched(recipe, run, env={"FTKIT_FAULT_INJECT": "exit:1:7"}) as proc:
+        assert finish(proc) == ExitCode.BUDGET_EXHAUSTED, output(recipe)[-3000:]
+    # Steps 5-7 were logged by attempt 0; the relaunch resumes from checkpoint-4 and computes them again. Make the
+    # logged step 6 disagree, as a resume from the wrong state would (the loss-jump-after-resume reports).
+    metrics = RunDir(run).metrics
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    for m in rows:
+        if m.get("step") == 6 and "loss" in m:
+            m["loss"] *= 1.5
+    metrics.write_text("".join(json.dumps(m) + "\n" for m in rows))
+    with launched(recipe, run) as proc:
+        code = finish(proc)
+    assert code == ExitCode.RESUME_MISMATCH, output(recipe)[-3000:]
+    mism = [e for e in named(run, "resume_mismatch") if e["attempt"] == 1]
+    assert [(e["step"], e["metric"], e["stop"]) for e in mism] == [(6, "loss", True)], mism
+    assert "resumed state disagrees" in output(recipe)
+    assert [e["step"] for e in named(run, "resume_mismatch")] == [6]  # step 5 matched bit for bit
+    assert_no_process_left(run)
+
+
+@pytest.mark.timeout(600)
+def test_full_disk_ends_with_one_line_and_keeps_the_committed_checkpoint(fx, tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    # A checkpoint of the tiny model is ~2.7 MB: checkpoint-4 fits, checkpoint-8 does not.
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        recipe, _ = _recipe(tmp_path, fx, train__output_dir=str(disk / "run"), resilience__max_restarts=3)
+        run = disk / "run"
+        with launched(recipe, run) as proc:
+            code = finish(proc)
+        out = output(recipe)
+        assert code == ExitCode.NO_SPACE, out[-3000:]
+        assert "Traceback" not in out
+        assert f"no space left on {run}" in out or "no space left on" in out, out[-2000:]
+        assert not named(run, "restart"), "a full disk must not be restarted"
+        assert committed_ok(run / "checkpoint-4")
+        assert not [p for p in run.glob("checkpoint-*") if p.name != "checkpoint-4"], list(run.iterdir())
+        temps = [p for p in run.rglob("*") if p.name.startswith(".")]  # atomic writes' and deletions' temp names
+        assert not temps, temps
+        gave_up = named(run, "gave_up")
+        assert gave_up and gave_up[-1]["exit_code"] == ExitCode.NO_SPACE, gave_up
+        assert_no_process_left(run)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)])
+
+
+# ------------------------------------------------------------------------------------------------- SIGTERM in preflight
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_during_preflight_leaves_no_ssh_probe_behind(fx, tmp_path):
+    """A remote host whose ssh hangs: SIGTERM to ftkit launch ends it at once (143), and the probe dies with it."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    pidfile = tmp_path / "ssh.pid"
+    (bindir / "ssh").write_text(f"#!/bin/sh\necho $$ > {pidfile}\nexec sleep 120\n")
+    (bindir / "ssh").chmod(0o755)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("worker1 slots=1\nworker2 slots=1\n")
+    recipe, run = _recipe(tmp_path, fx, cluster__gpus_per_node=1, cluster__master_addr="127.0.0.1")
+    env = {**os.environ, **ENV, "PATH": f"{bindir}:{os.environ['PATH']}"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ftkit", "launch", str(recipe), "--hostfile", str(hostfile)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        wait_for(pidfile.exists, 60, "the ssh probe to start")
+        probe = int(pidfile.read_text())
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=20)
+        assert proc.returncode == ExitCode.SIGTERM, out + err
+        assert "Traceback" not in err and "interrupted by SIGTERM" in err, err
+        wait_for(lambda: not is_alive(probe), 5, "the ssh probe to be gone")
+        assert not (run / "ftkit" / "owner.json").exists()
+        assert not (run / "ftkit" / "spec.json").exists()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if pidfile.exists() and is_alive(int(pidfile.read_text())):
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)
+    assert not events(run)
