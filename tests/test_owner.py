@@ -1,0 +1,199 @@
+"""Run ownership without training: the flock and the owner record each refuse a second owner on their own (NFS may
+not honour flock), a dead owner's record is replaced, its live ranks block a launch unless taken over, and the
+ranks' watchdog stops a rank whose supervisor is gone (fake clock)."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ftkit.errors import ExitCode, RunBusy
+from ftkit.owner import Leftovers, Owner, Ownership, leftovers, owner_state, read_owner
+from ftkit.procs import proc_start_time
+from ftkit.rundir import RunDir
+from launch.watchdog import SupervisorWatchdog
+
+
+@pytest.fixture
+def sleeper():
+    """A real process that stands for a live supervisor or rank."""
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield p
+    p.kill()
+    p.wait()
+
+
+def owner_of(pid: int) -> Owner:
+    me = Owner.me()
+    return Owner(me.host, pid, proc_start_time(pid), me.boot_id, time.time(), ("ftkit", "launch"))
+
+
+def test_acquire_writes_the_owner_record_and_release_removes_it(tmp_path):
+    rd = RunDir(tmp_path / "run")
+    own = Ownership(rd)
+    own.acquire()
+    try:
+        rec = read_owner(rd)
+        assert rec is not None and rec.pid == os.getpid() and rec.start_time == proc_start_time(os.getpid())
+        assert owner_state(rec, []) == "alive"
+        assert sorted(p.name for p in rd.meta.iterdir()) == ["lock", "owner.json", "supervisor.json"]
+    finally:
+        own.release()
+    assert read_owner(rd) is None and not (rd.meta / "supervisor.json").exists()
+    assert not list(rd.meta.glob(".owner*"))  # no temp record left
+
+
+def test_a_held_flock_refuses_a_second_owner(tmp_path):
+    rd = RunDir(tmp_path / "run")
+    rd.meta.mkdir(parents=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import fcntl,time; f=open({str(rd.meta / 'lock')!r},'w'); "
+            "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunBusy) as e:
+            Ownership(rd).acquire()
+        assert e.value.exit_code == ExitCode.RUN_BUSY and "ftkit stop" in str(e.value)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_live_owner_record_refuses_even_without_the_flock(tmp_path, sleeper):
+    """On a file system where flock does not reach the other host, the record alone still protects the run."""
+    rd = RunDir(tmp_path / "run")
+    rd.meta.mkdir(parents=True)
+    (rd.meta / "owner.json").write_text(owner_of(sleeper.pid).to_json())
+    with pytest.raises(RunBusy) as e:
+        Ownership(rd).acquire()
+    assert f"pid {sleeper.pid}" in str(e.value)
+    # The refusal wrote nothing and left the record alone.
+    assert read_owner(rd).pid == sleeper.pid and not (rd.meta / "supervisor.json").exists()
+    with open(rd.meta / "lock") as fh:  # and the lock was released again
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_a_dead_owner_record_is_replaced(tmp_path):
+    rd = RunDir(tmp_path / "run")
+    rd.meta.mkdir(parents=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = Owner(Owner.me().host, int(dead.stdout), 12345, Owner.me().boot_id, 1.0)
+    (rd.meta / "owner.json").write_text(stale.to_json())
+    own = Ownership(rd)
+    own.acquire()
+    try:
+        assert read_owner(rd).pid == os.getpid()
+    finally:
+        own.release()
+
+
+def test_a_record_from_before_a_reboot_is_dead(sleeper):
+    o = owner_of(sleeper.pid)
+    assert owner_state(o, []) == "alive"
+    assert owner_state(Owner(o.host, o.pid, o.start_time, "another-boot"), []) == "dead"
+    assert owner_state(Owner(o.host, o.pid, (o.start_time or 0) + 1, o.boot_id), []) == "dead"  # pid reused
+
+
+def _orphan_run(tmp_path: Path, pid: int) -> RunDir:
+    rd = RunDir(tmp_path / "run")
+    rec = {"rank": 0, "host": "localhost", "pid": pid, "start_time": proc_start_time(pid), "attempt": 0}
+    rd.pid_file(0, 0).parent.mkdir(parents=True)
+    rd.pid_file(0, 0).write_text(json.dumps(rec))
+    dead = Owner(Owner.me().host, 2**22 + 7, 1, Owner.me().boot_id, 1.0)  # a pid that cannot exist
+    (rd.meta / "owner.json").write_text(dead.to_json())
+    return rd
+
+
+def test_ranks_of_a_dead_supervisor_block_a_launch_unless_taken_over(tmp_path, sleeper):
+    rd = _orphan_run(tmp_path, sleeper.pid)
+    with pytest.raises(RunBusy) as e:
+        Ownership(rd).acquire()
+    assert "--takeover" in str(e.value) and f"pid {sleeper.pid}" in str(e.value)
+    seen: list[Leftovers] = []
+
+    def teardown(left: Leftovers) -> None:
+        seen.append(left)
+        sleeper.kill()
+        sleeper.wait()
+
+    own = Ownership(rd)
+    own.acquire(takeover=True, teardown=teardown)
+    try:
+        assert [r["pid"] for r in seen[0].records] == [sleeper.pid] and own.taken_over
+        assert not leftovers(rd)
+    finally:
+        own.release()
+
+
+def test_malformed_owner_record_is_one_clear_error(tmp_path):
+    rd = RunDir(tmp_path / "run")
+    rd.meta.mkdir(parents=True)
+    (rd.meta / "owner.json").write_text("[1, 2")
+    with pytest.raises(Exception) as e:
+        Ownership(rd).acquire()
+    assert "owner record is malformed" in str(e.value) and e.value.exit_code == ExitCode.USAGE
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_watchdog_stops_a_rank_when_the_supervisor_heartbeat_goes_silent(tmp_path):
+    rd = RunDir(tmp_path / "run")
+    rd.meta.mkdir(parents=True)
+    remote = Owner("head-node-elsewhere", 4242, 1, "b", 1.0)  # not this host: only the heartbeat tells
+    (rd.meta / "owner.json").write_text(remote.to_json())
+    beat = rd.meta / "supervisor.json"
+    beat.write_text('{"seq": 1}')
+    clock = Clock()
+    wd = SupervisorWatchdog(rd, timeout_s=30, clock=clock)
+    for seq in range(2, 10):  # a beating supervisor, whatever the clocks say
+        clock.t += 10
+        beat.write_text(json.dumps({"seq": seq}))
+        assert wd.check() is None
+    clock.t += 29
+    assert wd.check() is None
+    clock.t += 2
+    why = wd.check()
+    assert why and "not seen for 31s" in why and "orphan_timeout_s=30" in why
+
+
+def test_watchdog_sees_a_dead_local_supervisor_and_a_takeover(tmp_path, sleeper):
+    rd = RunDir(tmp_path / "run")
+    rd.meta.mkdir(parents=True)
+    (rd.meta / "owner.json").write_text(owner_of(sleeper.pid).to_json())
+    clock = Clock()
+    wd = SupervisorWatchdog(rd, timeout_s=5, clock=clock)
+    clock.t = 100  # no heartbeat file at all, but the supervisor's pid is alive here
+    assert wd.check() is None
+    sleeper.kill()
+    sleeper.wait()
+    clock.t = 104
+    assert wd.check() is None  # dead, but not yet for orphan_timeout_s
+    clock.t = 106
+    assert "not seen" in wd.check()
+    wd2 = SupervisorWatchdog(rd, timeout_s=5, clock=clock)
+    (rd.meta / "owner.json").write_text(owner_of(os.getpid()).to_json())
+    assert "took the run over" in wd2.check()
+
+
+def test_watchdog_is_off_when_no_supervisor_owns_the_run(tmp_path):
+    assert SupervisorWatchdog(RunDir(tmp_path), timeout_s=1).start() is False
