@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import Problem, RunBusy, UserError, os_error
-from .procs import is_alive, is_this_machine, proc_start_time, ssh_run
+from .procs import Target, is_alive, is_this_machine, proc_start_time, remote_signal, targets_from_records
 from .rundir import RunDir, atomic_write
 
 HEARTBEAT_S = 2.0  # how often the supervisor rewrites supervisor.json
@@ -88,24 +88,25 @@ class Owner:
         return f"pid {self.pid} on {self.host}, started {since}"
 
     @property
-    def local(self) -> bool:
+    def same_boot(self) -> bool:
+        """Recorded by this running kernel: its pid can be checked here (containers of one machine included)."""
+        return bool(self.boot_id) and self.boot_id == boot_id()
+
+    @property
+    def named_here(self) -> bool:
         return is_this_machine(self.host) or self.host == this_host()
 
 
 def owner_state(owner: Owner, ssh_args: list[str]) -> str:
-    """'alive', 'dead' or 'unknown' (its host cannot be reached)."""
-    if owner.local:
-        if owner.boot_id and owner.boot_id != boot_id():
-            return "dead"  # recorded before a reboot of this machine
+    """'alive', 'dead' or 'unknown' (its host cannot be reached to tell)."""
+    if owner.same_boot or (owner.named_here and not owner.boot_id):
         return "alive" if is_alive(owner.pid, owner.start_time) else "dead"
-    check = f"cut -d' ' -f22 /proc/{int(owner.pid)}/stat 2>/dev/null; echo ."
-    ok, out = ssh_run(owner.host, check, ssh_args, 10)
+    if owner.named_here:
+        return "dead"  # this machine's name, recorded before its last reboot
+    ok, alive = remote_signal(owner.host, [Target(owner.host, owner.pid, owner.start_time)], "0", ssh_args)
     if not ok:
         return "unknown"
-    first = out.split()[0] if out.split() else "."
-    if first == ".":
-        return "dead"
-    return "alive" if owner.start_time is None or first == str(owner.start_time) else "dead"
+    return "alive" if owner.pid in alive else "dead"
 
 
 def read_owner(rd: RunDir) -> Owner | None:
@@ -142,19 +143,28 @@ class Leftovers:
         return ", ".join(names)
 
 
-def leftovers(rd: RunDir) -> Leftovers:
-    """The processes of the newest attempt that still run (see :class:`Leftovers`)."""
+def leftovers(rd: RunDir, ssh_args: list[str] | None = None) -> Leftovers:
+    """The processes of the newest attempt that still run (see :class:`Leftovers`): checked here for this machine,
+    over ssh for the others (a host that cannot be reached counts its records as running: nobody can tell)."""
     attempt = rd.next_attempt() - 1
     out = Leftovers()
     if attempt < 0:
         return out
+    remote: dict[str, list[dict[str, Any]]] = {}
     for rec in rd.records("pids", attempt):
         try:
-            local = is_this_machine(rec["host"]) or rec.get("hostname") == this_host()
-            if not local or is_alive(int(rec["pid"]), rec.get("start_time")):
-                out.records.append(rec)
+            if is_this_machine(str(rec["host"])):
+                if is_alive(int(rec["pid"]), rec.get("start_time")) or (
+                    rec.get("ppid_start_time") and is_alive(int(rec["ppid"]), rec["ppid_start_time"])
+                ):
+                    out.records.append(rec)
+            else:
+                remote.setdefault(str(rec["host"]), []).append(rec)
         except (KeyError, TypeError, ValueError):
             continue
+    for host, recs in remote.items():
+        ok, alive = remote_signal(host, targets_from_records(recs), "0", list(ssh_args or []))
+        out.records += [r for r in recs if not ok or int(r["pid"]) in alive or int(r.get("ppid") or 0) in alive]
     try:
         lines = rd.events.read_text(errors="replace").splitlines()
     except OSError:
@@ -239,7 +249,9 @@ class Ownership:
                         f"{self.rd.path}: the owner record names {old.describe()}, and {old.host} cannot be reached "
                         "to tell whether it still runs; if it does not, launch with --takeover"
                     )
-            orphans = leftovers(self.rd)
+            # A supervisor that ended cleanly removed its record after its teardown: only a dead owner's record
+            # can leave ranks behind.
+            orphans = leftovers(self.rd, self.ssh_args) if old is not None else Leftovers()
             if orphans:
                 names = orphans.describe()
                 if not takeover:
@@ -272,21 +284,24 @@ class Ownership:
         finally:
             tmp.unlink(missing_ok=True)
 
+    def _beat(self, seq: int) -> None:
+        try:
+            atomic_write(
+                self.heartbeat_path,
+                json.dumps({"pid": self.me.pid, "host": self.me.host, "seq": seq, "time": time.time()}),
+                fsync=False,
+            )
+        except OSError:
+            pass  # a full disk: the supervisor reports it where it writes; ranks then see silence
+
     def _start_heartbeat(self) -> None:
+        self._beat(0)  # the first beat is on disk before anything is spawned
+
         def beat() -> None:
             seq = 0
-            while True:
+            while not self._stop.wait(HEARTBEAT_S):
                 seq += 1
-                try:
-                    atomic_write(
-                        self.heartbeat_path,
-                        json.dumps({"pid": self.me.pid, "host": self.me.host, "seq": seq, "time": time.time()}),
-                        fsync=False,
-                    )
-                except OSError:
-                    pass  # a full disk: the supervisor reports it where it writes; ranks then see silence
-                if self._stop.wait(HEARTBEAT_S):
-                    return
+                self._beat(seq)
 
         self._thread = threading.Thread(target=beat, name="ftkit-supervisor-heartbeat", daemon=True)
         self._thread.start()
@@ -348,12 +363,11 @@ def _ssh_args_from_spec(rd: RunDir) -> list[str]:
 def _signal_owner(owner: Owner, ssh_args: list[str]) -> None:
     import signal
 
-    if owner.local:
+    if owner.same_boot or (owner.named_here and not owner.boot_id):
         if is_alive(owner.pid, owner.start_time):
             os.kill(owner.pid, signal.SIGTERM)
         return
-    check = f'[ "$(cut -d" " -f22 /proc/{int(owner.pid)}/stat 2>/dev/null)" = "{owner.start_time}" ]'
-    ssh_run(owner.host, f"{check} && kill -TERM {int(owner.pid)}; true", ssh_args, 10)
+    remote_signal(owner.host, [Target(owner.host, owner.pid, owner.start_time)], "TERM", ssh_args)
 
 
 def stop_run(run_dir: str, *, force: bool = False, timeout: float = 120.0, echo: Callable[[str], None] = print) -> int:
@@ -385,7 +399,7 @@ def stop_run(run_dir: str, *, force: bool = False, timeout: float = 120.0, echo:
             "use --force to stop the ranks by their pid records"
         )
         return ExitCode.RUN_BUSY
-    left = leftovers(rd)
+    left = leftovers(rd, ssh_args)
     if left:
         if not force:
             names = left.describe()

@@ -200,6 +200,16 @@ def one_line(text: str) -> str:
     return "; ".join(lines)
 
 
+def remote_signal(
+    host: str, targets: list[Target], sig: str, ssh_args: list[str], timeout: float = 10.0
+) -> tuple[bool, set[int]]:
+    """Signal (``TERM``, ``KILL``, or ``0`` to only look) the targets on ``host`` whose start time still matches;
+    returns (host reachable, pids that were alive)."""
+    ok, out = ssh_run(host, _remote_script(targets, sig), ssh_args, timeout)
+    alive = {int(line.split()[1]) for line in out.splitlines() if line.startswith("alive ")} if ok else set()
+    return ok, alive
+
+
 def teardown(
     groups: Iterable[int],
     targets: Iterable[Target],

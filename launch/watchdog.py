@@ -26,8 +26,8 @@ import threading
 import time
 from pathlib import Path
 
-from ftkit.owner import Owner, owner_state
-from ftkit.procs import SHM_DIR, SHM_PREFIX
+from ftkit.owner import Owner
+from ftkit.procs import SHM_DIR, SHM_PREFIX, is_alive
 from ftkit.rundir import RunDir
 
 POLL_S = 2.0
@@ -65,8 +65,8 @@ class SupervisorWatchdog:
         if beat is not None and beat != self._beat:
             self._beat = beat
             self.last_seen = now
-        elif self.owner is not None and self.owner.local and owner_state(self.owner, []) == "alive":
-            self.last_seen = now
+        elif self.owner is not None and self.owner.same_boot and is_alive(self.owner.pid, self.owner.start_time):
+            self.last_seen = now  # the supervisor runs on this machine: its pid tells at once
         if now - self.last_seen > self.timeout_s:
             who = self.owner.describe() if self.owner else "unknown"
             return f"supervisor ({who}) not seen for {now - self.last_seen:.0f}s (orphan_timeout_s={self.timeout_s:g})"

@@ -197,3 +197,15 @@ def test_watchdog_sees_a_dead_local_supervisor_and_a_takeover(tmp_path, sleeper)
 
 def test_watchdog_is_off_when_no_supervisor_owns_the_run(tmp_path):
     assert SupervisorWatchdog(RunDir(tmp_path), timeout_s=1).start() is False
+
+
+def test_watchdog_trusts_a_pid_only_on_the_same_running_kernel(tmp_path, sleeper):
+    """Containers on different machines often share a host name: a pid there means nothing here."""
+    rd = RunDir(tmp_path / "run")
+    rd.meta.mkdir(parents=True)
+    twin = owner_of(sleeper.pid)
+    (rd.meta / "owner.json").write_text(Owner(twin.host, twin.pid, twin.start_time, "another-kernel", 1.0).to_json())
+    clock = Clock()
+    wd = SupervisorWatchdog(rd, timeout_s=5, clock=clock)
+    clock.t = 6  # the pid is alive here, but the record is another kernel's and no heartbeat came
+    assert "not seen" in wd.check()
