@@ -412,3 +412,26 @@ def stop_run(run_dir: str, *, force: bool = False, timeout: float = 120.0, echo:
             return ExitCode.RUN_BUSY
     echo(f"ftkit: nothing of the run in {run_dir} is running")
     return ExitCode.OK
+
+
+def liveness(run_dir: str | os.PathLike[str]) -> str | None:
+    """One line for ``ftkit status``: who runs this run now, or that its ranks run unsupervised; None when idle."""
+    rd = RunDir(run_dir)
+    owner = read_owner(rd)
+    if owner is None:
+        return None
+    ssh_args = _ssh_args_from_spec(rd)
+    state = owner_state(owner, ssh_args)
+    if state == "alive":
+        return f"running, supervised by ftkit launch ({owner.describe()}); `ftkit stop {rd.path}` stops it"
+    if state == "unknown":
+        return (
+            f"its supervisor's host {owner.host} cannot be reached to tell whether it still runs ({owner.describe()})"
+        )
+    left = leftovers(rd, ssh_args)
+    if left:
+        return (
+            f"NOT SUPERVISED: its supervisor ({owner.describe()}) is gone but {left.describe()} still run; "
+            f"`ftkit launch --takeover` continues the run, `ftkit stop --force {rd.path}` stops them"
+        )
+    return None

@@ -95,6 +95,7 @@ class RunSummary:
     final_problem: str | None = None  # final/ exists but does not verify
     verified: bool = False  # checkpoints were checked against their checksums, not only sizes
     skipped: dict[str, int] = field(default_factory=dict)  # file name -> malformed lines skipped
+    running: str | None = None  # who runs it now, or that its ranks run unsupervised (ftkit.owner.liveness)
 
     @property
     def verify_failures(self) -> list[str]:
@@ -202,6 +203,8 @@ def summarize(run_dir: str | Path, *, checksums: bool = False) -> RunSummary:
 
 def format_summary(s: RunSummary) -> str:
     lines = [f"run: {s.run_dir}"]
+    if s.running:
+        lines.append(f"now: {s.running}")
     if s.outcome:
         lines.append(f"outcome: {s.outcome}")
     steps = f"{s.step}" + (f"/{s.max_steps}" if s.max_steps else "") if s.step is not None else "none yet"

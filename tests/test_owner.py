@@ -209,3 +209,16 @@ def test_watchdog_trusts_a_pid_only_on_the_same_running_kernel(tmp_path, sleeper
     wd = SupervisorWatchdog(rd, timeout_s=5, clock=clock)
     clock.t = 6  # the pid is alive here, but the record is another kernel's and no heartbeat came
     assert "not seen" in wd.check()
+
+
+def test_status_line_says_who_runs_the_run_or_that_its_ranks_run_unsupervised(tmp_path, sleeper):
+    from ftkit.owner import liveness
+
+    rd = RunDir(tmp_path / "run")
+    rd.meta.mkdir(parents=True)
+    assert liveness(rd.path) is None
+    (rd.meta / "owner.json").write_text(owner_of(sleeper.pid).to_json())
+    assert liveness(rd.path).startswith("running, supervised by ftkit launch")
+    rd = _orphan_run(tmp_path / "b", sleeper.pid)
+    line = liveness(rd.path)
+    assert line.startswith("NOT SUPERVISED") and f"pid {sleeper.pid}" in line and "--takeover" in line

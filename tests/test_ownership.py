@@ -150,6 +150,8 @@ def test_takeover_of_a_dead_supervisors_ranks_and_stop_force(fx, baseline, tmp_p
         assert "ranks of its last attempt still run" in line and "--takeover" in line, line
         stop = ftkit("stop", str(run), env=ENV, timeout=60)
         assert stop.returncode == ExitCode.RUN_BUSY and "--force" in stop.stdout, stop.stdout + stop.stderr
+        status = ftkit("status", str(run), env=ENV, timeout=60)
+        assert "now: NOT SUPERVISED" in status.stdout, status.stdout
         assert live(run), "the orphans were expected to still run"
     with launched(recipe, run, "--takeover") as proc:
         code = finish(proc)

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from ..errors import Problem, UserError
+from ..owner import liveness
 from ..runstatus import VerifyFailed, format_summary, plot_losses, summarize
 from .options import json_option
 
@@ -55,6 +56,7 @@ def command(run_dir: str, plot: str | None, verify: bool, as_json: bool) -> None
     if not (path / "events.jsonl").exists() and not (path / "ftkit").is_dir():
         raise UserError(Problem("not an ftkit run directory (no events.jsonl)", file=run_dir))
     s = summarize(run_dir, checksums=verify)
+    s.running = liveness(run_dir)
     if as_json:
         click.echo(json.dumps(s.as_dict(), indent=2, default=str))
     else:
