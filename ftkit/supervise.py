@@ -589,20 +589,28 @@ class Supervisor:
         return dead
 
     def _echo_log_tail(self, attempt: int, lines: int = 6) -> None:
-        """Show the error of a rank that failed by itself; survivors' 'connection reset by peer' is only an echo."""
-        for log in sorted(self.rd.log_dir(attempt).glob("rank-*.log")):
+        """Show the error of a rank that failed by itself (survivors' 'connection reset by peer' is only an echo);
+        when no rank shows one, the engine's own log: a launcher that failed before any rank started (a bad
+        argument, a missing module) says why only there."""
+        shown = False
+        log_dir = self.rd.log_dir(attempt)
+        rank_logs = sorted(log_dir.glob("rank-*.log"))
+        for log in rank_logs + ([] if rank_logs else sorted(log_dir.glob("launcher-node*.log"))):
             try:
                 tail = [x for x in log.read_text(errors="replace").splitlines() if x.strip()][-lines:]
             except OSError:
                 continue
             text = "\n".join(tail)
-            if "Traceback" in text or "Error" in text:
+            if "Traceback" in text or "Error" in text or "error" in text:
                 if any(s in text for s in ("by peer", "Connection closed", "Socket Timeout", "NCCL communicator")):
                     continue
                 self.echo(f"  last lines of {log}:")
                 for x in tail:
                     self.echo(f"    {x[:200]}")
-        self.echo(f"  logs of every rank: {self.rd.log_dir(attempt)}")
+                shown = True
+        if not shown and not rank_logs:
+            self.echo("  no rank started: see the engine's log")
+        self.echo(f"  logs of this attempt: {log_dir}")
 
 
 def _nearly_full(path: Path) -> bool:

@@ -191,7 +191,7 @@ def test_ftkit_stop_ends_a_live_run_from_another_shell(fx, tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_lowering_max_steps_below_the_newest_checkpoint_is_refused_and_writes_nothing(fx, baseline, tmp_path):
+def test_refused_relaunches_write_nothing(fx, baseline, tmp_path):
     recipe, run = _recipe(tmp_path, fx)
     shutil.copytree(baseline["run"], run, symlinks=True)
     before = {p: p.stat().st_mtime_ns for p in (run / "ftkit").rglob("*") if p.is_file()}
@@ -201,6 +201,14 @@ def test_lowering_max_steps_below_the_newest_checkpoint_is_refused_and_writes_no
     assert "checkpoint-12 is past train.max_steps=10" in r.stdout, r.stdout
     after = {p: p.stat().st_mtime_ns for p in (run / "ftkit").rglob("*") if p.is_file() and p.name != "lock"}
     assert {p: t for p, t in before.items() if p.name != "lock"} == after  # spec and configs untouched
+    # A refused ZeRO stage change, likewise: decided before spec.json and ds_config.json are written.
+    with mp_lock():
+        r = ftkit("launch", str(recipe), "zero.stage=3", env=ENV, timeout=120)
+    assert r.returncode == ExitCode.NO_CHECKPOINT, r.stdout + r.stderr
+    assert "committed with ZeRO stage 2, this launch uses stage 3" in r.stdout, r.stdout
+    again = {p: p.stat().st_mtime_ns for p in (run / "ftkit").rglob("*") if p.is_file() and p.name != "lock"}
+    assert again == after
+    assert json.loads((run / "ftkit" / "ds_config.json").read_text())["zero_optimization"]["stage"] == 2
 
 
 @pytest.mark.timeout(600)

@@ -153,3 +153,47 @@ def test_fidelity_off_for_a_fresh_start_and_reads_only_earlier_attempts():
     assert fc.observe({"step": 5, "loss": 3.0}) == []
     fc = FidelityCheck.from_metrics(metrics((5, 2.0, 1.0, 1)), 1, 0.0, 1, resume_step=4)  # same attempt: not history
     assert fc.observe({"step": 5, "loss": 3.0}) == []
+
+
+def test_an_exception_between_spawn_and_teardown_still_tears_the_run_down(tmp_path, monkeypatch):
+    """The supervisor's script runs teardown in a finally: a bug in monitoring must not leave ranks holding GPUs.
+    The engine is a stand-in (a real process group of `sleep`); the script and the teardown are the real ones."""
+    import subprocess
+    import sys
+
+    from ftkit import supervise
+    from ftkit.command import LaunchCommand, LaunchInputs, NodeCommand
+    from ftkit.procs import group_exists
+    from ftkit.rundir import RunDir
+
+    started: list[int] = []
+
+    def fake_build(inputs, env):  # noqa: ARG001
+        argv = (sys.executable, "-c", "import subprocess; subprocess.run(['sleep', '60'])")  # a leader and a child
+        return LaunchCommand("stand-in", (NodeCommand("localhost", 0, argv, {}),))
+
+    def broken_monitor(self, procs, attempt, started_at):  # noqa: ARG001
+        started.append(procs[0].proc.pid)
+        raise RuntimeError("a bug in monitoring")
+
+    monkeypatch.setattr(supervise, "build_launch", fake_build)
+    monkeypatch.setattr(supervise.Supervisor, "monitor", broken_monitor)
+    rd = RunDir(tmp_path / "run")
+    rd.path.mkdir()
+    inputs = LaunchInputs("deepspeed", (("localhost", 1),), "127.0.0.1", 29500, str(rd.path), 0, None, "cpu", "py", "t")
+    sup = supervise.Supervisor(
+        rd=rd,
+        inputs=inputs,
+        base_env={},
+        resilience={"max_restarts": 1, "backoff_s": 0, "backoff_max_s": 0, "startup_timeout_s": 5, "hang_timeout_s": 5},
+        stage=2,
+        world_size=1,
+        max_steps=4,
+        ssh_args=[],
+        echo=lambda s: None,
+        grace_s=2.0,
+    )
+    with pytest.raises(RuntimeError, match="a bug in monitoring"):
+        sup.run(first=sup.select())
+    assert started and not group_exists(started[0]), "the engine's process group outlived the exception"
+    assert subprocess.run(["pgrep", "-g", str(started[0])], capture_output=True).returncode == 1
