@@ -789,18 +789,23 @@ def _safe_recompute(path: Path, recorded: str, spec: SampleSpec) -> str:
 # --------------------------------------------------------------------------------------------------- selection
 
 
-def list_checkpoints(output_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every ``checkpoint-<int>`` directory, newest first; anything else is ignored."""
+def _scan(output_dir: str | os.PathLike[str], pattern: re.Pattern[str], follow: bool) -> list[tuple[int, Path]]:
+    """``(step, path)`` of the directories in ``output_dir`` whose name matches ``pattern`` (group 1: the step)."""
     out: list[tuple[int, Path]] = []
     try:
         entries = list(os.scandir(output_dir))
     except FileNotFoundError:
         return []
     for entry in entries:
-        m = _CKPT_RE.match(entry.name)
-        if m and _is_dir(entry):
+        m = pattern.match(entry.name)
+        if m and (_is_dir(entry) if follow else entry.is_dir(follow_symlinks=False)):
             out.append((int(m.group(1)), Path(entry.path)))
-    return sorted(out, key=lambda sp: sp[0], reverse=True)
+    return out
+
+
+def list_checkpoints(output_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``checkpoint-<int>`` directory, newest first; anything else is ignored."""
+    return sorted(_scan(output_dir, _CKPT_RE, follow=True), key=lambda sp: sp[0], reverse=True)
 
 
 def _is_dir(entry: os.DirEntry[str]) -> bool:
@@ -898,16 +903,7 @@ def _set_aside_step(path: Path) -> int | None:
 
 def list_set_aside(output_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     """``(step, path)`` of every ``checkpoint-N.rejected-*`` directory a restart set aside, oldest first."""
-    out: list[tuple[int, Path]] = []
-    try:
-        entries = list(os.scandir(output_dir))
-    except FileNotFoundError:
-        return []
-    for entry in entries:
-        m = _SET_ASIDE_RE.match(entry.name)
-        if m and entry.is_dir(follow_symlinks=False):
-            out.append((int(m.group(1)), Path(entry.path)))
-    return sorted(out, key=lambda sp: (sp[0], sp[1].name))
+    return sorted(_scan(output_dir, _SET_ASIDE_RE, follow=False), key=lambda sp: (sp[0], sp[1].name))
 
 
 def set_aside_newer(output_dir: str | os.PathLike[str], selection: Selection) -> list[Path]:

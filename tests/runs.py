@@ -161,8 +161,8 @@ def events(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
 
 
-def assert_no_process_left(run_dir: Path, extra_pids: tuple[int, ...] = ()) -> None:
-    """Every rank (and per-node agent) any attempt recorded, and every spawned launcher, is gone."""
+def processes_left(run_dir: Path) -> list[str]:
+    """Every rank (and per-node agent) any attempt recorded, and every launcher group ftkit spawned, still running."""
     rd = RunDir(run_dir)
     left = []
     for attempt_dir in sorted((rd.meta / "attempts").glob("*")):
@@ -178,6 +178,13 @@ def assert_no_process_left(run_dir: Path, extra_pids: tuple[int, ...] = ()) -> N
                 left.append(f"launcher group {e['pid']}")
             except ProcessLookupError:
                 pass
+    return left
+
+
+def assert_no_process_left(run_dir: Path, extra_pids: tuple[int, ...] = ()) -> None:
+    """Every rank (and per-node agent) any attempt recorded, and every spawned launcher, is gone."""
+    rd = RunDir(run_dir)
+    left = processes_left(run_dir)
     for pid in extra_pids:
         if is_alive(pid):
             left.append(f"pid {pid}")

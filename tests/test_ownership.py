@@ -21,7 +21,7 @@ import pytest
 from ftkit.errors import ExitCode
 from ftkit.procs import is_alive
 from ftkit.rundir import RunDir
-from tests.runs import assert_no_process_left, events, free_port, ftkit, losses, mp_lock, wait_for
+from tests.runs import assert_no_process_left, events, free_port, ftkit, losses, mp_lock, processes_left, wait_for
 from tests.test_recovery import (  # fx and baseline: conftest's module fixtures
     ENV,
     STEPS,
@@ -37,25 +37,6 @@ from tests.test_recovery import (  # fx and baseline: conftest's module fixtures
 
 pytestmark = pytest.mark.slow
 LONG = 120  # steps of a run that must still be training a few seconds after a step-5 event (~0.15 s per step)
-
-
-def live(run: Path) -> list[str]:
-    """Ranks and per-node agents of any attempt that still run."""
-    rd = RunDir(run)
-    out = []
-    for a in sorted((rd.meta / "attempts").glob("*")):
-        for rec in rd.records("pids", int(a.name)):
-            if is_alive(int(rec["pid"]), rec.get("start_time")):
-                out.append(f"rank {rec['rank']} pid {rec['pid']}")
-            if rec.get("ppid_start_time") and is_alive(int(rec["ppid"]), rec["ppid_start_time"]):
-                out.append(f"agent pid {rec['ppid']}")
-    for e in named(run, "spawn"):  # the engine's launcher, which ends once its ranks are gone
-        try:
-            os.killpg(int(e["pid"]), 0)
-            out.append(f"launcher group {e['pid']}")
-        except ProcessLookupError:
-            pass
-    return out
 
 
 def assert_same_as_lone_run(run: Path, baseline: dict) -> None:
@@ -118,11 +99,13 @@ def test_sigkilled_supervisor_ranks_stop_by_themselves_and_relaunch_finishes(fx,
     recipe, run = _recipe(tmp_path, fx, resilience__orphan_timeout_s=orphan_timeout, train__max_steps=LONG)
     with launched(recipe, run) as proc:
         wait_step(run, 0, 5)
-        assert live(run)
+        assert processes_left(run)
         proc.kill()  # kill -9 of ftkit launch only: the ranks run in their own session
         killed = time.monotonic()
         proc.wait(10)
-        wait_for(lambda: not live(run), orphan_timeout + 30, "the orphaned ranks to stop by themselves", poll=0.2)
+        wait_for(
+            lambda: not processes_left(run), orphan_timeout + 30, "the orphaned ranks to stop by themselves", poll=0.2
+        )
         stopped_s = time.monotonic() - killed
         # The documented bound: orphan_timeout_s + the watchdog's 2 s poll, plus the engine agent's own teardown.
         assert stopped_s <= orphan_timeout + 2 + 8, f"ranks stopped {stopped_s:.1f}s after the supervisor died"
@@ -152,7 +135,7 @@ def test_takeover_of_a_dead_supervisors_ranks_and_stop_force(fx, baseline, tmp_p
         assert stop.returncode == ExitCode.RUN_BUSY and "--force" in stop.stdout, stop.stdout + stop.stderr
         status = ftkit("status", str(run), env=ENV, timeout=60)
         assert "now: NOT SUPERVISED" in status.stdout, status.stdout
-        assert live(run), "the orphans were expected to still run"
+        assert processes_left(run), "the orphans were expected to still run"
     with launched(recipe, run, "--takeover") as proc:
         code = finish(proc)
         assert code == ExitCode.OK, output(recipe)[-3000:]
@@ -169,7 +152,7 @@ def test_takeover_of_a_dead_supervisors_ranks_and_stop_force(fx, baseline, tmp_p
         proc.wait(10)
         forced = ftkit("stop", "--force", str(run2), env=ENV, timeout=120)
         assert forced.returncode == 0, forced.stdout + forced.stderr
-        assert not live(run2)
+        assert not processes_left(run2)
         assert_no_process_left(run2)
 
 
