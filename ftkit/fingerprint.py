@@ -112,18 +112,7 @@ POLICY: tuple[tuple[str, tuple[str, ...], str], ...] = (
         ("name", "cluster.engine", "cluster.master_addr", "cluster.master_port", "cluster.ssh_config"),
         "launch plumbing, not the math",
     ),
-    (
-        SAFE,
-        (
-            "cluster.gpu_memory_gb",
-            "cluster.host_memory_gb",
-            "cluster.gpu",
-            "cluster.network",
-            "cluster.intra_node_gbs",
-            "cluster.inter_node_gbs",
-        ),
-        "planning input only",
-    ),
+    (SAFE, ("cluster.gpu_memory_gb", "cluster.host_memory_gb"), "planning input only"),
     (
         SAFE,
         (
@@ -141,6 +130,11 @@ POLICY: tuple[tuple[str, tuple[str, ...], str], ...] = (
         "job shape: checked when the checkpoint is selected",
     ),
     (NOT_COMPARED, ("train.output_dir",), "the run directory itself"),
+    (
+        NOT_COMPARED,
+        ("model.revision", "model.config"),
+        "compared through model.path's content: the resolved hub commit, config.json and weight files",
+    ),
     (
         ALLOWABLE,
         ("train.learning_rate", "train.weight_decay", "train.adam_beta1", "train.adam_beta2", "train.adam_epsilon"),
@@ -288,13 +282,24 @@ def _files_hash(directory: Path, names: Iterable[str]) -> str | None:
     return h.hexdigest() if any_file else None
 
 
-def _model_part(path: str | None) -> dict[str, Any]:
+def _model_part(path: str | None, config_file: str = "", revision: str | None = None) -> dict[str, Any]:
+    """``config_file``: the config.json the plan read (the hub cache's for a hub id, or model.config); the weights
+    are looked for beside it (a hub snapshot directory) or in the model directory."""
     out: dict[str, Any] = {"path": path}
-    if not path or not Path(path).is_dir():
-        return out  # a hub id (no local directory): nothing cheap to look at
-    d = Path(path)
+    if revision is not None:
+        out["revision"] = revision
+    local = bool(path) and Path(path).is_dir()
+    cfg = Path(config_file) if config_file else (Path(path) / "config.json" if local else None)
+    if cfg is None or not cfg.is_file():
+        return out  # a hub id not resolved here: nothing cheap to look at
+    d = Path(path) if local else cfg.parent
+    if not local and cfg.parent.parent.name == "snapshots":
+        out["commit"] = cfg.parent.name  # the hub cache's snapshots/<commit>/config.json
     try:
-        out["config_xxh3_128"] = _files_hash(d, ["config.json"])
+        h = _xxh3()
+        h.update(b"config.json\0")  # the same hash as _files_hash(dir, ["config.json"]) for a model directory
+        _update_file(h, cfg)
+        out["config_xxh3_128"] = h.hexdigest()
         # Weights: names and sizes only (stat, no read). Hashing many GB on every launch is not cheap; a
         # re-exported model with other sizes or files is caught, a same-size in-place edit is not.
         out["weights"] = {
@@ -305,6 +310,22 @@ def _model_part(path: str | None) -> dict[str, Any]:
     except OSError as e:
         out["error"] = e.strerror or str(e)
     return out
+
+
+def _actual_config_file(plan: Any) -> str:
+    """The config.json the ranks will load: the plan's, unless that is a checked-in copy (model.config), then
+    the model's own where it can be resolved here."""
+    r = plan.recipe
+    file = getattr(plan, "model_config_file", "") or ""
+    if r.get("model.config") and r.get("model.path"):
+        from .errors import UserError
+        from .hub import config_source
+
+        try:
+            return config_source(r, checked_in=False).file
+        except UserError:
+            return file
+    return file
 
 
 def _tokenizer_part(path: str | None) -> dict[str, Any]:
@@ -343,7 +364,7 @@ def compute(plan: Any) -> dict[str, Any]:
         "recipe": _jsonable(recipe),
         "peft": has_peft,
         "data": _data_part(r.get("data.train")),
-        "model": _model_part(model_path),
+        "model": _model_part(model_path, _actual_config_file(plan), r.get("model.revision")),
         "tokenizer": _tokenizer_part(r.get("model.tokenizer") or model_path),
         "versions": versions(),
     }
@@ -454,14 +475,20 @@ def _content_change(key: str, old: Mapping[str, Any], new: Mapping[str, Any]) ->
             return f"another file ({old.get('path')} → {new.get('path')}, different content)", False
         return f"content changed ({new.get('path')}, {old.get('size')} → {new.get('size')} bytes)", False
     if key == "model.path":
-        fields = ("config_xxh3_128", "weights")
+        fields = ("config_xxh3_128", "weights", "commit")
         if all(old.get(f) == new.get(f) for f in fields) and not new.get("error"):
             return (
                 (f"moved, same config and weight files ({old.get('path')} → {new.get('path')})", True)
                 if (old.get("path") != new.get("path"))
                 else None
             )
-        what = "config.json" if old.get("config_xxh3_128") != new.get("config_xxh3_128") else "weight files"
+        what = (
+            "config.json"
+            if old.get("config_xxh3_128") != new.get("config_xxh3_128")
+            else f"hub commit ({old.get('commit')} → {new.get('commit')})"
+            if old.get("commit") != new.get("commit")
+            else "weight files"
+        )
         return f"{what} changed ({old.get('path')} → {new.get('path')})", False
     # model.tokenizer
     if old.get("xxh3_128") == new.get("xxh3_128") and not new.get("error"):

@@ -105,8 +105,8 @@ class MemoryReport:
 def model_shape(plan: Any) -> ModelShape:
     """Closed form for known families; the meta device (imports transformers, ~seconds) for anything else."""
     path = plan.recipe["model.path"]
-    shape = count_params(plan.model_config, source=f"{path}/config.json")
-    return shape if shape is not None else count_params_meta(path)
+    shape = count_params(plan.model_config, source=plan.model_config_label or f"{path}/config.json")
+    return shape if shape is not None else count_params_meta(plan.model_config_file or path)
 
 
 def plan_memory(plan: Any) -> MemoryReport:

@@ -97,6 +97,11 @@ def load_model_config(model_path: str) -> dict[str, Any]:
         if not os.path.isdir(model_path):
             raise ModelConfigError(Problem(f"model directory not found (looked for {path})", file=path))
         raise ModelConfigError(Problem("config.json not found in the model directory", file=path))
+    return load_config_file(path)
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Read a config.json file (a model directory's, the hub cache's or a checked-in copy) into a dict."""
     try:
         with open(path, encoding="utf-8") as fh:
             cfg = json.load(fh)
@@ -487,8 +492,8 @@ def count_params_meta(model_path: str) -> ModelShape:
     Nothing is allocated, so even 70B models take well under a second once transformers is imported; the cost
     is the import (seconds), which is why this is the fallback and lives inside a function.
     """
-    cfg = load_model_config(model_path)
-    path = os.path.join(model_path, "config.json")
+    path = model_path if os.path.isfile(model_path) else os.path.join(model_path, "config.json")
+    cfg = load_config_file(path) if os.path.isfile(model_path) else load_model_config(model_path)
     try:
         import torch
         import transformers
@@ -508,7 +513,7 @@ def count_params_meta(model_path: str) -> ModelShape:
     ]
     model, first_error = None, ""
     try:
-        hf_cfg = AutoConfig.from_pretrained(model_path)
+        hf_cfg = AutoConfig.from_pretrained(os.path.dirname(path) if os.path.basename(path) == "config.json" else path)
     except (ValueError, KeyError, OSError, TypeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelConfigError(Problem(f"transformers cannot read this config: {first}", file=path)) from None

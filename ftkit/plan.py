@@ -41,6 +41,9 @@ class Plan:
     # host -> the device (slot) indices an --include/--exclude selection kept (empty without a filter): the command
     # builder hands them to the engine (deepspeed --include, else CUDA_VISIBLE_DEVICES on the node)
     devices: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # the config.json read for model_config (a model directory's, the hub cache's, or model.config) and its label
+    model_config_file: str = ""
+    model_config_label: str = ""
 
     @property
     def world_size(self) -> int:
@@ -121,7 +124,8 @@ def build_plan(
     ``strict=False`` (``ftkit plan``) keeps going when ``auto`` finds nothing that fits: the plan then carries
     the slowest candidate so the table and the suggestions can still be printed.
     """
-    from .params import hidden_size, load_model_config
+    from .hub import config_source
+    from .params import hidden_size, load_config_file, load_model_config
 
     problems: list[Problem] = []
     if hosts is None:
@@ -168,12 +172,19 @@ def build_plan(
     else:
         master_why = _src(recipe, "cluster.master_addr")
 
+    source = None
     try:
-        cfg = load_model_config(recipe["model.path"])
+        source = config_source(recipe)
+        cfg = (
+            load_config_file(source.file)
+            if source.hub_id or recipe["model.config"]
+            else load_model_config(recipe["model.path"])
+        )
         h = hidden_size(cfg)
     except UserError as e:  # ModelConfigError: re-anchor it at the recipe's model.path line
+        key = "model.config" if recipe["model.config"] else "model.path"
         for p in e.problems:
-            problem("model.path", p.message if p.file else str(p))
+            problem(key, p.message if p.file else str(p))
         cfg, h = {}, 0
     if problems:
         raise RecipeError(problems)
@@ -191,6 +202,8 @@ def build_plan(
         offload_params="none",
         hidden_size=h,
         model_config=cfg,
+        model_config_file=source.file if source else "",
+        model_config_label=source.label if source else "",
         devices=devices,
     )
     plan.note(
@@ -207,7 +220,7 @@ def build_plan(
         "gradient_accumulation_steps", plan.grad_accum, f"global_batch_size {gbs} / (micro {micro} x world {world})"
     )
     plan.note("train_batch_size", gbs, f"train.global_batch_size ({_src(recipe, 'train.global_batch_size')})")
-    plan.note("hidden_size", h, f"{recipe['model.path']}/config.json")
+    plan.note("hidden_size", h, source.label if source else f"{recipe['model.path']}/config.json")
 
     _resolve_zero(plan, with_memory, strict)
     return plan

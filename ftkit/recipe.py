@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from .errors import Problem, RecipeError
+from .hub import is_hub_id
 from .schema import REQUIRED, SECTION_BY_NAME, SECTIONS, TOP_LEVEL, Field
 
 try:  # the C loader is ~10x faster; fall back quietly where libyaml is missing
@@ -39,6 +40,7 @@ DEFAULT = "default"
 # few dozen keys. YAML aliases are allowed (``<<: *defaults``) but every use counts the aliased nodes again, so a
 # "billion laughs" file (a few hundred bytes expanding to 10^9 nodes) is refused before it is composed.
 MAX_RECIPE_BYTES = 1 << 20
+HUB_KEYS = ("model.path", "model.tokenizer")  # path fields that may instead name a hub id (org/name)
 MAX_YAML_NODES = 10_000  # nodes after expanding aliases
 MAX_YAML_DEPTH = 32  # nesting depth (libyaml's composer recurses on the C stack: 100k levels crash it)
 
@@ -486,6 +488,8 @@ def load_recipe(path: str | os.PathLike[str] | None, overrides: list[str] | tupl
         f = _field(key)
         if f and "path" in f.type.split("|") and isinstance(value, str):
             anchor = Path.cwd() if sources.get(key) == CLI else base
+            if key in HUB_KEYS and is_hub_id(value, anchor):
+                continue  # org/name with no such local directory: a hub id, resolved by ftkit.hub
             values[key] = str((anchor / os.path.expanduser(value)).resolve()) if "://" not in value else value
 
     recipe = Recipe(path=rpath, values=values, sources=sources, has_peft=has_peft, explicit=explicit)
@@ -595,5 +599,11 @@ def _cross_checks(r: Recipe, add: Any) -> None:
         )
     if v["cluster.accelerator"] == "cpu" and v["train.precision"] == "fp16":
         add("train.precision", "fp16 is not supported on the cpu accelerator; use bf16 or fp32", src("train.precision"))
+    if v["model.revision"] is not None and v["model.path"] and os.path.isabs(v["model.path"]):
+        add(
+            "model.revision",
+            f"applies to a hub id only; model.path is a local directory ({v['model.path']}): remove model.revision",
+            src("model.revision"),
+        )
     if r.has_peft and v["peft.dropout"] is not None and v["peft.dropout"] >= 1:
         add("peft.dropout", "must be below 1", src("peft.dropout"))

@@ -89,6 +89,21 @@ def regenerated(text: str) -> str:
     return commented_recipe(values, split_header(text))
 
 
+def with_model(text: str, model: str, revision: str | None = None) -> str:
+    """A template's text with ``model.path`` set to ``model`` (a hub id or a directory) and, for a pinned hub
+    revision, ``model.revision``; comments regenerated from the schema like the shipped templates."""
+    values = yaml.safe_load(text) or {}
+    for s in SECTIONS:
+        if s.optional and s.name not in values:
+            values[s.name] = None
+    body = dict(values.get("model") or {})
+    new = {"path": model}
+    if revision is not None:
+        new["revision"] = revision
+    values["model"] = {**new, **{k: v for k, v in body.items() if k not in new}}
+    return commented_recipe(values, split_header(text))
+
+
 if __name__ == "__main__":  # python -m ftkit.scaffold templates/*.yaml  (make templates)
     import sys
     from pathlib import Path

@@ -10,6 +10,7 @@ from typing import Any
 
 from . import __version__
 from .fingerprint import compute as compute_fingerprint
+from .hub import DEFAULT_REVISION, model_is_hub
 from .plan import Plan
 
 
@@ -81,6 +82,11 @@ def build_spec(
         "accelerator": r["cluster.accelerator"],
         "model_path": r["model.path"],
         "tokenizer_path": r["model.tokenizer"] or r["model.path"],
+        # a hub id's revision (main unless pinned): the ranks call from_pretrained(id, revision=...); None: local
+        "model_revision": (r["model.revision"] or DEFAULT_REVISION) if model_is_hub(r) else None,
+        "tokenizer_revision": (r["model.revision"] or DEFAULT_REVISION)
+        if model_is_hub(r) and not r["model.tokenizer"]
+        else None,
         "peft": r.to_dict()["peft"],
         "data": {"train": r["data.train"], "max_seq_len": r["data.max_seq_len"], "truncate": r["data.truncate"]},
         "save_total_limit": r["train.save_total_limit"],

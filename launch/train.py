@@ -348,10 +348,18 @@ def _load_model(spec: dict[str, Any], targs: Any):
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec["recipe"]["train"]["precision"], torch.float32)
     path = spec["model_path"]
-    if not (Path(path) / "config.json").is_file():
+    revision = spec.get("model_revision")  # set for a hub id: from_pretrained resolves it through the hub cache
+    if revision is None and not (Path(path) / "config.json").is_file():
         raise ModelConfigError(Problem("no config.json: not a model directory", file=path))
+    hub = {"revision": revision} if revision is not None else {}
     # TrainingArguments(deepspeed=...) was built first: at ZeRO-3 from_pretrained partitions weights as it loads.
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **hub)
+    except OSError as e:  # a hub id whose weights are neither cached nor reachable, a private model, ...
+        if revision is None:
+            raise
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ModelConfigError(Problem(f"cannot load {path} (revision {revision}): {first}", file=path)) from None
     if spec["peft"]:
         from peft import LoraConfig, get_peft_model
 
@@ -417,7 +425,8 @@ def train(ctx: RankContext, resume: str | None) -> None:
     _share_process_group_with_deepspeed(targs)
     tok_path = spec["tokenizer_path"]
     try:
-        tokenizer = AutoTokenizer.from_pretrained(tok_path)
+        tok_rev = spec.get("tokenizer_revision")
+        tokenizer = AutoTokenizer.from_pretrained(tok_path, **({"revision": tok_rev} if tok_rev else {}))
     except (OSError, ValueError) as e:
         from ftkit.errors import ModelConfigError, Problem
 

@@ -8,7 +8,7 @@ import click
 
 from ..errors import Problem, UserError
 from ..render import write_files
-from ..scaffold import HOSTFILE_TEMPLATE, RECIPE_TEMPLATES, read_template
+from ..scaffold import HOSTFILE_TEMPLATE, RECIPE_TEMPLATES, read_template, with_model
 
 TEMPLATE_HELP = "; ".join(f"{name}: {desc}" for name, (_, desc) in RECIPE_TEMPLATES.items())
 
@@ -20,6 +20,7 @@ Examples:
   ftkit init myjob                      # LoRA template
   ftkit init myjob --template full      # full fine-tuning
   ftkit init . --template cpu-demo --force
+  ftkit init myjob --model Qwen/Qwen2.5-7B-Instruct --revision main   # model.path: a hub id
 """,
 )
 @click.argument("directory", default=".", type=click.Path(path_type=str))
@@ -32,12 +33,25 @@ Examples:
     show_default=True,
     help=TEMPLATE_HELP,
 )
+@click.option(
+    "--model",
+    "model",
+    default=None,
+    metavar="ORG/NAME|DIR",
+    help="Fill model.path: a hub id (org/name) or a local model directory.",
+)
+@click.option("--revision", default=None, help="Fill model.revision: a hub branch, tag or commit (with --model).")
 @click.option("--force", is_flag=True, help="Overwrite an existing recipe.yaml / hostfile.")
-def command(directory: str, template: str, force: bool) -> None:
+def command(directory: str, template: str, model: str | None, revision: str | None, force: bool) -> None:
     """Write DIRECTORY/recipe.yaml (every key with its one-line doc above it) and DIRECTORY/hostfile."""
     out = Path(directory)
+    recipe_text = read_template(RECIPE_TEMPLATES[template][0])
+    if revision is not None and model is None:
+        raise UserError(Problem("--revision needs --model ORG/NAME", key="--revision"))
+    if model is not None:
+        recipe_text = with_model(recipe_text, model, revision)
     targets = {
-        "recipe.yaml": read_template(RECIPE_TEMPLATES[template][0]),
+        "recipe.yaml": recipe_text,
         "hostfile": read_template(HOSTFILE_TEMPLATE),
     }
     if out.exists() and not out.is_dir():
@@ -47,4 +61,5 @@ def command(directory: str, template: str, force: bool) -> None:
         raise UserError([Problem("already exists; pass --force to overwrite", file=str(p)) for p in existing])
     for path in write_files(out, targets):  # all or nothing; an OS error names the path (exit 2, 12 for no space)
         click.echo(f"wrote {path}")
-    click.echo(f"next: edit {out / 'recipe.yaml'} (model.path, data.train), then `ftkit plan {out / 'recipe.yaml'}`")
+    todo = "data.train" if model is not None else "model.path, data.train"
+    click.echo(f"next: edit {out / 'recipe.yaml'} ({todo}), then `ftkit plan {out / 'recipe.yaml'}`")
