@@ -112,7 +112,18 @@ POLICY: tuple[tuple[str, tuple[str, ...], str], ...] = (
         ("name", "cluster.engine", "cluster.master_addr", "cluster.master_port", "cluster.ssh_config"),
         "launch plumbing, not the math",
     ),
-    (SAFE, ("cluster.gpu_memory_gb", "cluster.host_memory_gb"), "planning input only"),
+    (
+        SAFE,
+        (
+            "cluster.gpu_memory_gb",
+            "cluster.host_memory_gb",
+            "cluster.gpu",
+            "cluster.network",
+            "cluster.intra_node_gbs",
+            "cluster.inter_node_gbs",
+        ),
+        "planning input only",
+    ),
     (
         SAFE,
         (

@@ -1,0 +1,614 @@
+"""Communication and step time per optimizer step, for every ZeRO candidate (DESIGN §9).
+
+Bytes are predicted **in the unit DeepSpeed's comms logger reports** (``deepspeed.comm.comms_logger.comms_dict``):
+the message size of each call, i.e. the tensor DeepSpeed hands to the collective — the whole bucket for
+``all_reduce`` and ``reduce_scatter_tensor``, the per-rank *input* for ``all_gather_into_tensor`` — summed over the
+calls of one optimizer step on one rank. Notation: Ψ parameters, Φ trainable, N ranks, G ranks per node, GA
+micro-steps per optimizer step, b bytes per element on the wire (the training dtype: DeepSpeed's
+``communication_data_type`` defaults to it), ⌈x⌉_N = N·⌈x/N⌉ (ZeRO-3 pads every tensor to a multiple of N).
+What DeepSpeed 0.19 does (read in ``runtime/zero/stage_1_and_2.py`` and ``stage3.py``, and measured on 2 CPU ranks
+by tests/test_comm.py):
+
+==========  =====================================================  =============================================
+stage       gradients                                             parameters
+==========  =====================================================  =============================================
+0           all_reduce bΦ once per optimizer step                 –
+1           all_reduce bΦ once per optimizer step (at the         all_gather_into_tensor bΦ/N once per step
+            boundary: gradients accumulate unreduced)             (the updated partition)
+2           all_reduce bΦ every micro-step (GA×)                  all_gather_into_tensor bΦ/N once per step
+3           reduce_scatter_tensor b·Σ⌈numel⌉_N every micro-step   all_gather_into_tensor b·Σ⌈numel/N⌉ of the
+            (trainable tensors only)                              non-persistent tensors every micro-step in
+                                                                  forward (and again in backward for those
+                                                                  last used further back than
+                                                                  stage3_max_reuse_distance elements); the
+                                                                  persistent ones (numel ≤ stage3_param_
+                                                                  persistence_threshold) once per step, after
+                                                                  the optimizer (``_post_step``)
+==========  =====================================================  =============================================
+
+plus one small all_reduce per step (the gradient norm: 4 bytes at stage 1/2, 8 at stage 3). LoRA: Φ is the
+adapters, frozen weights are still gathered at stage 3. ZeRO++ (stage 3, across nodes): hpZ keeps a secondary
+partition per node so the backward gather stays inside the node (+bΨ/G memory); qwZ gathers int8 weights
+(1 byte per element plus a 4-byte scale per 2048); qgZ replaces the reduce-scatter with a hierarchical int4
+all-to-all (0.5Φ intra-node, 0.5Φ/G across nodes). ZeRO++ is not measured here (its kernels need CUDA): those
+volumes follow the ZeRO++ paper.
+
+Time: a collective of logger size M on n ranks moves M·f bus bytes, f = 2(n−1)/n for all-reduce, (n−1)/n for
+reduce-scatter (input size) and (n−1) for all-gather (M is one rank's input; NCCL's busbw convention), at the bus
+bandwidth of the slowest link it crosses (a group spanning nodes is limited by min(intra per GPU, inter per node):
+NCCL runs one ring per NIC), plus a latency per ring step. Compute is FLOPs over peak × MFU. Exposed communication
+is what does not fit under the compute it can overlap with (see :func:`predict`).
+
+Everything here is arithmetic on the standard library (import-light controller).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .memory import PRECISION_BYTES, Candidate, Workload
+
+# ------------------------------------------------------------------------------------------------ hardware tables
+
+# Dense (no sparsity) peak TFLOP/s in bf16/fp16 per GPU, from the vendors' data sheets; fp32 training uses TF32.
+GPU_PEAK_TFLOPS: dict[str, tuple[float, float, str]] = {
+    # name: (bf16/fp16 dense, tf32 dense, description)
+    "h100": (989.0, 494.0, "H100 SXM"),
+    "h100-pcie": (756.0, 378.0, "H100 PCIe"),
+    "h200": (989.0, 494.0, "H200 SXM"),
+    "a100": (312.0, 156.0, "A100 80GB"),
+    "a100-40": (312.0, 156.0, "A100 40GB"),
+    "l40s": (362.0, 183.0, "L40S"),
+    "a10": (125.0, 62.5, "A10"),
+    "l4": (121.0, 60.0, "L4"),
+    "v100": (125.0, 15.7, "V100 (fp16 tensor cores; no bf16)"),
+    "cpu": (0.2, 0.1, "a CPU rank (gloo; order of magnitude only)"),
+}
+MFU = 0.40  # model FLOPs utilisation assumed for GPUs (typical for HF Trainer + ZeRO on dense decoders)
+CPU_MFU = 0.25
+
+# by gpu_memory_gb when cluster.gpu is auto (first whose memory is >= the recipe's, within 10%)
+_GPU_BY_MEMORY = ((24, "a10"), (40, "a100-40"), (48, "l40s"), (80, "h100"), (141, "h200"))
+
+
+@dataclass(frozen=True)
+class Network:
+    """Bus bandwidths (GB/s, 1e9 bytes) and per-step latencies (µs) of the two kinds of link."""
+
+    name: str
+    intra_gbs: float  # per GPU, inside a node (NVLink, PCIe)
+    inter_gbs: float  # per node, all NICs together
+    intra_latency_us: float
+    inter_latency_us: float
+    source: str = "preset"
+    doc: str = ""
+
+
+# Effective bus bandwidth ≈ 80% of the line rate (what nccl-tests reaches with large messages).
+NETWORK_PRESETS: dict[str, Network] = {
+    n.name: n
+    for n in (
+        Network("nvlink-ib400", 360.0, 320.0, 5, 10, doc="NVLink 4 (H100/H200 HGX) + 8 x 400 Gb/s InfiniBand per node"),
+        Network("nvlink-ib200", 200.0, 160.0, 5, 10, doc="NVLink 3 (A100 HGX) + 8 x 200 Gb/s InfiniBand per node"),
+        Network("nvlink-eth100", 360.0, 10.0, 5, 30, doc="NVLink + one 100 Gb/s Ethernet NIC per node"),
+        Network("pcie-ib100", 20.0, 10.0, 10, 10, doc="PCIe 4 through the host + one 100 Gb/s InfiniBand NIC per node"),
+        Network("pcie-eth25", 20.0, 2.5, 10, 50, doc="PCIe 4 through the host + one 25 Gb/s Ethernet NIC per node"),
+        Network("eth10", 20.0, 1.0, 10, 50, doc="PCIe inside the node + one 10 Gb/s Ethernet NIC per node"),
+        Network("loopback", 2.0, 1.0, 50, 100, doc="CPU ranks over gloo (shared memory/TCP on one host)"),
+    )
+}
+DEFAULT_NETWORK = "nvlink-ib400"
+PCIE_GBS = 20.0  # host <-> GPU copies for offload (PCIe 4 x16, effective)
+CPU_ADAM_PARAMS_PER_S = 1.0e9  # DeepSpeed's CPUAdam per rank (AVX-512, a few cores)
+
+BANDWIDTH_FILE_ENV = "FTKIT_BANDWIDTH_FILE"
+BANDWIDTH_FILE_VERSION = 1
+
+
+def bandwidth_file() -> Path:
+    """Where ``ftkit doctor --bandwidth`` writes its measurement: $FTKIT_BANDWIDTH_FILE, else
+    ``$XDG_CACHE_HOME/ftkit/bandwidth.json`` (``~/.cache/ftkit/bandwidth.json``).
+
+    Format (JSON object)::
+
+        {"version": 1, "measured_at": "2026-11-23T19:00:00Z", "hosts": ["node0", "node1"],
+         "intra_node_gbs": 350.0, "inter_node_gbs": 45.0,          # bus bandwidth, GB/s (intra per GPU, inter per node)
+         "intra_latency_us": 5.0, "inter_latency_us": 12.0}        # optional
+
+    It applies to a plan whose host names equal ``hosts`` (in any order); without ``hosts`` it applies to every plan.
+    """
+    env = os.environ.get(BANDWIDTH_FILE_ENV)
+    if env:
+        return Path(env)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "ftkit" / "bandwidth.json"
+
+
+def read_bandwidth_file(hosts: list[str], path: Path | None = None) -> Network | None:
+    """The measured network for these hosts, or None (no file, another cluster's, or unreadable: a stated default
+    is better than a traceback in ``ftkit plan``)."""
+    p = path or bandwidth_file()
+    try:
+        data = json.loads(p.read_text())
+        if not isinstance(data, dict) or data.get("version") != BANDWIDTH_FILE_VERSION:
+            return None
+        if data.get("hosts") is not None and sorted(data["hosts"]) != sorted(hosts):
+            return None
+        intra, inter = float(data["intra_node_gbs"]), float(data["inter_node_gbs"])
+        if not (intra > 0 and inter > 0 and math.isfinite(intra) and math.isfinite(inter)):
+            return None
+        return Network(
+            "measured",
+            intra,
+            inter,
+            float(data.get("intra_latency_us", 5)),
+            float(data.get("inter_latency_us", 10)),
+            source=f"measured ({p}{', ' + str(data['measured_at']) if data.get('measured_at') else ''})",
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def resolve_network(recipe: Any, hosts: list[str]) -> Network:
+    """Measured file > the recipe (cluster.intra_node_gbs/inter_node_gbs over cluster.network's preset) > default."""
+    measured = read_bandwidth_file(hosts)
+    if measured is not None:
+        return measured
+    name = recipe["cluster.network"]
+    if name == "auto":
+        name = "loopback" if recipe["cluster.accelerator"] == "cpu" else DEFAULT_NETWORK
+        source = f"default ({name}: cluster.network is auto)"
+    else:
+        source = f"cluster.network {name}"
+    base = NETWORK_PRESETS[name]
+    intra, inter = recipe["cluster.intra_node_gbs"], recipe["cluster.inter_node_gbs"]
+    if intra is not None or inter is not None:
+        source += " with cluster." + " and cluster.".join(
+            k for k, v in (("intra_node_gbs", intra), ("inter_node_gbs", inter)) if v is not None
+        )
+    return Network(
+        name,
+        float(intra) if intra is not None else base.intra_gbs,
+        float(inter) if inter is not None else base.inter_gbs,
+        base.intra_latency_us,
+        base.inter_latency_us,
+        source=source,
+        doc=base.doc,
+    )
+
+
+def resolve_gpu(recipe: Any) -> tuple[str, str]:
+    """(table key, where it came from)."""
+    gpu = recipe["cluster.gpu"]
+    if gpu != "auto":
+        return gpu, "cluster.gpu"
+    if recipe["cluster.accelerator"] == "cpu":
+        return "cpu", "cluster.accelerator cpu"
+    mem = float(recipe["cluster.gpu_memory_gb"])
+    for size, name in _GPU_BY_MEMORY:
+        if mem <= size * 1.1:
+            return name, f"guessed from cluster.gpu_memory_gb {mem:g} (set cluster.gpu)"
+    return "h200", f"guessed from cluster.gpu_memory_gb {mem:g} (set cluster.gpu)"
+
+
+# ------------------------------------------------------------------------------------------------ ZeRO++ candidates
+
+
+@dataclass(frozen=True)
+class ZeroPP(Candidate):
+    """A ZeRO-3 candidate with ZeRO++'s options: hpZ (secondary partition of ``hpz`` ranks, one node), qwZ, qgZ."""
+
+    hpz: int = 1
+    qwz: bool = False
+    qgz: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.stage != 3:
+            raise ValueError("ZeRO++ needs ZeRO stage 3")
+
+    @property
+    def label(self) -> str:
+        opts = [o for o, on in (("hpZ", self.hpz > 1), ("qwZ", self.qwz), ("qgZ", self.qgz)) if on]
+        return super().label.replace("ZeRO-3", "ZeRO-3 + " + "/".join(opts), 1) if opts else super().label
+
+
+def zeropp_candidates(gpus_per_node: int, num_nodes: int) -> list[ZeroPP]:
+    """ZeRO++ candidates worth planning: only across nodes (hpZ's group is one node; qgZ's is hierarchical)."""
+    if num_nodes < 2 or gpus_per_node < 2:
+        return []
+    return [ZeroPP(3, hpz=gpus_per_node), ZeroPP(3, hpz=gpus_per_node, qwz=True, qgz=True)]
+
+
+def zeropp_memory_bytes(c: Candidate, w: Workload) -> int:
+    """hpZ's secondary partition: the k-bit weights split over the node (ZeRO++ paper: +2Ψ/G in bf16)."""
+    if isinstance(c, ZeroPP) and c.hpz > 1:
+        return w.k * math.ceil(w.psi / c.hpz)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ bytes per step
+
+
+@dataclass(frozen=True)
+class Collective:
+    """Σ over one optimizer step of one kind of call on one rank, in the comms logger's unit."""
+
+    op: str  # DeepSpeed's record name (all_reduce, all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single)
+    logger_bytes: int
+    calls: int
+    group: int  # ranks in the group
+    scope: str  # "intra" (the group is one node) | "inter" (it spans nodes)
+    what: str
+    overlap: str = "none"  # what compute it can hide under: none | backward | forward+backward
+
+    @property
+    def bus_factor(self) -> float:
+        n = self.group
+        if n <= 1:
+            return 0.0
+        if self.op == "all_reduce":
+            return 2 * (n - 1) / n
+        if self.op == "all_gather_into_tensor":
+            return float(n - 1)  # the logger's size is one rank's input; the output is n times that
+        return (n - 1) / n  # reduce_scatter (input size), all_to_all
+
+    @property
+    def bus_bytes(self) -> float:
+        return self.logger_bytes * self.bus_factor
+
+
+@dataclass(frozen=True)
+class Traffic:
+    collectives: tuple[Collective, ...]
+    host_bytes: int = 0  # offload: host <-> GPU copies per step per GPU
+
+    def logger_bytes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for c in self.collectives:
+            out[c.op] = out.get(c.op, 0) + c.logger_bytes
+        return out
+
+    def by_scope(self, scope: str) -> int:
+        return sum(c.logger_bytes for c in self.collectives if c.scope == scope)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def traffic(
+    c: Candidate,
+    w: Workload,
+    grad_accum: int = 1,
+    *,
+    comm_bytes: int | None = None,
+    persistence_threshold: int | None = None,
+    max_reuse_distance: int = 1_000_000_000,
+    lora_tensors: list[int] | None = None,
+) -> Traffic:
+    """Bytes per optimizer step on one rank, by collective (module docstring's table).
+
+    ``comm_bytes``: bytes per element on the wire (default: the training dtype). ``persistence_threshold``:
+    stage3_param_persistence_threshold in elements (default 10·h, the plan's). ``lora_tensors``: the adapter
+    tensor sizes (default: Φ as one tensor).
+    """
+    b = comm_bytes if comm_bytes is not None else PRECISION_BYTES[w.precision]
+    n, g, ga = w.world_size, w.local_ranks, grad_accum
+    scope = "inter" if w.num_nodes > 1 else "intra"
+    phi = w.phi
+    out: list[Collective] = []
+    host = 0
+    if n == 1:
+        return Traffic((), host_bytes=_host_bytes(c, w))
+    if c.stage in (0, 1, 2):
+        per = ga if c.stage == 2 else 1
+        out.append(Collective("all_reduce", b * phi * per, per, n, scope, "gradients", "backward"))
+        out.append(Collective("all_reduce", 4, 1, n, scope, "gradient norm"))
+        if c.stage >= 1:
+            out.append(Collective("all_gather_into_tensor", b * _ceil_div(phi, n), 1, n, scope, "updated partition"))
+        return Traffic(tuple(out), host_bytes=_host_bytes(c, w))
+
+    # stage 3: per tensor, ⌈numel/N⌉ per rank
+    h = w.shape.hidden_size
+    thr = persistence_threshold if persistence_threshold is not None else 10 * h
+    base = [t.numel for t in w.shape.tensors] or [w.shape.total_params]
+    adapters = (lora_tensors if lora_tensors is not None else [phi]) if w.lora_params is not None else []
+    order = base + adapters  # adapters are used with their layers; their size is small either way
+    persistent = sum(_ceil_div(x, n) for x in order if x <= thr)
+    gathered = [x for x in order if x > thr]
+    fwd = sum(_ceil_div(x, n) for x in gathered)
+    # backward re-gathers what was released: a tensor used again more than max_reuse_distance elements later
+    # (forward goes through everything after it, backward comes back: ~2 x the elements behind it)
+    regathered, behind = [], 0
+    for x in reversed(gathered):
+        if 2 * behind > max_reuse_distance:
+            regathered.append(x)
+        behind += x
+    bwd = sum(_ceil_div(x, n) for x in regathered)
+    trainable = adapters if w.lora_params is not None else base
+    rs = sum(n * _ceil_div(x, n) for x in trainable)
+    pp = c if isinstance(c, ZeroPP) else None
+    wire_w = 1.0 if pp and pp.qwz else b  # qwZ: int8 weights
+    scale = (4 / 2048) if pp and pp.qwz else 0.0
+    out.append(
+        Collective(
+            "all_gather_into_tensor",
+            int(fwd * (wire_w + scale)) * ga,
+            ga,
+            n,
+            scope,
+            "parameters, forward" + (" (int8, qwZ)" if pp and pp.qwz else ""),
+            "forward+backward",
+        )
+    )
+    if bwd:
+        if pp and pp.hpz > 1:  # hpZ: from the secondary partition inside the node
+            sec = sum(_ceil_div(x, pp.hpz) for x in regathered)
+            out.append(
+                Collective(
+                    "all_gather_into_tensor",
+                    b * sec * ga,
+                    ga,
+                    pp.hpz,
+                    "intra",
+                    "parameters, backward (hpZ)",
+                    "forward+backward",
+                )
+            )
+        else:
+            out.append(
+                Collective(
+                    "all_gather_into_tensor",
+                    int(bwd * (wire_w + scale)) * ga,
+                    ga,
+                    n,
+                    scope,
+                    "parameters, backward",
+                    "forward+backward",
+                )
+            )
+    if persistent:
+        out.append(Collective("all_gather_into_tensor", b * persistent, 1, n, scope, "persistent parameters"))
+    if pp and pp.qgz and w.num_nodes > 1:
+        half = sum(trainable) // 2  # int4
+        out.append(
+            Collective("all_to_all_single", half * ga, ga, g, "intra", "gradients int4 (qgZ), in node", "backward")
+        )
+        out.append(
+            Collective(
+                "all_to_all_single",
+                half // g * ga,
+                ga,
+                w.num_nodes,
+                "inter",
+                "gradients int4 (qgZ), across",
+                "backward",
+            )
+        )
+    else:
+        out.append(Collective("reduce_scatter_tensor", b * rs * ga, ga, n, scope, "gradients", "backward"))
+    out.append(Collective("all_reduce", 8, 1, n, scope, "gradient norm"))
+    host = _host_bytes(c, w, ga)
+    return Traffic(tuple(out), host_bytes=host)
+
+
+def _host_bytes(c: Candidate, w: Workload, ga: int = 1) -> int:
+    """Offload: gradients to the host (fp32) and updated k-bit weights back, per step; parameter offload fetches
+    the k-bit partition for every forward and backward."""
+    n, k, phi = w.world_size, w.k, w.phi
+    part = _ceil_div(phi, n) if c.stage else phi
+    out = 0
+    if c.offload_optimizer != "none":
+        out += part * (4 + k) * (ga if c.stage >= 2 else 1)
+    if c.offload_params != "none":
+        out += 2 * k * _ceil_div(w.psi, n) * ga
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ time
+
+
+@dataclass(frozen=True)
+class Prediction:
+    candidate: Candidate
+    traffic: Traffic
+    compute_s: float
+    comm_s: float  # all communication, as if nothing overlapped
+    exposed_comm_s: float
+    host_s: float
+    step_time_s: float
+    tokens_per_step: int  # all ranks
+    assumptions: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_time_s if self.step_time_s > 0 else 0.0
+
+    @property
+    def logger_bytes(self) -> dict[str, int]:
+        return self.traffic.logger_bytes()
+
+    @property
+    def inter_share(self) -> float:
+        """Share of the step spent in exposed communication."""
+        return self.exposed_comm_s / self.step_time_s if self.step_time_s else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        t = self.traffic
+        return {
+            "comm_bytes_per_step": {
+                "intra": t.by_scope("intra"),
+                "inter": t.by_scope("inter"),
+                "by_collective": t.logger_bytes(),
+                "host": t.host_bytes,
+                "unit": "bytes per GPU per optimizer step, as DeepSpeed's comms logger counts them (message sizes)",
+            },
+            "compute_s": round(self.compute_s, 6),
+            "comm_s": round(self.comm_s, 6),
+            "exposed_comm_s": round(self.exposed_comm_s, 6),
+            "step_time_s": round(self.step_time_s, 6),
+            "tokens_per_s": round(self.tokens_per_s, 1),
+            "assumptions": self.assumptions,
+        }
+
+
+def flops_per_token(w: Workload) -> float:
+    """Training FLOPs per token: (6Ψ + 12·L·h·s) full fine-tuning, 8/16 with full recompute (one more forward);
+    LoRA skips the frozen weights' gradients: 4Ψ (+2Ψ recompute) + 6Φ. The attention term (QKᵀ and AV, 2·2·s·h
+    per layer in forward) scales the same way."""
+    s, h, layers = w.seq_len, w.shape.hidden_size, w.shape.num_layers
+    attn_fwd = 4 * layers * h * s
+    passes = 4 if w.gradient_checkpointing else 3  # forward + backward (2x forward) [+ recomputed forward]
+    if w.lora_params is None:
+        dense = 2 * w.psi * passes
+    else:
+        dense = 2 * w.shape.total_params * (passes - 1) + 6 * w.lora_params
+    return dense + attn_fwd * passes
+
+
+def _collective_s(c: Collective, net: Network) -> float:
+    if c.group <= 1 or c.logger_bytes == 0:
+        return 0.0
+    if c.scope == "intra":
+        bw, lat = net.intra_gbs, net.intra_latency_us
+    else:
+        bw, lat = min(net.intra_gbs, net.inter_gbs), net.inter_latency_us
+    steps = 2 * (c.group - 1) if c.op == "all_reduce" else (c.group - 1)
+    return c.bus_bytes / (bw * 1e9) + c.calls * steps * lat * 1e-6
+
+
+def predict(
+    c: Candidate,
+    w: Workload,
+    grad_accum: int,
+    net: Network,
+    gpu: str,
+    *,
+    overlap_comm: bool,
+    gpu_source: str = "",
+    mfu: float | None = None,
+    **traffic_kw: Any,
+) -> Prediction:
+    """Step time = compute + exposed communication + offload's host work.
+
+    Overlap: with overlap_comm the gradient reduction hides under the backward pass (2/3 of compute; ZeRO-1 only
+    under the last micro-step's); ZeRO-3's prefetched gathers hide under forward and backward whatever
+    overlap_comm says. Communication that exceeds its window, and the rest (after the optimizer step), is exposed.
+    """
+    t = traffic(c, w, grad_accum, **traffic_kw)
+    peak_bf16, peak_tf32, gpu_doc = GPU_PEAK_TFLOPS[gpu]
+    peak = (peak_tf32 if w.precision == "fp32" else peak_bf16) * 1e12
+    eff = mfu if mfu is not None else (CPU_MFU if gpu == "cpu" else MFU)
+    tokens_rank = w.micro_batch_size * w.seq_len * grad_accum
+    compute = flops_per_token(w) * tokens_rank / (peak * eff)
+    micro = compute / grad_accum
+    backward = micro * 2 / 3
+    total = 0.0
+    exposed = 0.0
+    hidden_bwd = {"backward": 0.0, "forward+backward": 0.0}
+    for col in t.collectives:
+        s = _collective_s(col, net)
+        total += s
+        if col.overlap == "none" or (col.overlap == "backward" and not overlap_comm):
+            exposed += s
+        else:
+            hidden_bwd[col.overlap] += s
+    # per micro-step windows; ZeRO-1 reduces once (its calls = 1): it only has the last backward to hide under
+    grad_calls = max((col.calls for col in t.collectives if col.overlap == "backward"), default=1)
+    bwd_comm = hidden_bwd["backward"] / max(grad_calls, 1)
+    fb_comm = hidden_bwd["forward+backward"] / grad_accum
+    # both kinds share the same link: their sum hides under the micro-step's compute, the gradients' under backward
+    per_micro_exposed = max(0.0, fb_comm + bwd_comm - micro, bwd_comm - backward)
+    exposed += per_micro_exposed * grad_accum if grad_calls > 1 or fb_comm else per_micro_exposed
+    host = t.host_bytes / (PCIE_GBS * 1e9)
+    if c.offload_optimizer != "none":
+        part = _ceil_div(w.phi, w.world_size) if c.stage else w.phi
+        host += part / CPU_ADAM_PARAMS_PER_S
+    step = compute + exposed + host
+    assumptions = {
+        "gpu": gpu,
+        "gpu_doc": gpu_doc,
+        "gpu_source": gpu_source,
+        "peak_tflops": peak / 1e12,
+        "mfu": eff,
+        "flops_per_token": flops_per_token(w),
+        "network": net.name,
+        "network_source": net.source,
+        "intra_node_gbs": net.intra_gbs,
+        "inter_node_gbs": net.inter_gbs,
+        "intra_latency_us": net.intra_latency_us,
+        "inter_latency_us": net.inter_latency_us,
+        "overlap_comm": overlap_comm,
+        "pcie_gbs": PCIE_GBS,
+    }
+    return Prediction(c, t, compute, total, exposed, host, step, tokens_rank * w.world_size, assumptions)
+
+
+# ------------------------------------------------------------------------------------------------ from a plan
+
+
+def plan_context(plan: Any) -> dict[str, Any]:
+    """What predictions for this plan share: the network, the GPU, the stage-3 knobs, LoRA tensor sizes."""
+    r = plan.recipe
+    gpu, gpu_src = resolve_gpu(r)
+    net = resolve_network(r, [h for h, _ in plan.hosts])
+    lora = None
+    if r.has_peft and plan.memory is not None:
+        from .params import lora_tensors
+
+        try:
+            lora = lora_tensors(plan.memory.shape, r["peft.r"], r["peft.target_modules"])
+        except Exception:  # noqa: BLE001 - the memory planner reported a bad target already
+            lora = None
+    return {"gpu": gpu, "gpu_source": gpu_src, "net": net, "lora_tensors": lora}
+
+
+def predict_plan(plan: Any, candidate: Candidate | None = None) -> Prediction:
+    """The prediction for the plan's own choice (or ``candidate``) with the plan's knobs."""
+    if plan.memory is None:
+        from .memory_plan import plan_memory
+
+        plan.memory = plan_memory(plan)
+    ctx = plan_context(plan)
+    k = plan.knobs
+    c = candidate or plan_candidate(plan)
+    oc = k["overlap_comm"].value if "overlap_comm" in k else c.stage == 3
+    return predict(
+        c,
+        plan.memory.workload,
+        plan.grad_accum,
+        ctx["net"],
+        ctx["gpu"],
+        overlap_comm=bool(oc),
+        gpu_source=ctx["gpu_source"],
+        comm_bytes=PRECISION_BYTES[plan.recipe["train.precision"]],
+        persistence_threshold=k["stage3_param_persistence_threshold"].value
+        if "stage3_param_persistence_threshold" in k
+        else None,
+        max_reuse_distance=k["stage3_max_reuse_distance"].value if "stage3_max_reuse_distance" in k else 10**9,
+        lora_tensors=ctx["lora_tensors"],
+    )
+
+
+def plan_candidate(plan: Any) -> Candidate:
+    k = plan.knobs
+    hpz = k["zero_hpz_partition_size"].value if "zero_hpz_partition_size" in k else 1
+    qwz = bool(k["zero_quantized_weights"].value) if "zero_quantized_weights" in k else False
+    qgz = bool(k["zero_quantized_gradients"].value) if "zero_quantized_gradients" in k else False
+    if plan.stage == 3 and (hpz > 1 or qwz or qgz):
+        return ZeroPP(3, plan.offload_optimizer, plan.offload_params, hpz=hpz, qwz=qwz, qgz=qgz)
+    return Candidate(plan.stage, plan.offload_optimizer, plan.offload_params)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"  # pragma: no cover
