@@ -10,6 +10,7 @@ time of `ftkit.cli.main` from `python -X importtime`.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import subprocess
@@ -21,11 +22,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def median_time(argv: list[str], runs: int) -> float:
+def median_time(argv: list[str], runs: int, env: dict[str, str] | None = None) -> float:
     times = []
     for _ in range(runs):
         t0 = time.perf_counter()
-        subprocess.run(argv, check=True, capture_output=True)
+        subprocess.run(argv, check=True, capture_output=True, env=env)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -42,6 +43,19 @@ def main() -> int:
         recipe = str(root / "recipe.yaml")
         py = [sys.executable, "-m", "ftkit"]
         subprocess.run([*py, "render", recipe], check=True, capture_output=True)
+        # the same config.json as a cached hub id (huggingface_hub's cache layout, HF_HUB_OFFLINE=1)
+        repo = root / "hf" / "hub" / "models--meta-llama--Meta-Llama-3-8B"
+        commit = "0" * 40
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(commit)
+        shutil.copy(root / "model/config.json", repo / "snapshots" / commit / "config.json")
+        (root / "hub").mkdir()
+        text = (root / "recipe.yaml").read_text().replace("path: ./model", "path: meta-llama/Meta-Llama-3-8B", 1)
+        (root / "hub" / "recipe.yaml").write_text(text)
+        hub_env = {**os.environ, "HF_HOME": str(root / "hf"), "HF_HUB_OFFLINE": "1"}
+        hub_recipe = str(root / "hub" / "recipe.yaml")
+        subprocess.run([*py, "render", hub_recipe], check=True, capture_output=True, env=hub_env)
         rows = [
             ("python -c pass (interpreter floor)", [sys.executable, "-c", "pass"]),
             ("ftkit --help", [*py, "--help"]),
@@ -53,6 +67,8 @@ def main() -> int:
         print(f"median of {args.runs} runs each")
         for label, argv in rows:
             print(f"  {label:<38} {median_time(argv, args.runs) * 1000:7.1f} ms")
+        t = median_time([*py, "render", hub_recipe], args.runs, env=hub_env)
+        print(f"  {'ftkit render (hub id, cached, offline)':<38} {t * 1000:7.1f} ms")
         out = subprocess.run(
             [sys.executable, "-X", "importtime", "-c", "import ftkit.cli.main"],
             capture_output=True,
