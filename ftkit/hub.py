@@ -68,7 +68,15 @@ def config_source(recipe: Any, *, checked_in: bool = True) -> ConfigSource:
         return ConfigSource(recipe["model.config"], recipe["model.config"])
     if model_is_hub(recipe):
         rev = _revision(recipe)
-        return ConfigSource(hub_config_file(path, rev), f"{path}@{rev}/config.json", hub_id=path, revision=rev)
+        base = getattr(recipe, "base_dir", None)
+        try:
+            file = hub_config_file(path, rev)
+        except ModelConfigError as e:  # say that a directory of that name was looked for too (a typo, or a hub id?)
+            if base is None or not e.problems:
+                raise
+            msg = e.problems[0].message.replace(": ", f": no directory {os.path.join(base, path)}, and ", 1)
+            raise ModelConfigError(Problem(msg)) from None
+        return ConfigSource(file, f"{path}@{rev}/config.json", hub_id=path, revision=rev)
     return ConfigSource(os.path.join(path, "config.json"), os.path.join(path, "config.json"))
 
 

@@ -180,11 +180,27 @@ def test_local_paths_do_not_import_huggingface_hub(tmp_path, model_dir):
     assert "HUB=False" in out.stderr, out.stderr[-2000:]
 
 
-def test_init_model_fills_model_path(tmp_path):
-    out = run_ftkit("init", str(tmp_path / "job"), "--model", ID, "--revision", "v2")
+def test_init_model_fills_model_path_and_sizes_the_template_per_plan(tmp_path, hf_home):
+    out = run_ftkit("init", str(tmp_path / "job"), "--model", ID, "--revision", "v2", env=hub_env(hf_home))
     assert out.returncode == 0, out.stderr
+    assert "per ftkit plan for this model" in out.stdout, out.stdout
     values = yaml.safe_load((tmp_path / "job" / "recipe.yaml").read_text())
     assert values["model"]["path"] == ID and values["model"]["revision"] == "v2"
+    assert values["zero"]["stage"] in (0, 1, 2, 3)  # the plan's concrete choice, not auto
+    assert "# Hub branch, tag or commit" in (tmp_path / "job" / "recipe.yaml").read_text()  # comments kept
+    (tmp_path / "job" / "data.jsonl").write_text('{"text": "x"}\n')
+    plan = run_ftkit(
+        "plan",
+        str(tmp_path / "job" / "recipe.yaml"),
+        "data.train=" + str(tmp_path / "job" / "data.jsonl"),
+        env=hub_env(hf_home),
+    )
+    assert plan.returncode == 0, plan.stdout + plan.stderr  # what init wrote fits, per plan
+    # nothing cached and offline: model.path is still filled in, the template is left as shipped, and it says why
+    out = run_ftkit("init", str(tmp_path / "job3"), "--model", "acme/other", env=hub_env(tmp_path / "empty"))
+    assert out.returncode == 0, out.stderr
+    assert "not sized for the model" in out.stdout and "acme/other" in out.stdout
+    assert yaml.safe_load((tmp_path / "job3" / "recipe.yaml").read_text())["model"]["path"] == "acme/other"
     out = run_ftkit("init", str(tmp_path / "job2"), "--revision", "v2")
     _one_line_exit_2(out, "--revision needs --model")
 

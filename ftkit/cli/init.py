@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
 
 from ..errors import Problem, UserError
 from ..render import write_files
-from ..scaffold import HOSTFILE_TEMPLATE, RECIPE_TEMPLATES, read_template, with_model
+from ..scaffold import HOSTFILE_TEMPLATE, RECIPE_TEMPLATES, read_template, sized_for_model, with_model
 
 TEMPLATE_HELP = "; ".join(f"{name}: {desc}" for name, (_, desc) in RECIPE_TEMPLATES.items())
 
@@ -48,8 +49,16 @@ def command(directory: str, template: str, model: str | None, revision: str | No
     recipe_text = read_template(RECIPE_TEMPLATES[template][0])
     if revision is not None and model is None:
         raise UserError(Problem("--revision needs --model ORG/NAME", key="--revision"))
+    sized = ""
     if model is not None:
-        recipe_text = with_model(recipe_text, model, revision)
+        local = Path(model).expanduser()
+        if local.is_dir():  # a model directory: absolute to plan, relative to DIRECTORY in the written recipe
+            planned = with_model(recipe_text, str(local.resolve()), revision)
+            model = os.path.relpath(local.resolve(), out.resolve())
+        else:
+            planned = with_model(recipe_text, model, revision)
+        sized_text, sized = sized_for_model(planned)
+        recipe_text = with_model(sized_text, model, revision)
     targets = {
         "recipe.yaml": recipe_text,
         "hostfile": read_template(HOSTFILE_TEMPLATE),
@@ -61,5 +70,7 @@ def command(directory: str, template: str, model: str | None, revision: str | No
         raise UserError([Problem("already exists; pass --force to overwrite", file=str(p)) for p in existing])
     for path in write_files(out, targets):  # all or nothing; an OS error names the path (exit 2, 12 for no space)
         click.echo(f"wrote {path}")
+    if sized:
+        click.echo(f"{out / 'recipe.yaml'}: {sized}")
     todo = "data.train" if model is not None else "model.path, data.train"
     click.echo(f"next: edit {out / 'recipe.yaml'} ({todo}), then `ftkit plan {out / 'recipe.yaml'}`")
