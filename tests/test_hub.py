@@ -240,3 +240,42 @@ def test_two_rank_launch_of_a_hub_id_loads_the_pinned_revision(tmp_path, fx):
     spec = json.loads((run / "ftkit" / "spec.json").read_text())
     assert (spec["model_path"], spec["model_revision"], spec["tokenizer_revision"]) == (ID, "v1", "v1")
     assert spec["fingerprint"]["model"]["commit"] == commit
+
+
+def test_fingerprint_records_the_resolved_hub_commit_and_config(tmp_path, hf_home):
+    """A resume on another revision (another snapshot) is refused: the checkpoint holds the recorded weights."""
+    from types import SimpleNamespace
+
+    from ftkit.fingerprint import compare, compute
+    from ftkit.recipe import load_recipe
+
+    repo = hf_home / "hub" / "models--acme--tiny-llama"
+    recipe = load_recipe(_recipe(tmp_path))
+    assert recipe["model.path"] == ID  # a hub id is not resolved against the recipe's directory
+
+    def fp(revision: str) -> dict:
+        commit = (repo / "refs" / revision).read_text()
+        return compute(
+            SimpleNamespace(recipe=recipe, model_config_file=str(repo / "snapshots" / commit / "config.json"))
+        )
+
+    main, v2 = fp("main"), fp("v2")
+    assert main["model"]["commit"] == (repo / "refs" / "main").read_text()
+    assert compare(main, fp("main")).ok
+    refused = compare(main, v2).refused
+    assert [(c.key, c.verdict) for c in refused] == [("model.path", "impossible")]
+    # same content as a model directory: the hash matches a local copy of the same config.json
+    local = tmp_path / "local-model"
+    local.mkdir()
+    (local / "config.json").write_bytes((repo / "snapshots" / main["model"]["commit"] / "config.json").read_bytes())
+    from ftkit.fingerprint import _model_part
+
+    assert _model_part(str(local))["config_xxh3_128"] == main["model"]["config_xxh3_128"]
+
+
+def test_dry_run_with_a_hub_id_never_prints_the_token(tmp_path, hf_home):
+    env = {**hub_env(hf_home), "HF_TOKEN": "hf_secretvalue123"}
+    out = run_ftkit("launch", str(_recipe(tmp_path)), "--dry-run", env=env)
+    assert out.returncode == 0, out.stderr
+    assert "hf_secretvalue123" not in out.stdout + out.stderr
+    assert "HF_HUB_OFFLINE=1" in out.stdout  # the ranks get the head's hub settings
