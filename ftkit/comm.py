@@ -104,7 +104,26 @@ NETWORK_PRESETS: dict[str, Network] = {
 }
 DEFAULT_NETWORK = "nvlink-ib400"
 PCIE_GBS = 20.0  # host <-> GPU copies for offload (PCIe 4 x16, effective)
-CPU_ADAM_PARAMS_PER_S = 1.0e9  # DeepSpeed's CPUAdam per rank (AVX-512, a few cores)
+CPU_ADAM_PARAMS_PER_S = 1.0e9
+# Communication under compute is not free: NCCL kernels take SMs and memory bandwidth from the matmuls, and ZeRO-3
+# fetches/releases per module. This share of the overlapped communication time still shows in the step.
+OVERLAP_COST = 0.2
+# ZeRO-3 fetches and releases parameters module by module from Python hooks (bookkeeping, a launch per gather, the
+# wait on the prefetch): a cost per gathered tensor per fetch that does not overlap with anything.
+STAGE3_FETCH_OVERHEAD_S = 50e-6
+# ZeRO++ must win by this much to be chosen: qwZ/qgZ quantize weights and gradients on the wire (numerics change),
+# hpZ costs memory; on a fast network they are not worth it (the issue: "recommended when the inter-node link is
+# the bottleneck").
+ZEROPP_MARGIN = {"quantized": 0.10, "hpz": 0.02}
+
+
+def ranking_time(p: Prediction) -> float:
+    """The step time ``auto`` ranks by: the prediction, with ZeRO++'s margin added."""
+    c = p.candidate
+    if isinstance(c, ZeroPP):
+        return p.step_time_s * (1 + ZEROPP_MARGIN["quantized" if c.qwz or c.qgz else "hpz"])
+    return p.step_time_s  # DeepSpeed's CPUAdam per rank (AVX-512, a few cores)
+
 
 BANDWIDTH_FILE_ENV = "FTKIT_BANDWIDTH_FILE"
 BANDWIDTH_FILE_VERSION = 1
@@ -340,7 +359,7 @@ def traffic(
         Collective(
             "all_gather_into_tensor",
             int(fwd * (wire_w + scale)) * ga,
-            ga,
+            len(gathered) * ga,  # one call per module fetch (tensors of a module are coalesced; close enough)
             n,
             scope,
             "parameters, forward" + (" (int8, qwZ)" if pp and pp.qwz else ""),
@@ -354,7 +373,7 @@ def traffic(
                 Collective(
                     "all_gather_into_tensor",
                     b * sec * ga,
-                    ga,
+                    len(regathered) * ga,
                     pp.hpz,
                     "intra",
                     "parameters, backward (hpZ)",
@@ -366,7 +385,7 @@ def traffic(
                 Collective(
                     "all_gather_into_tensor",
                     int(bwd * (wire_w + scale)) * ga,
-                    ga,
+                    len(regathered) * ga,
                     n,
                     scope,
                     "parameters, backward",
@@ -499,7 +518,8 @@ def predict(
 
     Overlap: with overlap_comm the gradient reduction hides under the backward pass (2/3 of compute; ZeRO-1 only
     under the last micro-step's); ZeRO-3's prefetched gathers hide under forward and backward whatever
-    overlap_comm says. Communication that exceeds its window, and the rest (after the optimizer step), is exposed.
+    overlap_comm says. Communication that exceeds its window, and the rest (after the optimizer step), is exposed;
+    hidden communication still costs :data:`OVERLAP_COST` of its time.
     """
     t = traffic(c, w, grad_accum, **traffic_kw)
     peak_bf16, peak_tf32, gpu_doc = GPU_PEAK_TFLOPS[gpu]
@@ -525,7 +545,10 @@ def predict(
     fb_comm = hidden_bwd["forward+backward"] / grad_accum
     # both kinds share the same link: their sum hides under the micro-step's compute, the gradients' under backward
     per_micro_exposed = max(0.0, fb_comm + bwd_comm - micro, bwd_comm - backward)
+    per_micro_exposed += OVERLAP_COST * min(fb_comm + bwd_comm, micro)
     exposed += per_micro_exposed * grad_accum if grad_calls > 1 or fb_comm else per_micro_exposed
+    fetches = sum(col.calls for col in t.collectives if c.stage == 3 and col.what.startswith("parameters"))
+    exposed += fetches * STAGE3_FETCH_OVERHEAD_S
     host = t.host_bytes / (PCIE_GBS * 1e9)
     if c.offload_optimizer != "none":
         part = _ceil_div(w.phi, w.world_size) if c.stage else w.phi
@@ -546,6 +569,8 @@ def predict(
         "inter_latency_us": net.inter_latency_us,
         "overlap_comm": overlap_comm,
         "pcie_gbs": PCIE_GBS,
+        "overlap_cost": OVERLAP_COST,
+        "stage3_fetch_overhead_s": STAGE3_FETCH_OVERHEAD_S,
     }
     return Prediction(c, t, compute, total, exposed, host, step, tokens_rank * w.world_size, assumptions)
 
@@ -553,17 +578,17 @@ def predict(
 # ------------------------------------------------------------------------------------------------ from a plan
 
 
-def plan_context(plan: Any) -> dict[str, Any]:
-    """What predictions for this plan share: the network, the GPU, the stage-3 knobs, LoRA tensor sizes."""
-    r = plan.recipe
+def plan_context(recipe: Any, hosts: list[tuple[str, int]], shape: Any) -> dict[str, Any]:
+    """What the predictions for one plan share: the network, the GPU, the LoRA tensor sizes."""
+    r = recipe
     gpu, gpu_src = resolve_gpu(r)
-    net = resolve_network(r, [h for h, _ in plan.hosts])
+    net = resolve_network(r, [h for h, _ in hosts])
     lora = None
-    if r.has_peft and plan.memory is not None:
+    if r.has_peft:
         from .params import lora_tensors
 
         try:
-            lora = lora_tensors(plan.memory.shape, r["peft.r"], r["peft.target_modules"])
+            lora = lora_tensors(shape, r["peft.r"], r["peft.target_modules"])
         except Exception:  # noqa: BLE001 - the memory planner reported a bad target already
             lora = None
     return {"gpu": gpu, "gpu_source": gpu_src, "net": net, "lora_tensors": lora}
@@ -575,7 +600,7 @@ def predict_plan(plan: Any, candidate: Candidate | None = None) -> Prediction:
         from .memory_plan import plan_memory
 
         plan.memory = plan_memory(plan)
-    ctx = plan_context(plan)
+    ctx = plan_context(plan.recipe, plan.hosts, plan.memory.shape)
     k = plan.knobs
     c = candidate or plan_candidate(plan)
     oc = k["overlap_comm"].value if "overlap_comm" in k else c.stage == 3

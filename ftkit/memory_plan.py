@@ -3,15 +3,27 @@
 :mod:`ftkit.memory` is the arithmetic; this module ties it to a recipe: parameter counts from the model's
 config.json (closed form, or the meta device for unknown families), LoRA trainable parameters from ``peft``,
 the batch, sequence length and buckets from the plan. ``zero.stage: auto`` / ``zero.offload_optimizer: auto``
-take the fastest candidate that fits ``cluster.gpu_memory_gb`` with :data:`HEADROOM` to spare (DESIGN §4 order);
-fixed choices are estimated too, so ``ftkit plan`` can warn when they will not fit.
+take the fastest candidate that fits ``cluster.gpu_memory_gb`` with :data:`HEADROOM` to spare, fastest by the step
+time :mod:`ftkit.comm` predicts (compute + exposed communication on the recipe's network; ZeRO++ candidates across
+nodes, with a margin; the DESIGN §4 order breaks ties); fixed choices are estimated too, so ``ftkit plan`` can warn
+when they will not fit.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .comm import (
+    ZEROPP_MARGIN,
+    Prediction,
+    ZeroPP,
+    plan_context,
+    predict,
+    ranking_time,
+    zeropp_candidates,
+    zeropp_memory_bytes,
+)
 from .errors import RecipeError, UserError
 from .memory import (
     Candidate,
@@ -46,6 +58,9 @@ class MemoryReport:
     suggestions: list[str]
     choice_reason: str
     recipe: Any = None
+    # step-time prediction of every candidate judged (label -> Prediction), and the one-line why of the choice
+    predictions: dict[str, Prediction] = field(default_factory=dict)
+    speed_reason: str = ""
 
     def choice_for(self, stage: Any, opt: Any, strict: bool = True) -> Candidate:
         if self.choice.chosen is None and not strict:
@@ -73,6 +88,7 @@ class MemoryReport:
                 "host_ram_gib_per_node": round(e.host_ram_gb_per_node, 3),
                 "fits": e.fits,
                 "reason": e.reason,
+                **(self.predictions[e.candidate.label].as_dict() if e.candidate.label in self.predictions else {}),
             }
 
         s = self.shape
@@ -98,6 +114,7 @@ class MemoryReport:
             "selected": est(self.selected) if self.selected else None,
             "auto": self.auto,
             "reason": self.choice_reason,
+            "speed_reason": self.speed_reason,
             "suggestions": self.suggestions,
         }
 
@@ -143,6 +160,8 @@ def plan_memory(plan: Any) -> MemoryReport:
         and (opt == "auto" or c.offload_optimizer == opt)
         and (par_open or c.offload_params == par)
     ]
+    if stage in ("auto", 3) and opt in ("auto", "none") and (par_open or par == "none"):
+        allowed += zeropp_candidates(w.gpus_per_node, w.num_nodes)  # across nodes only
     if not auto:
         allowed = [Candidate(stage, opt, par)]
     elif not allowed:
@@ -152,7 +171,11 @@ def plan_memory(plan: Any) -> MemoryReport:
                 f"no ZeRO candidate matches zero.stage={stage}, offload_optimizer={opt}, offload_params={par}",
             )
         )
-    choice = choose(estimate_all(w, allowed), gpu, host, HEADROOM)
+    ctx = plan_context_for(plan, shape)
+    preds = {c.label: predict_for(c, w, plan, ctx, gpu) for c in allowed}
+    # auto: the fastest predicted first (the DESIGN §4 order breaks ties), so choose() takes the fastest that fits
+    allowed.sort(key=lambda c: ranking_time(preds[c.label]))
+    choice = choose(with_zeropp(estimate_all(w, allowed), w), gpu, host, HEADROOM)
     selected = choice.chosen if auto else choice.estimates[0]
     tips = suggestions(w, gpu, host, HEADROOM, lora_params=None) if choice.chosen is None else []
 
@@ -173,6 +196,12 @@ def plan_memory(plan: Any) -> MemoryReport:
         reason = "nothing fits"
     else:
         reason = f"fixed by the recipe ({selected.reason})" if selected else "fixed by the recipe"
+    speed = speed_reason(choice, preds, ctx) if auto and choice.chosen is not None else ""
+    if speed:
+        rejected = "; ".join(f"{c.label}: {why}" for c, why in choice.rejected)
+        reason = f"{speed}; memory {choice.chosen.total_gb:.1f} of {limit:.1f} GiB per GPU" + (
+            f"; faster but rejected: {rejected}" if rejected else ""
+        )
     return MemoryReport(
         shape=shape,
         workload=w,
@@ -187,17 +216,95 @@ def plan_memory(plan: Any) -> MemoryReport:
         suggestions=tips,
         choice_reason=reason,
         recipe=r,
+        predictions=preds,
+        speed_reason=speed,
     )
+
+
+def plan_context_for(plan: Any, shape: ModelShape) -> dict[str, Any]:
+    return plan_context(plan.recipe, plan.hosts, shape)
+
+
+def predict_for(c: Candidate, w: Workload, plan: Any, ctx: dict[str, Any], gpu_gb: float) -> Prediction:
+    """Step time of candidate ``c`` with the knobs the plan would give it (overlap_comm as _resolve_zero decides)."""
+    r = plan.recipe
+    oc = r["zero.overlap_comm"]
+    if oc == "auto":
+        if c.stage == 3:
+            oc = True
+        elif c.stage == 0:
+            oc = False
+        else:
+            oc = estimate(c, replace(w, overlap_comm=True)).total_gb <= gpu_gb * (1 - HEADROOM)
+    h = w.shape.hidden_size
+    return predict(
+        c,
+        w,
+        plan.grad_accum,
+        ctx["net"],
+        ctx["gpu"],
+        overlap_comm=bool(oc),
+        gpu_source=ctx["gpu_source"],
+        persistence_threshold=10 * h,
+        lora_tensors=ctx["lora_tensors"],
+    )
+
+
+def with_zeropp(estimates: list[Estimate], w: Workload) -> list[Estimate]:
+    """ZeRO++ candidates cost hpZ's secondary partition on top of ZeRO-3's memory."""
+    out = []
+    for e in estimates:
+        extra = zeropp_memory_bytes(e.candidate, w)
+        if extra:
+            comp = dict(e.components)
+            margin = comp.pop("margin")
+            comp["hpz_secondary"] = extra
+            comp["margin"] = margin + int(0.05 * extra)
+            e = replace(e, components=comp)
+        out.append(e)
+    return out
+
+
+def speed_reason(choice: Choice, preds: dict[str, Prediction], ctx: dict[str, Any]) -> str:
+    """One line: why the chosen candidate, against the next fastest that fits (or the fastest that does not)."""
+    chosen = choice.chosen
+    if chosen is None:
+        return ""
+    p = preds[chosen.candidate.label]
+    net = ctx["net"]
+    link = f"{net.inter_gbs:g} GB/s inter-node link" if chosen and p.traffic.by_scope("inter") else "intra-node links"
+    head = (
+        f"{chosen.candidate.label} is the fastest predicted that fits: {p.step_time_s:.3g} s/step, "
+        f"{p.tokens_per_s:,.0f} tokens/s, {p.inter_share:.0%} of the step waiting on the {link}"
+    )
+    if isinstance(chosen.candidate, ZeroPP):
+        head += f" (ZeRO++ must win by {ZEROPP_MARGIN['quantized' if chosen.candidate.qwz else 'hpz']:.0%})"
+    others = [e for e in choice.estimates if e.candidate != chosen.candidate]
+    fitting = [e for e in others if e.fits]
+    if fitting:
+        o = fitting[0]
+        q = preds[o.candidate.label]
+        ratio = q.step_time_s / p.step_time_s
+        return head + (
+            f"; next, {o.candidate.label}: {q.step_time_s:.3g} s ({q.inter_share:.0%} waiting on communication), "
+            + (f"{ratio:.2f}x slower" if ratio >= 1.005 else "as fast within 1%")
+        )
+    faster = [e for e in others if preds[e.candidate.label].step_time_s < p.step_time_s]
+    if faster:
+        return head + f"; faster {faster[0].candidate.label} does not fit"
+    return head
 
 
 def full_table(plan: Any) -> MemoryReport:
     """Every candidate (not only those the recipe allows), each judged on its own, for ``ftkit plan``'s table."""
     rep = plan.memory if plan.memory is not None else plan_memory(plan)
     w = rep.workload
+    cands = candidates(include_stage0=True) + zeropp_candidates(w.gpus_per_node, w.num_nodes)
     judged = tuple(
-        judge(e, rep.gpu_memory_gb, rep.host_memory_gb, HEADROOM)
-        for e in estimate_all(w, candidates(include_stage0=True))
+        judge(e, rep.gpu_memory_gb, rep.host_memory_gb, HEADROOM) for e in with_zeropp(estimate_all(w, cands), w)
     )
+    ctx = plan_context_for(plan, rep.shape)
+    preds = {c.label: predict_for(c, w, plan, ctx, rep.gpu_memory_gb) for c in cands}
     anything = any(e.fits for e in judged)
     tips = (
         []
@@ -210,7 +317,9 @@ def full_table(plan: Any) -> MemoryReport:
             lora_params=_default_lora(rep.shape) if w.lora_params is None else None,
         )
     )
-    return replace(rep, choice=Choice(rep.choice.chosen, judged), suggestions=tips or rep.suggestions)
+    return replace(
+        rep, choice=Choice(rep.choice.chosen, judged), suggestions=tips or rep.suggestions, predictions=preds
+    )
 
 
 def _default_lora(shape: ModelShape) -> int | None:

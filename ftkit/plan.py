@@ -226,6 +226,16 @@ def build_plan(
     return plan
 
 
+def note_zeropp(plan: Plan, chosen: Any, why: str) -> None:
+    """ZeRO++'s knobs when ``auto`` chose a ZeRO++ candidate (by predicted speed across nodes, ftkit.comm)."""
+    from .comm import ZeroPP
+
+    if isinstance(chosen, ZeroPP):
+        plan.note("zero_hpz_partition_size", chosen.hpz, f"hpZ over one node's {chosen.hpz} ranks: {why}")
+        plan.note("zero_quantized_weights", chosen.qwz, f"qwZ: {why}")
+        plan.note("zero_quantized_gradients", chosen.qgz, f"qgZ: {why}")
+
+
 def _ints(values: tuple[int, ...]) -> str:
     return ",".join(map(str, values))
 
@@ -259,6 +269,7 @@ def _resolve_zero(plan: Plan, with_memory: bool, strict: bool = True) -> None:
         plan.offload_params = plan.note(
             "offload_param", chosen.offload_params, why if par_auto else _src(r, "zero.offload_params")
         )
+        note_zeropp(plan, chosen, why)
     else:
         plan.stage = plan.note("zero_optimization.stage", stage, _src(r, "zero.stage"))
         plan.offload_optimizer = plan.note("offload_optimizer", opt, _src(r, "zero.offload_optimizer"))

@@ -117,6 +117,49 @@ def test_matrix_accepted_by_deepspeed_and_accelerate(
     assert plugin.zero_stage == stage
 
 
+@pytest.mark.parametrize("world", [16, 64])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("variant", ["hpz", "hpz+qwz+qgz"])
+def test_zeropp_candidates_accepted_by_deepspeed(
+    variant, precision, world, write_recipe, tmp_path, ds_config_class, monkeypatch
+):
+    """Every ZeRO++ candidate the plan can choose renders a config DeepSpeed's own classes accept."""
+    from ftkit.comm import zeropp_candidates
+    from ftkit.plan import note_zeropp
+
+    p = write_recipe()
+    nodes, per = {16: (2, 8), 64: (8, 8)}[world]
+    overrides = ["zero.stage=3", f"train.precision={precision}", "train.micro_batch_size=2"]
+    overrides += [f"train.global_batch_size={world * 8}", *_cluster(world)]
+    plan = load_and_plan(str(p), overrides)
+    cand = {("hpz" if not c.qwz else "hpz+qwz+qgz"): c for c in zeropp_candidates(per, nodes)}[variant]
+    note_zeropp(plan, cand, "test")
+    cfg = json.loads(render_files(plan, tmp_path / "configs")[DS_FILE])
+    z = cfg["zero_optimization"]
+    assert z["zero_hpz_partition_size"] == per
+    assert z["zero_quantized_weights"] is z["zero_quantized_gradients"] is (variant != "hpz")
+    monkeypatch.setattr(ds_config_class.dist, "get_rank", lambda *a, **k: 0)
+    monkeypatch.setattr(ds_config_class.dist, "get_world_size", lambda *a, **k: world)
+    zc = ds_config_class.DeepSpeedConfig(cfg).zero_config
+    assert zc.zero_hpz_partition_size == per
+    assert zc.zero_quantized_weights is zc.zero_quantized_gradients is (variant != "hpz")
+
+
+def test_auto_chooses_zeropp_on_a_slow_inter_node_link(write_recipe, tmp_path) -> None:
+    """Llama-3-8B on 2 x 8 GPUs: 25 Gb/s Ethernet makes the inter-node link the bottleneck; NVLink + IB does not."""
+    shutil.copy(LLAMA8B, tmp_path / "model" / "config.json")
+    p = write_recipe()
+    base = ["zero.stage=auto", "zero.offload_optimizer=auto", "cluster.num_nodes=2", "cluster.master_addr=10.0.0.1"]
+    base += ["model.gradient_checkpointing=true"]
+    base += ["data.max_seq_len=4096", "train.micro_batch_size=1", "train.global_batch_size=64"]
+    slow = load_and_plan(str(p), [*base, "cluster.network=pcie-eth25"])
+    fast = load_and_plan(str(p), [*base, "cluster.network=nvlink-ib400"])
+    assert slow.knobs["zero_quantized_gradients"].value is True
+    assert "zero_hpz_partition_size" not in fast.knobs
+    cfg = render_deepspeed(slow)["zero_optimization"]
+    assert (cfg["stage"], cfg["zero_hpz_partition_size"]) == (3, 8)
+
+
 def _template_recipe(name: str, tmp_path: Path) -> Path:
     (tmp_path / "model").mkdir()
     shutil.copy(LLAMA8B, tmp_path / "model" / "config.json")

@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from ..comm import fmt_bytes
 from ..configs import load_and_plan
 from ..errors import ExitCode
 from ..memory_plan import HEADROOM, full_table
@@ -21,6 +22,7 @@ SHORT = {
     "activations": "activ",
     "logits": "logits",
     "comm_buckets": "buckets",
+    "hpz_secondary": "hpZ",
     "margin": "margin",
 }
 
@@ -74,23 +76,43 @@ def command(recipe: str, overrides: tuple[str, ...], as_json: bool) -> None:
         f"{HEADROOM:.0%} headroom"
     )
     sel = plan.memory.selected if plan.memory is not None else None
-    keys = list(rep.choice.estimates[0].components)
+    keys = list(dict.fromkeys(k for e in rep.choice.estimates for k in e.components))
     columns = [(k, SHORT.get(k, k[:8])) for k in keys]
-    head = f"{'candidate':<56}" + "".join(f"{short:>9}" for _, short in columns) + f"{'GiB/GPU':>9}{'host':>8}  verdict"
+    width = max(56, *(len(e.candidate.label) + 1 for e in rep.choice.estimates))
+    head = (
+        f"{'candidate':<{width}}"
+        + "".join(f"{short:>9}" for _, short in columns)
+        + f"{'GiB/GPU':>9}{'host':>8}{'intra/step':>11}{'inter/step':>11}{'s/step':>9}{'tokens/s':>10}  verdict"
+    )
     click.echo("\n" + head)
     click.echo("-" * len(head))
     for e in rep.choice.estimates:
-        row = f"{e.candidate.label:<56}" + "".join(f"{e.components.get(key, 0) / 2**30:>9.2f}" for key, _ in columns)
+        row = f"{e.candidate.label:<{width}}" + "".join(
+            f"{e.components.get(key, 0) / 2**30:>9.2f}" for key, _ in columns
+        )
+        p = rep.predictions.get(e.candidate.label)
+        if p is not None:
+            t = p.traffic
+            speed = (
+                f"{fmt_bytes(t.by_scope('intra')):>11}{fmt_bytes(t.by_scope('inter')):>11}"
+                f"{p.step_time_s:>9.3g}{p.tokens_per_s:>10,.0f}"
+            )
+        else:
+            speed = f"{'':>41}"
         mark = "fits" if e.fits else "no"
         why = e.reason.removeprefix("fits: ") if e.fits else e.reason
         this = "  <- this run" if sel is not None and e.candidate == sel.candidate else ""
-        click.echo(row + f"{e.total_gb:>9.2f}{e.host_ram_gb_per_node:>8.1f}  {mark}: {why}{this}")
+        click.echo(row + f"{e.total_gb:>9.2f}{e.host_ram_gb_per_node:>8.1f}{speed}  {mark}: {why}{this}")
+    a = next(iter(rep.predictions.values())).assumptions if rep.predictions else None
+    if a is not None:
+        click.echo(
+            f"\n(step time: {a['peak_tflops']:g} TFLOP/s peak ({a['gpu_doc']}, {a['gpu_source']}) "
+            f"x MFU {a['mfu']:.0%}; "
+            f"links {a['intra_node_gbs']:g} GB/s per GPU in a node, {a['inter_node_gbs']:g} GB/s per node across "
+            f"({a['network_source']}); bytes per GPU per optimizer step as DeepSpeed's comms logger counts them)"
+        )
     click.echo("\n(GiB; gather = ZeRO-3's gathered largest layer; host = host RAM per node)")
-    label = (
-        f"ZeRO-{plan.stage}"
-        + (f" + optimizer offload ({plan.offload_optimizer})" if plan.offload_optimizer != "none" else "")
-        + (f" + param offload ({plan.offload_params})" if plan.offload_params != "none" else "")
-    )
+    label = sel.candidate.label if sel is not None else f"ZeRO-{plan.stage}"
     click.echo(
         f"\nthis run: {label} ({'auto' if rep.auto else 'set in the recipe'}): "
         f"{plan.knobs['zero_optimization.stage'].why}"

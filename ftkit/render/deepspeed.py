@@ -3,7 +3,8 @@
 Rules (DESIGN.md §3): the batch triple written in full; bucket sizes from the hidden size; overlap_comm at stage 3
 and at 1/2 when the plan has room; contiguous_gradients on; round_robin_gradients only with optimizer offload at
 1/2; offload_param only at stage 3; exactly one of bf16/fp16 enabled (both off for fp32); gradient_clipping from
-max_grad_norm; stage3_gather_16bit_weights_on_model_save on so HF-loadable weights come out.
+max_grad_norm; stage3_gather_16bit_weights_on_model_save on so HF-loadable weights come out; ZeRO++'s
+zero_hpz_partition_size / zero_quantized_weights / zero_quantized_gradients when the plan chose them.
 """
 
 from __future__ import annotations
@@ -103,5 +104,9 @@ def render_deepspeed(plan: Plan) -> dict[str, Any]:
             z["offload_optimizer"] = _offload(plan, plan.offload_optimizer, "offload_optimizer")
         if plan.offload_params != "none":
             z["offload_param"] = _offload(plan, plan.offload_params, "offload_param")
+        # ZeRO++ (the plan chooses it across nodes when the inter-node link is the bottleneck, ftkit.comm)
+        for key in ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients"):
+            if key in k:
+                z[key] = k[key].value
     cfg["zero_optimization"] = z
     return cfg
