@@ -205,10 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         _worker(args.worker)
         return 0
     sys.path.insert(0, str(REPO / "tests"))
-    from runs import make_fixtures, write_recipe
+    from runs import make_fixtures, mp_lock, write_recipe
 
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, mp_lock():
         root = Path(tmp)
         fixtures = make_fixtures(root / "fx")
         recipe = write_recipe(root, fixtures, zero__overlap_comm=False)

@@ -163,3 +163,47 @@ def test_comm_stays_import_light() -> None:
     code = "import sys, ftkit.comm; print([m for m in ('torch','deepspeed','transformers') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------------------------------------------ real runs (slow)
+
+CASES = [(stage, ga, kind) for kind in ("full", "lora") for stage in (1, 2, 3) for ga in (1, 4)]
+
+
+@pytest.fixture(scope="module")
+def comm_runs(tmp_path_factory: pytest.TempPathFactory):
+    """One 2-rank CPU run per case (HF Trainer + DeepSpeed with comms_logger on), 3 optimizer steps each."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path.insert(0, str(REPO / "tests"))
+    import step_time
+
+    import runs
+
+    root = tmp_path_factory.mktemp("comm")
+    out: dict[tuple[int, int, str], dict] = {}
+    with runs.mp_lock():
+        fixtures = runs.make_fixtures(root / "fx")
+        recipe = runs.write_recipe(root, fixtures)
+        for stage, ga, kind in CASES:
+            overrides = step_time.case_overrides(stage, ga, kind == "lora", steps=3)
+            out[(stage, ga, kind)] = step_time.measure(str(recipe), overrides, root / f"z{stage}-ga{ga}-{kind}")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[f"zero{s}-ga{g}-{k}" for s, g, k in CASES])
+def test_logged_bytes_per_step_equal_the_plan_within_10_percent(case, comm_runs) -> None:
+    """DeepSpeed's comms logger on real ranks vs ftkit's prediction for the same recipe, collective by collective
+    (the start-up broadcasts, and HF Trainer's own small broadcasts, excluded)."""
+    import step_time
+
+    res = comm_runs[case]
+    predicted = res["prediction"].logger_bytes
+    assert res["plan"].stage == case[0] and res["plan"].grad_accum == case[1]
+    for rank, steps in enumerate(res["ranks"]):
+        assert len(steps) == 3
+        for i, step in enumerate(steps[1:], start=1):  # step 0 at stage 3 runs before DeepSpeed has a trace
+            measured = {op: b for op, b in step_time.bytes_by_op(step["calls"]).items() if op != "broadcast"}
+            assert set(measured) == set(predicted), (rank, i, measured, predicted)
+            for op, b in predicted.items():
+                assert abs(measured[op] - b) <= 0.10 * b, (rank, i, op, measured[op], b)
