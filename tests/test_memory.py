@@ -48,6 +48,8 @@ from ftkit.memory import (
 )
 from ftkit.params import count_params, lora_trainable_params
 
+REPO = Path(__file__).resolve().parent.parent
+
 FIXTURES = Path(__file__).parent / "fixtures" / "model_configs"
 
 
@@ -354,3 +356,41 @@ def test_estimates_are_plain_numbers():
     assert est.total_gb == est.total_bytes / GiB
     assert "ZeRO-3 + optimizer offload (cpu)" in est.summary()
     assert all(isinstance(v, int) for v in est.components.values())
+
+
+# ------------------------------------------------------------------------------------------------ auto by speed
+
+
+@pytest.mark.parametrize("network", ["nvlink-ib400", "pcie-eth25", "eth10"])
+@pytest.mark.parametrize("gpu_gb", [80, 40, 24])
+def test_auto_takes_the_fastest_predicted_candidate_that_fits(network, gpu_gb, write_recipe, tmp_path) -> None:
+    """Memory rules unchanged (the choice fits; nothing faster fits), speed decides among what fits."""
+    import shutil
+
+    from ftkit.configs import load_and_plan
+
+    shutil.copy(REPO / "tests/fixtures/model_configs/Meta-Llama-3-8B.json", tmp_path / "model" / "config.json")
+    p = write_recipe()
+    plan = load_and_plan(
+        str(p),
+        [
+            "zero.stage=auto",
+            "zero.offload_optimizer=auto",
+            "cluster.num_nodes=2",
+            "cluster.master_addr=10.0.0.1",
+            f"cluster.network={network}",
+            f"cluster.gpu_memory_gb={gpu_gb}",
+            "model.gradient_checkpointing=true",
+            "train.global_batch_size=64",
+            "train.micro_batch_size=1",
+        ],
+        strict=False,
+    )
+    rep = plan.memory
+    chosen = rep.choice.chosen
+    assert chosen is not None and chosen.fits
+    t = {label: p.step_time_s for label, p in rep.predictions.items()}
+    for e in rep.choice.estimates:
+        if e.fits:
+            assert t[e.candidate.label] >= t[chosen.candidate.label] * 0.999 or "ZeRO-3 + hpZ" in e.candidate.label
+    assert "is the fastest predicted that fits" in plan.knobs["zero_optimization.stage"].why
