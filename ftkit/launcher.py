@@ -84,9 +84,15 @@ def ssh_args_of(plan: Plan) -> list[str]:
     return ["-F", cfg] if cfg else []
 
 
-def launch(req: LaunchRequest, echo: Callable[[str], None] = print) -> int:
-    """Run the job; returns the exit code (README "Exit codes"). Raises FtkitError for what ends it before start."""
+def launch(req: LaunchRequest, echo: Callable[[str], None] = print, warn: Callable[[str], None] | None = None) -> int:
+    """Run the job; returns the exit code (README "Exit codes"). Raises FtkitError for what ends it before start.
+    ``warn`` gets warnings (stderr on the command line)."""
     plan = load_and_plan(req.recipe, req.overrides, include=req.include, exclude=req.exclude)
+    from .hub import checked_in_drift
+
+    warning = checked_in_drift(plan.recipe)  # model.config (checked in) differs from the model's real config.json
+    if warning:
+        (warn or echo)(warning)
     echo(plan_summary(plan))
     if req.dry_run:
         echo(dry_run(plan))

@@ -76,20 +76,4 @@ def command(
         takeover=takeover,
         allow_changes=allow_changes,
     )
-    _warn_checked_in_config(recipe, request.overrides)
-    sys.exit(launch(request, echo=click.echo))
-
-
-def _warn_checked_in_config(recipe: str, overrides: tuple[str, ...]) -> None:
-    """model.config (a checked-in config.json) differing from the model's real one: warn before launching."""
-    from ..errors import UserError
-    from ..hub import checked_in_drift
-    from ..recipe import load_recipe
-
-    try:
-        r = load_recipe(recipe, overrides)
-    except (UserError, OSError):
-        return  # launch reports it, once
-    warning = checked_in_drift(r)
-    if warning:
-        click.echo(warning, err=True)
+    sys.exit(launch(request, echo=click.echo, warn=lambda line: click.echo(line, err=True)))
