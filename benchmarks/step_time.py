@@ -232,9 +232,13 @@ def main(argv: list[str] | None = None) -> int:
                 "calls": steps[-1]["calls"],
             }
             rows.append(row)
+            measured.pop("broadcast", None)  # HF Trainer's own small broadcasts
+            err = {op: (measured.get(op, 0) - b) / b for op, b in pred.logger_bytes.items() if b}
+            row["bytes_error"] = err
             print(
-                f"{name:<18} predicted {pred.logger_bytes}\n{'':<18} measured  {measured}  step {secs:.3f} s "
-                f"(predicted {pred.step_time_s:.4f} s)",
+                f"{name:<16} bytes/step predicted {pred.logger_bytes}\n{'':<16} measured {measured} "
+                f"(error {', '.join(f'{op} {e:+.1%}' for op, e in err.items())})\n{'':<16} step time measured "
+                f"{secs:.3f} s, predicted {pred.step_time_s:.3f} s ({(pred.step_time_s - secs) / secs:+.0%})",
                 flush=True,
             )
     if args.json:

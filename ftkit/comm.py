@@ -99,7 +99,8 @@ NETWORK_PRESETS: dict[str, Network] = {
         Network("pcie-ib100", 20.0, 10.0, 10, 10, doc="PCIe 4 through the host + one 100 Gb/s InfiniBand NIC per node"),
         Network("pcie-eth25", 20.0, 2.5, 10, 50, doc="PCIe 4 through the host + one 25 Gb/s Ethernet NIC per node"),
         Network("eth10", 20.0, 1.0, 10, 50, doc="PCIe inside the node + one 10 Gb/s Ethernet NIC per node"),
-        Network("loopback", 2.0, 1.0, 50, 100, doc="CPU ranks over gloo (shared memory/TCP on one host)"),
+        # measured here (benchmarks/step_time.py): ~2 ms per all-reduce call of gloo + DeepSpeed's CPU path
+        Network("loopback", 2.0, 1.0, 1000, 1000, doc="CPU ranks over gloo (shared memory/TCP on one host)"),
     )
 }
 DEFAULT_NETWORK = "nvlink-ib400"
@@ -111,6 +112,7 @@ OVERLAP_COST = 0.2
 # ZeRO-3 fetches and releases parameters module by module from Python hooks (bookkeeping, a launch per gather, the
 # wait on the prefetch): a cost per gathered tensor per fetch that does not overlap with anything.
 STAGE3_FETCH_OVERHEAD_S = 50e-6
+STAGE3_FETCH_OVERHEAD_CPU_S = 2e-3  # CPU ranks, measured here (benchmarks/step_time.py, 2 ranks on 2 shared cores)
 # ZeRO++ must win by this much to be chosen: qwZ/qgZ quantize weights and gradients on the wire (numerics change),
 # hpZ costs memory; on a fast network they are not worth it (the issue: "recommended when the inter-node link is
 # the bottleneck").
@@ -265,6 +267,7 @@ class Collective:
     scope: str  # "intra" (the group is one node) | "inter" (it spans nodes)
     what: str
     overlap: str = "none"  # what compute it can hide under: none | backward | forward+backward
+    micro_steps: int = 1  # the micro-steps it is spread over (GA for per-micro-step traffic)
 
     @property
     def bus_factor(self) -> float:
@@ -301,6 +304,17 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def bucket_calls(tensors: list[int], bucket: int) -> int:
+    """Calls one gradient reduction takes: DeepSpeed fills its bucket in backward order and reduces it when the
+    next tensor would overflow it (a tensor larger than the bucket goes alone)."""
+    calls, acc = 0, 0
+    for x in reversed(tensors):
+        if acc and acc + x > bucket:
+            calls, acc = calls + 1, 0
+        acc += x
+    return calls + (1 if acc else 0)
+
+
 def traffic(
     c: Candidate,
     w: Workload,
@@ -310,13 +324,16 @@ def traffic(
     persistence_threshold: int | None = None,
     max_reuse_distance: int = 1_000_000_000,
     lora_tensors: list[int] | None = None,
+    reduce_bucket_size: int | None = None,
 ) -> Traffic:
     """Bytes per optimizer step on one rank, by collective (module docstring's table).
 
     ``comm_bytes``: bytes per element on the wire (default: the training dtype). ``persistence_threshold``:
     stage3_param_persistence_threshold in elements (default 10·h, the plan's). ``lora_tensors``: the adapter
-    tensor sizes (default: Φ as one tensor).
+    tensor sizes (default: Φ as one tensor). ``reduce_bucket_size`` (elements; default the workload's) sets how
+    many calls a gradient reduction takes, which only matters for the latency term.
     """
+    bucket = max(1, reduce_bucket_size or w.reduce_bucket())
     b = comm_bytes if comm_bytes is not None else PRECISION_BYTES[w.precision]
     n, g, ga = w.world_size, w.local_ranks, grad_accum
     scope = "inter" if w.num_nodes > 1 else "intra"
@@ -327,7 +344,9 @@ def traffic(
         return Traffic((), host_bytes=_host_bytes(c, w))
     if c.stage in (0, 1, 2):
         per = ga if c.stage == 2 else 1
-        out.append(Collective("all_reduce", b * phi * per, per, n, scope, "gradients", "backward"))
+        grads = (lora_tensors or [phi]) if w.lora_params is not None else [t.numel for t in w.shape.tensors] or [phi]
+        calls = bucket_calls(grads, bucket) * per
+        out.append(Collective("all_reduce", b * phi * per, calls, n, scope, "gradients", "backward", micro_steps=per))
         out.append(Collective("all_reduce", 4, 1, n, scope, "gradient norm"))
         if c.stage >= 1:
             out.append(Collective("all_gather_into_tensor", b * _ceil_div(phi, n), 1, n, scope, "updated partition"))
@@ -396,22 +415,17 @@ def traffic(
         out.append(Collective("all_gather_into_tensor", b * persistent, 1, n, scope, "persistent parameters"))
     if pp and pp.qgz and w.num_nodes > 1:
         half = sum(trainable) // 2  # int4
-        out.append(
-            Collective("all_to_all_single", half * ga, ga, g, "intra", "gradients int4 (qgZ), in node", "backward")
-        )
-        out.append(
-            Collective(
-                "all_to_all_single",
-                half // g * ga,
-                ga,
-                w.num_nodes,
-                "inter",
-                "gradients int4 (qgZ), across",
-                "backward",
+        calls = bucket_calls(trainable, bucket) * ga
+        for size, group, where in ((half, g, "intra"), (half // g, w.num_nodes, "inter")):
+            what = f"gradients int4 (qgZ), {'in node' if where == 'intra' else 'across nodes'}"
+            out.append(
+                Collective("all_to_all_single", size * ga, calls, group, where, what, "backward", micro_steps=ga)
             )
-        )
     else:
-        out.append(Collective("reduce_scatter_tensor", b * rs * ga, ga, n, scope, "gradients", "backward"))
+        calls = bucket_calls(trainable, bucket) * ga
+        out.append(
+            Collective("reduce_scatter_tensor", b * rs * ga, calls, n, scope, "gradients", "backward", micro_steps=ga)
+        )
     out.append(Collective("all_reduce", 8, 1, n, scope, "gradient norm"))
     host = _host_bytes(c, w, ga)
     return Traffic(tuple(out), host_bytes=host)
@@ -535,12 +549,13 @@ def predict(
     for col in t.collectives:
         s = _collective_s(col, net)
         total += s
-        if col.overlap == "none" or (col.overlap == "backward" and not overlap_comm):
+        # CPU ranks: gloo runs collectives on the cores that compute, nothing overlaps
+        if col.overlap == "none" or (col.overlap == "backward" and not overlap_comm) or gpu == "cpu":
             exposed += s
         else:
             hidden_bwd[col.overlap] += s
-    # per micro-step windows; ZeRO-1 reduces once (its calls = 1): it only has the last backward to hide under
-    grad_calls = max((col.calls for col in t.collectives if col.overlap == "backward"), default=1)
+    # per micro-step windows; ZeRO-1 reduces once: it only has the last backward to hide under
+    grad_calls = max((col.micro_steps for col in t.collectives if col.overlap == "backward"), default=1)
     bwd_comm = hidden_bwd["backward"] / max(grad_calls, 1)
     fb_comm = hidden_bwd["forward+backward"] / grad_accum
     # both kinds share the same link: their sum hides under the micro-step's compute, the gradients' under backward
@@ -548,7 +563,7 @@ def predict(
     per_micro_exposed += OVERLAP_COST * min(fb_comm + bwd_comm, micro)
     exposed += per_micro_exposed * grad_accum if grad_calls > 1 or fb_comm else per_micro_exposed
     fetches = sum(col.calls for col in t.collectives if c.stage == 3 and col.what.startswith("parameters"))
-    exposed += fetches * STAGE3_FETCH_OVERHEAD_S
+    exposed += fetches * (STAGE3_FETCH_OVERHEAD_CPU_S if gpu == "cpu" else STAGE3_FETCH_OVERHEAD_S)
     host = t.host_bytes / (PCIE_GBS * 1e9)
     if c.offload_optimizer != "none":
         part = _ceil_div(w.phi, w.world_size) if c.stage else w.phi
@@ -570,7 +585,7 @@ def predict(
         "overlap_comm": overlap_comm,
         "pcie_gbs": PCIE_GBS,
         "overlap_cost": OVERLAP_COST,
-        "stage3_fetch_overhead_s": STAGE3_FETCH_OVERHEAD_S,
+        "stage3_fetch_overhead_s": STAGE3_FETCH_OVERHEAD_CPU_S if gpu == "cpu" else STAGE3_FETCH_OVERHEAD_S,
     }
     return Prediction(c, t, compute, total, exposed, host, step, tokens_rank * w.world_size, assumptions)
 
@@ -618,6 +633,7 @@ def predict_plan(plan: Any, candidate: Candidate | None = None) -> Prediction:
         else None,
         max_reuse_distance=k["stage3_max_reuse_distance"].value if "stage3_max_reuse_distance" in k else 10**9,
         lora_tensors=ctx["lora_tensors"],
+        reduce_bucket_size=k["reduce_bucket_size"].value if "reduce_bucket_size" in k else None,
     )
 
 
