@@ -225,3 +225,41 @@ def test_logged_bytes_per_step_equal_the_plan_within_10_percent(case, comm_runs)
             assert set(measured) == set(predicted), (rank, i, measured, predicted)
             for op, b in predicted.items():
                 assert abs(measured[op] - b) <= 0.10 * b, (rank, i, op, measured[op], b)
+
+
+def test_plan_prints_and_exports_the_step_time(write_recipe, tmp_path: Path) -> None:
+    import shutil
+
+    shutil.copy(REPO / "tests/fixtures/model_configs/Meta-Llama-3-8B.json", tmp_path / "model" / "config.json")
+    p = write_recipe()
+    args = ["zero.stage=auto", "cluster.num_nodes=2", "cluster.master_addr=10.0.0.1", "cluster.network=pcie-eth25"]
+    args += ["train.global_batch_size=64", "train.micro_batch_size=1", "model.gradient_checkpointing=true"]
+    run = [sys.executable, "-m", "ftkit", "plan", str(p), *args]
+    text = subprocess.run(run, capture_output=True, text=True, cwd=tmp_path)
+    assert text.returncode == 0, text.stderr
+    assert "inter/step" in text.stdout and "tokens/s" in text.stdout and "MFU 40%" in text.stdout
+    assert "is the fastest predicted that fits" in text.stdout and "2.5 GB/s inter-node link" in text.stdout
+    data = json.loads(subprocess.run([*run, "--json"], capture_output=True, text=True, cwd=tmp_path).stdout)
+    for c in data["candidates"]:
+        comm = c["comm_bytes_per_step"]
+        assert {"intra", "inter", "by_collective"} <= set(comm)
+        assert c["step_time_s"] > 0 and c["tokens_per_s"] > 0
+        assert c["assumptions"]["network_source"] == "cluster.network pcie-eth25"
+        assert c["assumptions"]["inter_node_gbs"] == 2.5
+    labels = [c["candidate"] for c in data["candidates"]]
+    assert "ZeRO-3 + hpZ/qwZ/qgZ" in labels and data["speed_reason"]
+
+
+def test_bandwidth_file_overrides_the_recipe(write_recipe, tmp_path: Path, monkeypatch) -> None:
+    from ftkit.comm import BANDWIDTH_FILE_ENV, resolve_network
+    from ftkit.recipe import load_recipe
+
+    p = write_recipe()
+    r = load_recipe(str(p), ["cluster.network=pcie-eth25", "cluster.inter_node_gbs=4"])
+    monkeypatch.setenv(BANDWIDTH_FILE_ENV, str(tmp_path / "none.json"))
+    net = resolve_network(r, ["localhost"])
+    assert (net.intra_gbs, net.inter_gbs) == (20.0, 4.0) and "inter_node_gbs" in net.source
+    (tmp_path / "bw.json").write_text(json.dumps({"version": 1, "intra_node_gbs": 300, "inter_node_gbs": 40}))
+    monkeypatch.setenv(BANDWIDTH_FILE_ENV, str(tmp_path / "bw.json"))
+    net = resolve_network(r, ["localhost"])
+    assert (net.intra_gbs, net.inter_gbs) == (300.0, 40.0) and net.source.startswith("measured")
