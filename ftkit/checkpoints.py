@@ -20,7 +20,7 @@ are rejected (``require_commit=True``) or, for runs not written by ftkit, checke
 (:func:`rotate`) counts only committed checkpoints, never removes the newest one, and deletes checkpoints a restart
 set aside (``checkpoint-N.rejected-*``) once a committed checkpoint of step N or later exists.
 
-Checksums: XXH3-128 (xxHash) over the whole content by default, ``xxh3_128:<hex>`` in the record. It is not
+Checksums (:mod:`ftkit.checksums`): XXH3-128 (xxHash) over the whole content by default, ``xxh3_128:<hex>`` in the record. It is not
 cryptographic (nor need it be: it guards against torn writes and bit rot, not an attacker) and runs at several
 GB/s per core, so hashing a file right after writing it, while it is still in the page cache, costs little next
 to the write (``benchmarks/commit_cost.py`` measures it). ``checksum="sampled"`` (``resilience.checksum``) is an
@@ -34,9 +34,7 @@ Trainer + DeepSpeed multi-node saving does by default.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import mmap
 import os
 import re
 import secrets
@@ -49,9 +47,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 from ftkit import __version__
+from ftkit.checksums import (
+    ALGORITHMS,
+    CHECKSUM_MODES,
+    DEFAULT_SPEC,
+    SAMPLED,
+    XXH3,
+    SampleSpec,
+    full_checksum,
+    recompute_or_error,
+    sampled_checksum,
+)
 from ftkit.errors import ExitCode, FtkitError
 
 COMMIT_FILE = "ftkit_commit.json"
@@ -71,13 +78,6 @@ _RNG_RANK_RE = re.compile(r"^rng_state_(\d+)\.pth$")
 _OFFLOAD_RANK_RE = re.compile(r"^rank(\d+)$")  # global_stepN/offloaded_tensors/rank00/ (NVMe offload)
 _TAG_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 
-CHECKSUM_MODES = ("full", "sampled")  # resilience.checksum
-_XXH3 = "xxh3_128"  # the full checksum ftkit writes
-_BLAKE2B = "blake2b"  # the full checksum of commit-record version 1: read, no longer written
-_SAMPLED = "blake2b-sampled"  # the opt-in sampled digest (unchanged since version 1)
-_ALGORITHMS = frozenset({_XXH3, _BLAKE2B, _SAMPLED})
-_DIGEST_BYTES = 16  # 128 bits: ample against accidental collisions, keeps the record small
-_READ_BYTES = 4 * 1024 * 1024
 _MANIFEST_THREADS = 4  # per rank; several ranks share a node's cores
 
 
@@ -140,113 +140,6 @@ class Selection:
     @property
     def rejected_reasons(self) -> list[tuple[Path | None, str]]:
         return [(v.path, v.reason) for v in self.rejected]
-
-
-# --------------------------------------------------------------------------------------------------- checksums
-
-
-@dataclass(frozen=True)
-class SampleSpec:
-    """Parameters of the sampled digest; stored in every commit record so verification never depends on defaults.
-
-    Files of at most ``small_file_bytes`` are hashed in full; larger ones are sampled at ``blocks + 2`` windows of
-    ``block_bytes`` (head, tail and ``blocks`` evenly spaced between them), i.e. about 1.1 MiB read per file.
-    """
-
-    small_file_bytes: int = 8 * 1024 * 1024
-    blocks: int = 16
-    block_bytes: int = 64 * 1024
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": "ftkit-sampled-blake2b-v1", **self.__dict__}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> SampleSpec:
-        spec = cls(int(data["small_file_bytes"]), int(data["blocks"]), int(data["block_bytes"]))
-        if spec.blocks < 0 or spec.block_bytes <= 0 or spec.small_file_bytes < spec.block_bytes:
-            raise ValueError(f"invalid sampling parameters {data!r}")
-        return spec
-
-
-DEFAULT_SPEC = SampleSpec()
-
-
-def _hash_file(path: str | os.PathLike[str], h: Any, *, use_mmap: bool = False) -> str:
-    """Feed every byte of ``path`` to ``h``; returns its hex digest.
-
-    ``use_mmap`` hashes the page cache in place instead of copying it into a buffer first: about twice as fast
-    here (4.9 vs 2.5 GB/s for a cached 1 GiB file), which matters on the save path. But a file truncated while
-    mapped kills the reader with SIGBUS rather than raising, so only a caller that owns the file (the rank that
-    just wrote it, before the barrier) may ask for it; verification, which may run beside other processes
-    (``ftkit status --verify`` during a run), reads.
-    """
-    with open(path, "rb", buffering=0) as f:
-        if use_mmap and os.fstat(f.fileno()).st_size > 0:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                h.update(m)
-            return h.hexdigest()
-        buf = bytearray(_READ_BYTES)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
-
-
-def full_checksum(path: str | os.PathLike[str], *, use_mmap: bool = False) -> str:
-    """``xxh3_128:<hex>`` over every byte: the default (several GB/s per core from the page cache, plus I/O)."""
-    return f"{_XXH3}:{_hash_file(path, xxhash.xxh3_128(), use_mmap=use_mmap)}"
-
-
-def blake2b_checksum(path: str | os.PathLike[str]) -> str:
-    """``blake2b:<hex>`` over every byte: commit-record version 1's full checksum, kept to verify old runs."""
-    return f"{_BLAKE2B}:{_hash_file(path, hashlib.blake2b(digest_size=_DIGEST_BYTES))}"
-
-
-def sampled_checksum(path: str | os.PathLike[str], spec: SampleSpec = DEFAULT_SPEC) -> str:
-    """The opt-in for checkpoints too large to read once per save: full for small files, sampled for large ones.
-
-    Files of at most ``spec.small_file_bytes`` (8 MiB): :func:`full_checksum` of the whole content, so *any*
-    change to a small file (configs, ``trainer_state.json``, ``latest``, RNG states, scheduler, tokenizer files)
-    is detected.
-
-    Larger files: ``blake2b-sampled:<hex>`` over the file size and ``blocks + 2`` windows of ``block_bytes`` at
-    fixed offsets (head, tail, evenly spaced in between), each prefixed with its offset. Detects: truncation and
-    extension (the size is hashed; ``verify`` also compares sizes without reading), any change inside a sampled
-    window (including a torn tail or an unwritten/zeroed head), and a different file of the same size whose
-    bytes differ in any window. Does NOT detect: changes that fall entirely between the windows (with the
-    defaults about 1.1 MiB of a 10 GiB shard, ~0.01%, is read), e.g. a bit flip or a zeroed range in the
-    middle of a large shard: the failure that made :func:`full_checksum` the default. Neither checksum is a
-    defence against deliberate tampering.
-    """
-    with open(path, "rb", buffering=0) as f:
-        fd = f.fileno()
-        size = os.fstat(fd).st_size
-        if size <= spec.small_file_bytes:
-            return full_checksum(path)
-        h = hashlib.blake2b(digest_size=_DIGEST_BYTES, person=b"ftkit-sampled-v1")
-        h.update(size.to_bytes(8, "little"))
-        last = size - spec.block_bytes
-        windows = spec.blocks + 2
-        for i in range(windows):
-            offset = last * i // (windows - 1)
-            data = os.pread(fd, spec.block_bytes, offset)
-            if len(data) != spec.block_bytes:
-                raise OSError(f"{path}: short read at offset {offset} (file changed while being hashed)")
-            h.update(offset.to_bytes(8, "little"))
-            h.update(data)
-    return f"{_SAMPLED}:{h.hexdigest()}"
-
-
-def _recompute(path: Path, recorded: str, spec: SampleSpec) -> str:
-    """Recompute a checksum with the algorithm the recorded value names (xxh3_128, blake2b or sampled)."""
-    algo = recorded.split(":", 1)[0]
-    if algo == _XXH3:
-        return full_checksum(path)
-    if algo == _BLAKE2B:
-        return blake2b_checksum(path)
-    if algo == _SAMPLED:
-        return sampled_checksum(path, spec)
-    raise ValueError(f"unknown checksum algorithm {algo!r}")
 
 
 # --------------------------------------------------------------------------------------------------- manifests
@@ -453,8 +346,8 @@ def write_commit(
         "tag": structure.tag,
         "checksum": (
             {"mode": "sampled", **spec.to_json()}
-            if any(e["checksum"].startswith(_SAMPLED + ":") for e in merged.values())
-            else {"mode": "full", "name": _XXH3}
+            if any(e["checksum"].startswith(SAMPLED + ":") for e in merged.values())
+            else {"mode": "full", "name": XXH3}
         ),
         "kind": kind,
         "files": dict(sorted(merged.items())),
@@ -713,10 +606,10 @@ def _verify_committed(
             raise TypeError("step/files have the wrong type")
         entries = {rel: (int(e["size"]), str(e["checksum"])) for rel, e in files.items()}
         algorithms = {digest.split(":", 1)[0] for _, digest in entries.values()}
-        if unknown := sorted(algorithms - _ALGORITHMS):
+        if unknown := sorted(algorithms - ALGORITHMS):
             raise ValueError(f"unknown checksum algorithm {unknown[0]!r}")
         # Only the sampled digest has parameters; they are read from the record, never from today's defaults.
-        spec = SampleSpec.from_json(record["checksum"]) if _SAMPLED in algorithms else DEFAULT_SPEC
+        spec = SampleSpec.from_json(record["checksum"]) if SAMPLED in algorithms else DEFAULT_SPEC
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         return verdict(False, True, bad, f"commit record malformed ({type(e).__name__}: {e})")
 
@@ -747,7 +640,7 @@ def _verify_committed(
         mode = "sizes+checksums"
         items = sorted(entries.items())
         with ThreadPoolExecutor(max_workers=min(8, len(items))) as pool:
-            results = list(pool.map(lambda it: _safe_recompute(ckpt / it[0], it[1][1], spec), items))
+            results = list(pool.map(lambda it: recompute_or_error(ckpt / it[0], it[1][1], spec), items))
         for (rel, (_, expected)), actual_sum in zip(items, results, strict=True):
             if actual_sum != expected:
                 return verdict(
@@ -777,13 +670,6 @@ def _verify_committed(
     return verdict(
         True, True, VerdictKind.OK, f"committed, {len(entries)} files verified ({mode})", step=step, record=record
     )
-
-
-def _safe_recompute(path: Path, recorded: str, spec: SampleSpec) -> str:
-    try:
-        return _recompute(path, recorded, spec)
-    except (OSError, ValueError) as e:
-        return f"<{type(e).__name__}: {e}>"
 
 
 # --------------------------------------------------------------------------------------------------- selection

@@ -19,21 +19,18 @@ from ftkit import checkpoints as ck
 from ftkit.checkpoints import (
     COMMIT_FILE,
     CommitError,
-    SampleSpec,
     VerdictKind,
-    blake2b_checksum,
     files_owned_by_rank,
-    full_checksum,
     list_checkpoints,
     list_set_aside,
     manifest_part,
     rotate,
-    sampled_checksum,
     select_resume,
     set_aside_newer,
     verify,
     write_commit,
 )
+from ftkit.checksums import SampleSpec, blake2b_checksum, full_checksum, sampled_checksum
 
 MiB = 1024 * 1024
 
