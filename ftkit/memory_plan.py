@@ -25,6 +25,7 @@ from .comm import (
     zeropp_memory_bytes,
 )
 from .errors import RecipeError, UserError
+from .knobs import overlap_comm_auto, persistence_threshold
 from .memory import (
     Candidate,
     Choice,
@@ -226,17 +227,11 @@ def plan_context_for(plan: Any, shape: ModelShape) -> dict[str, Any]:
 
 
 def predict_for(c: Candidate, w: Workload, plan: Any, ctx: dict[str, Any], gpu_gb: float) -> Prediction:
-    """Step time of candidate ``c`` with the knobs the plan would give it (overlap_comm as _resolve_zero decides)."""
-    r = plan.recipe
-    oc = r["zero.overlap_comm"]
+    """Step time of candidate ``c`` with the knobs the plan would give it (the rules of ftkit.knobs)."""
+    oc = plan.recipe["zero.overlap_comm"]
     if oc == "auto":
-        if c.stage == 3:
-            oc = True
-        elif c.stage == 0:
-            oc = False
-        else:
-            oc = estimate(c, replace(w, overlap_comm=True)).total_gb <= gpu_gb * (1 - HEADROOM)
-    h = w.shape.hidden_size
+        room = c.stage in (1, 2) and estimate(c, replace(w, overlap_comm=True)).total_gb <= gpu_gb * (1 - HEADROOM)
+        oc, _ = overlap_comm_auto(c.stage, room)
     return predict(
         c,
         w,
@@ -245,7 +240,7 @@ def predict_for(c: Candidate, w: Workload, plan: Any, ctx: dict[str, Any], gpu_g
         ctx["gpu"],
         overlap_comm=bool(oc),
         gpu_source=ctx["gpu_source"],
-        persistence_threshold=10 * h,
+        persistence_threshold=persistence_threshold(w.shape.hidden_size),
         lora_tensors=ctx["lora_tensors"],
     )
 

@@ -3,17 +3,21 @@
 The plan is the single place where derived values are computed: world size, the batch triple, the ZeRO stage and
 offload (resolving ``auto`` through :mod:`ftkit.memory`), bucket sizes from the model's hidden size. Renderers and
 the training entry only read it, so the DeepSpeed JSON, the Accelerate YAML and the TrainingArguments agree.
-Each knob records where its value came from; ``ftkit explain`` prints that.
+Every knob the configs carry is decided here (the rules in :mod:`ftkit.knobs`) with where its value came from;
+``ftkit explain`` prints that without rendering anything.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import Problem, RecipeError, UserError
 from .procs import LOCAL_HOSTS
 from .recipe import CLI, DEFAULT, Recipe
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .memory_plan import MemoryReport
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,7 @@ class Plan:
     hidden_size: int
     model_config: dict[str, Any]
     knobs: dict[str, Knob] = field(default_factory=dict)
-    memory: Any = None  # ftkit.memory planning report, when computed
+    memory: MemoryReport | None = None  # the memory and step-time plan (ftkit.memory_plan), when computed
     # host -> the device (slot) indices an --include/--exclude selection kept (empty without a filter): the command
     # builder hands them to the engine (deepspeed --include, else CUDA_VISIBLE_DEVICES on the node)
     devices: dict[str, tuple[int, ...]] = field(default_factory=dict)
@@ -125,6 +129,7 @@ def build_plan(
     the slowest candidate so the table and the suggestions can still be printed.
     """
     from .hub import config_source
+    from .knobs import decide_config_knobs
     from .params import hidden_size, load_config_file, load_model_config
 
     problems: list[Problem] = []
@@ -223,6 +228,7 @@ def build_plan(
     plan.note("hidden_size", h, source.label if source else f"{recipe['model.path']}/config.json")
 
     _resolve_zero(plan, with_memory, strict)
+    decide_config_knobs(plan)
     return plan
 
 
@@ -241,6 +247,9 @@ def _ints(values: tuple[int, ...]) -> str:
 
 
 def _resolve_zero(plan: Plan, with_memory: bool, strict: bool = True) -> None:
+    from .knobs import decide_zero_knobs
+    from .memory import Candidate
+
     r = plan.recipe
     stage, opt = r["zero.stage"], r["zero.offload_optimizer"]
     needs_memory = (
@@ -274,40 +283,8 @@ def _resolve_zero(plan: Plan, with_memory: bool, strict: bool = True) -> None:
         plan.stage = plan.note("zero_optimization.stage", stage, _src(r, "zero.stage"))
         plan.offload_optimizer = plan.note("offload_optimizer", opt, _src(r, "zero.offload_optimizer"))
         plan.offload_params = plan.note("offload_param", r["zero.offload_params"], _src(r, "zero.offload_params"))
-    if plan.offload_optimizer != "none" and plan.stage == 0:
-        raise RecipeError(r.problem("zero.offload_optimizer", "optimizer offload needs ZeRO stage 1 or higher"))
-    if plan.offload_params != "none" and plan.stage != 3:
-        raise RecipeError(
-            r.problem("zero.offload_params", f"parameter offload needs ZeRO stage 3 (resolved stage is {plan.stage})")
-        )
+    # No copy of the stage/offload rules here: the recipe loader reports a user's mistake (ftkit.recipe), a
+    # Candidate refuses an impossible pairing (ftkit.memory), and auto only ever chooses among valid candidates.
+    Candidate(plan.stage, plan.offload_optimizer, plan.offload_params)
 
-    h = plan.hidden_size
-    if r["zero.reduce_bucket_size"] == "auto":
-        plan.note("reduce_bucket_size", h * h, f"hidden_size^2 = {h}^2")
-    else:
-        plan.note("reduce_bucket_size", r["zero.reduce_bucket_size"], _src(r, "zero.reduce_bucket_size"))
-    tight = report.tight if report is not None else False
-    if r["zero.allgather_bucket_size"] == "auto":
-        if tight:
-            plan.note("allgather_bucket_size", int(2e8), "2e8: memory is tight at the chosen stage (ftkit plan)")
-        else:
-            plan.note("allgather_bucket_size", int(5e8), "5e8: DeepSpeed's default, memory allows it")
-    else:
-        plan.note("allgather_bucket_size", r["zero.allgather_bucket_size"], _src(r, "zero.allgather_bucket_size"))
-    oc = r["zero.overlap_comm"]
-    if oc == "auto":
-        if plan.stage == 3:
-            plan.note("overlap_comm", True, "auto: always on at stage 3")
-        elif plan.stage == 0:
-            plan.note("overlap_comm", False, "auto: nothing to overlap at stage 0")
-        elif report is not None and report.room_for_overlap:
-            plan.note("overlap_comm", True, "auto: the plan has room for the extra bucket buffers")
-        else:
-            plan.note("overlap_comm", False, "auto: not enough memory headroom for the extra bucket buffers")
-    else:
-        plan.note("overlap_comm", oc, _src(r, "zero.overlap_comm"))
-    plan.note("stage3_prefetch_bucket_size", int(0.9 * h * h), f"int(0.9 x hidden_size^2) = int(0.9 x {h}^2)")
-    plan.note("stage3_param_persistence_threshold", 10 * h, f"10 x hidden_size = 10 x {h}")
-    live = int(1e9) if not tight else int(1e8)
-    plan.note("stage3_max_live_parameters", live, "1e9" if not tight else "1e8: memory is tight")
-    plan.note("stage3_max_reuse_distance", live, "1e9" if not tight else "1e8: memory is tight")
+    decide_zero_knobs(plan, _src)

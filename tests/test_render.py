@@ -297,3 +297,39 @@ def test_world_size_from_hostfile(write_recipe, tmp_path):
     assert plan.world_size == 8 and plan.num_nodes == 2 and plan.master_addr == "worker-1" and plan.grad_accum == 1
     filtered = load_and_plan(str(r.path), [f"cluster.hostfile={hf}", "train.global_batch_size=16"], include="worker-2")
     assert filtered.world_size == 4 and filtered.grad_accum == 2
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["zero.stage=3", "zero.offload_optimizer=cpu", "zero.offload_params=cpu", "cluster.accelerator=cuda"],
+        ["zero.offload_optimizer=cpu", "train.precision=fp16"],
+        ["zero.stage=3", "zero.offload_optimizer=nvme", "zero.offload_params=nvme", "zero.nvme_path=/tmp/nvme"],
+    ],
+)
+def test_the_plan_decides_every_knob_before_rendering(write_recipe, tmp_path, overrides) -> None:
+    """build_plan records every knob the configs carry, with its reason: rendering adds nothing to plan.knobs (so
+    `ftkit explain` needs no render), and every value the plan decided is the one written."""
+    plan = load_and_plan(str(write_recipe()), overrides)
+    before = dict(plan.knobs)
+    files = render_files(plan, tmp_path / "configs")
+    assert plan.knobs == before
+    cfg = json.loads(files[DS_FILE])
+    z = cfg["zero_optimization"]
+    for key in ("gradient_clipping", "precision", "optimizer", "zero3_init_flag", "contiguous_gradients"):
+        assert key in before and before[key].why
+    assert cfg["gradient_clipping"] == before["gradient_clipping"].value
+    assert (
+        yaml.safe_load(files[ACCELERATE_FILE])["deepspeed_config"]["zero3_init_flag"] is before["zero3_init_flag"].value
+    )
+    assert ("torch_adam" in cfg["optimizer"]["params"]) is ("optimizer.torch_adam" in before)
+    for what in ("offload_optimizer", "offload_param"):
+        assert (what in z) is (f"{what}.pin_memory" in before)
+        if what in z:
+            assert z[what]["pin_memory"] is before[f"{what}.pin_memory"].value
+    if plan.stage == 3:
+        assert z["sub_group_size"] == before["sub_group_size"].value
+        assert "round_robin_gradients" not in before
+    else:
+        assert z["round_robin_gradients"] is before["round_robin_gradients"].value

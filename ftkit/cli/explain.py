@@ -24,13 +24,7 @@ Examples:
 @json_option
 def command(recipe: str, overrides: tuple[str, ...], as_json: bool) -> None:
     """Show each derived knob (value and why) and each recipe key that was set (value and where)."""
-    plan = load_and_plan(recipe, overrides)
-    from ..render.deepspeed import render_deepspeed
-
-    render_deepspeed(plan)  # renders record their own choices (pin_memory, torch_adam...) into plan.knobs
-    from ..render.accelerate import accelerate_dict
-
-    accelerate_dict(plan, "ds_config.json")
+    plan = load_and_plan(recipe, overrides)  # the plan decides every knob the configs carry (ftkit.knobs)
     knobs = {k: {"value": v.value, "why": v.why} for k, v in plan.knobs.items()}
     keys = {k: {"value": plan.recipe.values[k], "source": s} for k, s in plan.recipe.sources.items() if s != DEFAULT}
     if as_json:

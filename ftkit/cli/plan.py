@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from ..comm import fmt_bytes
+from ..comm import fmt_bytes, plan_candidate
 from ..configs import load_and_plan
 from ..errors import ExitCode
 from ..memory_plan import HEADROOM, full_table
@@ -112,7 +112,7 @@ def command(recipe: str, overrides: tuple[str, ...], as_json: bool) -> None:
             f"({a['network_source']}); bytes per GPU per optimizer step as DeepSpeed's comms logger counts them)"
         )
     click.echo("\n(GiB; gather = ZeRO-3's gathered largest layer; host = host RAM per node)")
-    label = sel.candidate.label if sel is not None else f"ZeRO-{plan.stage}"
+    label = (sel.candidate if sel is not None else plan_candidate(plan)).label
     click.echo(
         f"\nthis run: {label} ({'auto' if rep.auto else 'set in the recipe'}): "
         f"{plan.knobs['zero_optimization.stage'].why}"

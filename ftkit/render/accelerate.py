@@ -18,11 +18,7 @@ def accelerate_dict(plan: Plan, ds_config_path: str, machine_rank: int = 0) -> d
     ds: dict[str, Any] = {"deepspeed_config_file": ds_config_path}
     if plan.num_nodes > 1:
         ds["deepspeed_multinode_launcher"] = "standard"
-    ds["zero3_init_flag"] = plan.note(
-        "zero3_init_flag",
-        plan.stage == 3,
-        "stage 3: partition weights while loading" if plan.stage == 3 else "stage < 3",
-    )
+    ds["zero3_init_flag"] = plan.knobs["zero3_init_flag"].value
     return {
         "compute_environment": "LOCAL_MACHINE",
         "debug": False,

@@ -1,0 +1,113 @@
+"""Every knob the rendered configs carry, decided in one place with its reason (DESIGN.md §3).
+
+:func:`decide_zero_knobs` and :func:`decide_config_knobs` run inside :func:`ftkit.plan.build_plan`, after the stage
+and offload are resolved, and record each value with the rule or source that produced it in ``plan.knobs``. The
+renderers (:mod:`ftkit.render`) only format ``plan.knobs``; ``ftkit explain`` prints them without rendering
+anything. :func:`overlap_comm_auto` and :func:`persistence_threshold` are also what the step-time prediction of
+each candidate uses (:mod:`ftkit.memory_plan`), so the plan and the prediction apply the same rules.
+
+Rules: the batch triple written in full (:mod:`ftkit.plan`); bucket sizes from the hidden size; overlap_comm at stage
+3 and at 1/2 when the plan has room; contiguous_gradients on; round_robin_gradients only with optimizer offload at
+1/2; offload_param only at stage 3; exactly one of bf16/fp16 enabled (both off for fp32); gradient_clipping from
+max_grad_norm; stage3_gather_16bit_weights_on_model_save on so HF-loadable weights come out; pinned offload buffers
+unless on the cpu accelerator or host RAM is tight; ZeRO++'s knobs only when ``auto`` chose them
+(:func:`ftkit.plan.note_zeropp`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .plan import Plan
+
+SUB_GROUP_SIZE = int(1e9)
+
+
+def overlap_comm_auto(stage: int, room: bool) -> tuple[bool, str]:
+    """``zero.overlap_comm: auto``: on at stage 3, off at 0, at 1/2 when memory has room for the extra buckets."""
+    if stage == 3:
+        return True, "auto: always on at stage 3"
+    if stage == 0:
+        return False, "auto: nothing to overlap at stage 0"
+    if room:
+        return True, "auto: the plan has room for the extra bucket buffers"
+    return False, "auto: not enough memory headroom for the extra bucket buffers"
+
+
+def persistence_threshold(hidden_size: int) -> int:
+    """``stage3_param_persistence_threshold``: parameters smaller than this stay gathered at stage 3."""
+    return 10 * hidden_size
+
+
+def decide_zero_knobs(plan: Plan, src: Any) -> None:
+    """Bucket sizes, overlap and ZeRO-3's live/reuse limits, from the hidden size and the memory plan."""
+    r = plan.recipe
+    report = plan.memory
+    h = plan.hidden_size
+    if r["zero.reduce_bucket_size"] == "auto":
+        plan.note("reduce_bucket_size", h * h, f"hidden_size^2 = {h}^2")
+    else:
+        plan.note("reduce_bucket_size", r["zero.reduce_bucket_size"], src(r, "zero.reduce_bucket_size"))
+    tight = report.tight if report is not None else False
+    if r["zero.allgather_bucket_size"] == "auto":
+        if tight:
+            plan.note("allgather_bucket_size", int(2e8), "2e8: memory is tight at the chosen stage (ftkit plan)")
+        else:
+            plan.note("allgather_bucket_size", int(5e8), "5e8: DeepSpeed's default, memory allows it")
+    else:
+        plan.note("allgather_bucket_size", r["zero.allgather_bucket_size"], src(r, "zero.allgather_bucket_size"))
+    oc = r["zero.overlap_comm"]
+    if oc == "auto":
+        plan.note("overlap_comm", *overlap_comm_auto(plan.stage, report is not None and report.room_for_overlap))
+    else:
+        plan.note("overlap_comm", oc, src(r, "zero.overlap_comm"))
+    plan.note("stage3_prefetch_bucket_size", int(0.9 * h * h), f"int(0.9 x hidden_size^2) = int(0.9 x {h}^2)")
+    plan.note("stage3_param_persistence_threshold", persistence_threshold(h), f"10 x hidden_size = 10 x {h}")
+    live = int(1e9) if not tight else int(1e8)
+    plan.note("stage3_max_live_parameters", live, "1e9" if not tight else "1e8: memory is tight")
+    plan.note("stage3_max_reuse_distance", live, "1e9" if not tight else "1e8: memory is tight")
+
+
+def decide_config_knobs(plan: Plan) -> None:
+    """The rest of ds_config.json and accelerate.yaml: clipping, precision, optimizer, per-stage ZeRO flags,
+    pinned offload buffers, zero3_init_flag. Only the knobs the chosen stage renders are recorded."""
+    r = plan.recipe
+    plan.note("gradient_clipping", r["train.max_grad_norm"], "train.max_grad_norm")
+    plan.note("precision", r["train.precision"], "train.precision; TrainingArguments gets the same flag")
+    if plan.offload_optimizer == "none" and r["cluster.accelerator"] == "cpu":
+        # FusedAdam is a CUDA kernel; on the cpu accelerator without offload use torch's AdamW.
+        plan.note("optimizer.torch_adam", True, "cpu accelerator without offload")
+    plan.note("optimizer", "AdamW", "DeepSpeed's optimizer (CPU Adam when offloading); params equal TrainingArguments")
+    offload = plan.offload_optimizer != "none"
+    if plan.stage in (1, 2):
+        plan.note("contiguous_gradients", True, "always: less fragmentation")
+        plan.note(
+            "round_robin_gradients",
+            offload,
+            "on only with optimizer offload at stage 1/2" if offload else "no offload",
+        )
+        if offload:
+            _pin_memory(plan, "offload_optimizer")
+    elif plan.stage == 3:
+        plan.note("contiguous_gradients", True, "always: less fragmentation")
+        plan.note("sub_group_size", SUB_GROUP_SIZE, "1e9")
+        plan.note("stage3_gather_16bit_weights_on_model_save", True, "the final model must load with from_pretrained")
+        if offload:
+            _pin_memory(plan, "offload_optimizer")
+        if plan.offload_params != "none":
+            _pin_memory(plan, "offload_param")
+    plan.note(
+        "zero3_init_flag",
+        plan.stage == 3,
+        "stage 3: partition weights while loading" if plan.stage == 3 else "stage < 3",
+    )
+
+
+def _pin_memory(plan: Plan, what: str) -> None:
+    if plan.recipe["cluster.accelerator"] == "cpu":
+        plan.note(f"{what}.pin_memory", False, "cpu accelerator: there is no device memory to pin for")
+    elif plan.memory is not None and plan.memory.host_tight:
+        plan.note(f"{what}.pin_memory", False, "host RAM is tight: pinned buffers cannot be paged out")
+    else:
+        plan.note(f"{what}.pin_memory", True, "faster host-device copies; host RAM allows it")
