@@ -20,13 +20,13 @@ are rejected (``require_commit=True``) or, for runs not written by ftkit, checke
 (:func:`rotate`) counts only committed checkpoints, never removes the newest one, and deletes checkpoints a restart
 set aside (``checkpoint-N.rejected-*``) once a committed checkpoint of step N or later exists.
 
-Checksums (:mod:`ftkit.checksums`): XXH3-128 (xxHash) over the whole content by default, ``xxh3_128:<hex>`` in the record. It is not
-cryptographic (nor need it be: it guards against torn writes and bit rot, not an attacker) and runs at several
-GB/s per core, so hashing a file right after writing it, while it is still in the page cache, costs little next
-to the write (``benchmarks/commit_cost.py`` measures it). ``checksum="sampled"`` (``resilience.checksum``) is an
-explicit opt-in for checkpoints too large to read once per save: it reads about 1.1 MiB of each file over 8 MiB
-and misses changes between its windows. Records written by earlier versions (``blake2b``, ``blake2b-sampled``)
-still verify.
+Checksums (:mod:`ftkit.checksums`): XXH3-128 (xxHash) over the whole content by default, ``xxh3_128:<hex>`` in
+the record. It is not cryptographic (nor need it be: it guards against torn writes and bit rot, not an attacker)
+and runs at several GB/s per core, so hashing a file right after writing it, while it is still in the page cache,
+costs little next to the write (``benchmarks/commit_cost.py`` measures it). ``checksum="sampled"``
+(``resilience.checksum``) is an explicit opt-in for checkpoints too large to read once per save: it reads about
+1.1 MiB of each file over 8 MiB and misses changes between its windows. Records written by earlier versions
+(``blake2b``, ``blake2b-sampled``) still verify.
 
 Assumes the checkpoint directory is on a filesystem every rank and the head node see (shared storage), as HF
 Trainer + DeepSpeed multi-node saving does by default.
