@@ -83,6 +83,31 @@ ACT_SCORES = 5
 # ------------------------------------------------------------------------------------------------ candidates
 
 
+def offload_problems(stage: int | str, offload_optimizer: str, offload_params: str) -> list[tuple[str, str]]:
+    """The ZeRO stage/offload rules, stated once: ``(recipe key, problem)`` for each combination DeepSpeed cannot
+    run. ``stage`` may be ``"auto"`` (the planner then only picks valid candidates). The recipe loader reports
+    these to the user; :class:`Candidate` refuses them."""
+    out = []
+    if offload_params != "none" and stage not in (3, "auto"):
+        out.append(
+            (
+                "zero.offload_params",
+                f"parameter offload needs ZeRO stage 3 (zero.stage is {stage}); set zero.stage: 3 or "
+                "offload_params: none",
+            )
+        )
+    if offload_optimizer != "none" and stage == 0:
+        out.append(("zero.offload_optimizer", "optimizer offload needs ZeRO stage 1 or higher (zero.stage is 0)"))
+    if offload_optimizer == "nvme" and stage not in (3, "auto"):
+        out.append(
+            (
+                "zero.offload_optimizer",
+                f"nvme optimizer offload needs ZeRO stage 3 (zero.stage is {stage}); use cpu at stage 1/2",
+            )
+        )
+    return out
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One ZeRO configuration: stage plus where the optimizer states and (stage 3) the parameters live."""
@@ -97,12 +122,9 @@ class Candidate:
             raise ValueError(f"ZeRO stage must be 0-3, got {self.stage}")
         if self.offload_optimizer not in OFFLOAD_TARGETS or self.offload_params not in OFFLOAD_TARGETS:
             raise ValueError(f"offload targets must be one of {OFFLOAD_TARGETS}")
-        if self.offload_params != "none" and self.stage != 3:
-            raise ValueError("parameter offload needs ZeRO stage 3")
-        if self.offload_optimizer != "none" and self.stage == 0:
-            raise ValueError("optimizer offload needs ZeRO stage 1-3")
-        if self.offload_optimizer == "nvme" and self.stage != 3:
-            raise ValueError("NVMe optimizer offload needs ZeRO stage 3 (ZeRO-Infinity)")
+        problems = offload_problems(self.stage, self.offload_optimizer, self.offload_params)
+        if problems:
+            raise ValueError(problems[0][1])
 
     @property
     def label(self) -> str:

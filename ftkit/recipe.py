@@ -26,6 +26,7 @@ import yaml
 
 from .errors import Problem, RecipeError
 from .hub import is_hub_id
+from .memory import offload_problems
 from .schema import REQUIRED, SECTION_BY_NAME, SECTIONS, TOP_LEVEL, Field
 
 try:  # the C loader is ~10x faster; fall back quietly where libyaml is missing
@@ -546,25 +547,8 @@ def _cross_checks(r: Recipe, add: Any) -> None:
         return CLI if r.sources.get(key) == CLI else None
 
     v = r.values
-    stage = v["zero.stage"]
-    if v["zero.offload_params"] != "none" and stage not in (3, "auto"):
-        add(
-            "zero.offload_params",
-            f"parameter offload needs ZeRO stage 3 (zero.stage is {stage}); set zero.stage: 3 or offload_params: none",
-            src("zero.offload_params"),
-        )
-    if v["zero.offload_optimizer"] != "none" and stage == 0:
-        add(
-            "zero.offload_optimizer",
-            "optimizer offload needs ZeRO stage 1 or higher (zero.stage is 0)",
-            src("zero.offload_optimizer"),
-        )
-    if v["zero.offload_optimizer"] == "nvme" and stage not in (3, "auto"):
-        add(
-            "zero.offload_optimizer",
-            f"nvme optimizer offload needs ZeRO stage 3 (zero.stage is {stage}); use cpu at stage 1/2",
-            src("zero.offload_optimizer"),
-        )
+    for key, problem in offload_problems(v["zero.stage"], v["zero.offload_optimizer"], v["zero.offload_params"]):
+        add(key, problem, src(key))
     uses_nvme = "nvme" in (v["zero.offload_optimizer"], v["zero.offload_params"])
     if uses_nvme and not v["zero.nvme_path"]:
         add("zero.nvme_path", "required when offloading to nvme: a local NVMe directory", src("zero.nvme_path"))
