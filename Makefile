@@ -31,9 +31,10 @@ install: $(STAMP)
 test: install
 	$(PYTEST) -q tests
 
-# The inner loop: parsing, planning, rendering, command building; under a minute.
+# The inner loop: parsing, planning, rendering, command building, every CLI error path; under a minute on 2 cores
+# (one worker per core: these tests start no multi-process jobs, so they may share the machine).
 test-fast: install
-	$(PYTEST) -q -m "not slow and not multinode" tests
+	$(PYTEST) -q -n 2 -m "not slow and not multinode" tests
 
 test-slow: install
 	$(PYTEST) -q -m "slow" tests
