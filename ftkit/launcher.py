@@ -146,7 +146,8 @@ def _owned_launch(plan: Plan, req: LaunchRequest, echo: Callable[[str], None]) -
             sup.events("takeover", f"took the run over: stopped {len(ownership.taken_over)} orphaned rank(s)")
         if changes:
             sup.events("resume_changes", None, changes=changes)
-        sup.check_fidelity = not overrides  # recomputed steps legitimately differ after an allowed change
+        # Recomputed steps legitimately differ after any applied change (a new max_steps reshapes the schedule).
+        sup.check_fidelity = not changes
         sup.events("preflight", "preflight passed: " + "; ".join(report.checks), versions=report.versions)
         code = sup.run(first=choice)
     finally:
