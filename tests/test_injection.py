@@ -174,46 +174,35 @@ def test_preflight_remote_run_dir_and_python_quoted(fake_ssh, tmp_path):
     assert report.versions["node1"]["run_dir"] == "writable"  # test -w ran on the real path
 
 
+def _preflight_fails(tmp_path, host: str, master_addr: str) -> list[str]:
+    """The lines of the PreflightError run_preflight raises for one host (torchrun engine, no ssh options)."""
+    with pytest.raises(PreflightError) as e:
+        run_preflight(
+            hosts=[(host, 2)],
+            master_addr=master_addr,
+            master_port=29500,
+            run_dir=tmp_path / "run",
+            engine="torchrun",
+            ssh_args=[],
+        )
+    return e.value.lines()
+
+
 def test_preflight_unresolvable_master(fake_ssh, tmp_path):
     """An unresolvable master_addr passed preflight and hung each attempt until startup_timeout_s."""
-    with pytest.raises(PreflightError) as e:
-        run_preflight(
-            hosts=[("localhost", 2)],
-            master_addr="no-such-host.invalid",
-            master_port=29500,
-            run_dir=tmp_path / "run",
-            engine="torchrun",
-            ssh_args=[],
-        )
-    (line,) = e.value.lines()
+    (line,) = _preflight_fails(tmp_path, "localhost", "no-such-host.invalid")
     assert line.startswith("cluster.master_addr: master address no-such-host.invalid does not resolve here")
-    with pytest.raises(PreflightError) as e:
-        run_preflight(
-            hosts=[("node1", 2)],
-            master_addr="no-such-host.invalid",
-            master_port=29500,
-            run_dir=tmp_path / "run",
-            engine="torchrun",
-            ssh_args=[],
-        )
-    assert [x for x in e.value.lines() if "no-such-host.invalid" in x] == [
-        x for x in e.value.lines() if x.startswith("cluster.master_addr: host node1: master address")
+    lines = _preflight_fails(tmp_path, "node1", "no-such-host.invalid")
+    assert [x for x in lines if "no-such-host.invalid" in x] == [
+        x for x in lines if x.startswith("cluster.master_addr: host node1: master address")
     ]
 
 
 def test_preflight_ssh_error_is_one_line(fake_ssh, tmp_path):
     """One ssh error was printed as two error lines."""
-    with pytest.raises(PreflightError) as e:
-        run_preflight(
-            hosts=[("unreachable", 2)],
-            master_addr="127.0.0.1",
-            master_port=29500,
-            run_dir=tmp_path / "run",
-            engine="torchrun",
-            ssh_args=[],
-        )
-    lines = [x for x in e.value.lines() if "unreachable" in x]
-    assert len(lines) == 1 and "No route to host; kex_exchange_identification" in lines[0], e.value.lines()
+    every = _preflight_fails(tmp_path, "unreachable", "127.0.0.1")
+    lines = [x for x in every if "unreachable" in x]
+    assert len(lines) == 1 and "No route to host; kex_exchange_identification" in lines[0], every
     assert "Permanently added" not in lines[0]
 
 
