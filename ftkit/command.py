@@ -223,6 +223,10 @@ def build_launch(inp: LaunchInputs, base_env: Mapping[str, str]) -> LaunchComman
         return _accelerate(inp, base_env, meta)
     if inp.engine == "torchrun":
         return _torchrun(inp, base_env)
+    if inp.engine == "slurm":  # inside an allocation: srun starts the ranks (ftkit/slurm.py), no ssh
+        from .slurm import srun_launch
+
+        return srun_launch(inp, base_env)
     raise ValueError(f"unknown engine {inp.engine!r}")
 
 
