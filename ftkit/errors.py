@@ -26,6 +26,7 @@ class ExitCode:
     RUN_BUSY = 11  # the run directory is owned by a live job, or ranks of a dead supervisor still run
     NO_SPACE = 12  # no space left on a device the run writes to
     VERIFY_FAILED = 13  # ftkit status --verify: a checkpoint failed verification
+    SCRIPT_FAILED = 14  # the training script failed before its first step (import, argument or setup error)
     SIGINT = 130
     SIGTERM = 143
 
@@ -108,6 +109,12 @@ class TrainingFailed(FtkitError):
 
 class HostLost(FtkitError):
     exit_code = ExitCode.HOST_LOST
+
+
+class ScriptFailed(FtkitError):
+    """The training script failed before its first step: restarting cannot fix an import or argument error."""
+
+    exit_code = ExitCode.SCRIPT_FAILED
 
 
 class RunBusy(FtkitError):
