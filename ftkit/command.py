@@ -13,6 +13,13 @@ Engines (all existing ones, never a home-made launcher):
   with its ``--machine_rank``.
 * ``torchrun``: one ``torchrun`` agent per host with c10d rendezvous at ``master_addr:master_port`` (over ssh for
   remote hosts); ``--max-restarts 0`` because restarts are ftkit's, counted once per incident for the whole job.
+
+What runs on every rank is ftkit's built-in entry (``python -m ftkit.launch.train RUN_DIR --attempt N``) or the
+user's own command (``ftkit launch RECIPE -- CMD``, :class:`UserCommand`): a script, a module or an executable,
+each in the engine's own form (:func:`program_argv`). Every rank gets the run's environment contract
+(``FTKIT_RUN_DIR``, ``FTKIT_ATTEMPT``, ``FTKIT_RESUME``); a user command also gets ftkit's import hook
+(``launch/inject/sitecustomize.py``, see :mod:`ftkit.inject`) first on its ``PYTHONPATH`` unless ``--no-inject``,
+and runs in the directory ftkit was launched from (``env -C DIR`` here, ``cd DIR`` over ssh).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from __future__ import annotations
 import fnmatch
 import re
 import shlex
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,6 +75,127 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # a name a shell can export (
 _PDSH_SAFE = re.compile(r"[A-Za-z0-9_@%+=:,./-]+")
 
 
+# Launchers under a launcher would start launchers inside ranks: ftkit starts the engine itself.
+_LAUNCHER_PROGRAMS = {"accelerate", "torchrun", "deepspeed", "srun", "mpirun"}
+_LAUNCHER_MODULES = {
+    "torch.distributed.run",
+    "torch.distributed.launch",
+    "accelerate.commands.launch",
+    "accelerate.commands.accelerate_cli",
+    "deepspeed.launcher.runner",
+    "deepspeed.launcher.launch",
+}
+_PYTHON = re.compile(r"python(\d+(\.\d+)?)?")
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+# `trl sft ...` is TRL's accelerate-launch wrapper around trl/scripts/sft.py: ftkit runs the script itself.
+TRL_NOT_TRAINING = {"env", "vllm-serve", "vllm_serve", "utils", "__init__"}
+
+
+@dataclass(frozen=True)
+class UserCommand:
+    """The user's training command, as every rank runs it: ``kind`` is ``script`` (``python SCRIPT ARGS``, the
+    script's absolute path), ``module`` (``python -m MODULE ARGS``) or ``exec`` (an executable such as a console
+    script, its absolute path). ``note`` says what ftkit made of the command line when it is not verbatim."""
+
+    kind: str
+    target: str
+    args: tuple[str, ...] = ()
+    note: str | None = None
+
+    def display(self, python: str = "python") -> list[str]:
+        if self.kind == "script":
+            return [python, self.target, *self.args]
+        if self.kind == "module":
+            return [python, "-m", self.target, *self.args]
+        return [self.target, *self.args]
+
+
+def parse_command(
+    argv: Sequence[str], cwd: str, which: Callable[[str], str | None], trl_dir: str | None = None
+) -> UserCommand:
+    """``CMD [ARGS]`` after ``--`` (or ``train.command``) as a :class:`UserCommand`; raises UserError naming the
+    problem. ``which`` resolves an executable (``shutil.which``); ``trl_dir`` is TRL's package directory, if
+    installed (``trl sft ...`` is unwrapped to ``python -m trl.scripts.sft ...``). Reads nothing else."""
+    argv = [str(a) for a in argv]
+    if not argv or not argv[0]:
+        raise UserError("command: empty: give the program after `--` (e.g. -- python train.py --output_dir out)")
+    prog, rest = argv[0], argv[1:]
+    name = Path(prog).name
+    if _PYTHON.fullmatch(name):
+        return _python_command(prog, rest, cwd)
+    if name in _LAUNCHER_PROGRAMS:
+        raise UserError(_launcher_problem(name))
+    if name == "trl" and rest and trl_dir and not rest[0].startswith("-") and rest[0] not in TRL_NOT_TRAINING:
+        sub = rest[0]
+        if _MODULE.fullmatch(sub) and (Path(trl_dir) / "scripts" / f"{sub}.py").is_file():
+            return UserCommand(
+                "module",
+                f"trl.scripts.{sub}",
+                tuple(rest[1:]),
+                note=f"`trl {sub}` is an accelerate-launch wrapper: ftkit runs its script on every rank itself, "
+                f"as `python -m trl.scripts.{sub}` (accelerate options in ARGS are not used)",
+            )
+    path = prog if "/" in prog else which(prog)
+    if path is None:
+        raise UserError(f"command: {prog}: not found on PATH (give a path, or `python script.py`)")
+    full = Path(cwd, path)
+    if not full.is_file():
+        raise UserError(f"command: {prog}: no such file")
+    return UserCommand("exec", str(full.resolve()), tuple(rest))
+
+
+def _python_command(prog: str, rest: list[str], cwd: str) -> UserCommand:
+    i = 0
+    while i < len(rest) and rest[i].startswith("-") and rest[i] != "-":
+        opt = rest[i]
+        if opt == "-u":  # ranks are unbuffered anyway (PYTHONUNBUFFERED=1)
+            i += 1
+            continue
+        if opt == "-m" or (opt.startswith("-m") and len(opt) > 2):
+            mod = rest[i + 1] if opt == "-m" and i + 1 < len(rest) else opt[2:]
+            args = rest[i + 2 :] if opt == "-m" else rest[i + 1 :]
+            if not mod or not _MODULE.fullmatch(mod):
+                raise UserError(f"command: {prog} -m: {mod!r} is not a module name")
+            if mod in _LAUNCHER_MODULES:
+                raise UserError(_launcher_problem(f"python -m {mod}"))
+            return UserCommand("module", mod, tuple(args))
+        raise UserError(
+            f"command: {prog} {opt}: only `python SCRIPT ARGS`, `python -m MODULE ARGS` (and -u) can be started "
+            "on every rank; put the code in a script"
+        )
+    if i >= len(rest):
+        raise UserError(f"command: {prog}: no script or -m MODULE given")
+    script = Path(cwd, rest[i])
+    if not script.is_file():
+        raise UserError(f"command: {rest[i]}: script not found (relative to {cwd})")
+    return UserCommand("script", str(script.resolve()), tuple(rest[i + 1 :]))
+
+
+def _launcher_problem(what: str) -> str:
+    return (
+        f"command: {what} is a launcher: ftkit starts the engine itself and a launcher under it would start "
+        "launchers inside the ranks; give the training script (-- python train.py ARGS) and choose the engine "
+        "with cluster.engine or --engine"
+    )
+
+
+def builtin_only_keys(explicit: set[str] | frozenset[str]) -> list[str]:
+    """The ``data.*`` and ``peft.*`` keys a recipe sets: they describe the built-in entry, not a user command."""
+    return sorted(k for k in explicit if k.split(".")[0] in ("data", "peft"))
+
+
+def inject_dir() -> str:
+    """The directory holding ftkit's ``sitecustomize.py`` (``launch/inject``, shipped as ``ftkit/launch/inject``).
+
+    Found without importing ``ftkit.launch``."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("ftkit.launch")
+    if spec is None or not spec.submodule_search_locations:  # pragma: no cover - a broken install
+        raise UserError("ftkit.launch is not installed: reinstall ftkit")
+    return str(Path(list(spec.submodule_search_locations)[0]) / "inject")
+
+
 @dataclass(frozen=True)
 class NodeCommand:
     """One process to start on the head node: ``argv`` with ``env``; ``host`` is where its ranks run."""
@@ -104,6 +232,10 @@ class LaunchInputs:
     ssh_port: int | None = None
     # host -> the device indices its ranks use, from a slot selection (--include/--exclude); empty without one
     devices: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    command: UserCommand | None = None  # the user's command on every rank; None: the built-in entry
+    inject: bool = True  # put ftkit's import hook on a user command's PYTHONPATH (--no-inject: off)
+    inject_path: str | None = None  # the hook's directory (inject_dir()); needed when command and inject
+    workdir: str | None = None  # where a user command runs (the directory ftkit launch ran in)
 
     @property
     def world_size(self) -> int:
@@ -145,6 +277,50 @@ def _entry_args(inp: LaunchInputs) -> list[str]:
     return args
 
 
+# engine -> how it is told "run a module" / "run this executable, not through python" (a script needs neither)
+_ENGINE_FLAGS = {
+    "deepspeed": ("--module", "--no_python"),
+    "accelerate": ("-m", "--no_python"),
+    "torchrun": ("-m", "--no-python"),
+}
+
+
+def program_argv(inp: LaunchInputs, engine: str) -> tuple[list[str], list[str]]:
+    """What one rank runs, in ``engine``'s terms: (engine flags, program and arguments).
+
+    The built-in entry is a module (``ftkit.launch.train RUN_DIR --attempt N [--resume CKPT]``); a user command
+    is its script, module or executable. ``engine`` is deepspeed, accelerate or torchrun (Slurm's srun runs
+    torchrun's form). The engine's own flags are placed by its builder (DeepSpeed takes ``--module`` among its
+    options, accelerate and torchrun just before the program)."""
+    module_flag, exec_flag = _ENGINE_FLAGS[engine]
+    c = inp.command
+    if c is None:
+        return [module_flag], [TRAIN_MODULE, *_entry_args(inp)]
+    if c.kind == "module":
+        return [module_flag], [c.target, *c.args]
+    if c.kind == "exec":
+        return [exec_flag], [c.target, *c.args]
+    return [], [c.target, *c.args]
+
+
+def run_env(inp: LaunchInputs, base_env: Mapping[str, str]) -> dict[str, str]:
+    """The run's environment contract on every rank, and the import hook's PYTHONPATH for a user command."""
+    env = {"FTKIT_RUN_DIR": inp.run_dir, "FTKIT_ATTEMPT": str(inp.attempt), "FTKIT_RESUME": inp.resume or ""}
+    if inp.command is not None and inp.inject:
+        if not inp.inject_path:
+            raise ValueError("inject_path is required for a user command with the import hook")
+        rest = base_env.get("PYTHONPATH", "")
+        env["PYTHONPATH"] = inp.inject_path + (":" + rest if rest else "")  # every rank is a POSIX host
+    return env
+
+
+def _in_workdir(inp: LaunchInputs, argv: list[str]) -> list[str]:
+    """A user command runs where ftkit launch ran (its relative paths mean what the user meant)."""
+    if inp.command is None or not inp.workdir:
+        return argv
+    return ["env", "-C", inp.workdir, *argv]
+
+
 def _is_local(host: str) -> bool:
     return host in LOCAL_HOSTS  # plans name this machine "localhost" (plan.resolve_hosts)
 
@@ -155,7 +331,7 @@ def _ssh(inp: LaunchInputs, host: str, remote_argv: list[str], env: Mapping[str,
     This is the one place that remote shell line is built, so every word of it is quoted here, once.
     """
     assignments = [shlex.quote(f"{k}={v}") for k, v in env.items()]
-    cwd = str(Path(inp.run_dir).parent)
+    cwd = inp.workdir if inp.command is not None and inp.workdir else str(Path(inp.run_dir).parent)
     remote = f"cd {shlex.quote(cwd)} && exec env {' '.join(assignments)} {shlex.join(remote_argv)}"
     argv = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
     if inp.ssh_config:
@@ -168,7 +344,7 @@ def _ssh(inp: LaunchInputs, host: str, remote_argv: list[str], env: Mapping[str,
 def _node_command(inp: LaunchInputs, i: int, host: str, argv: list[str], env: dict[str, str]) -> NodeCommand:
     """Start ``argv`` directly for this machine, or over ssh (environment inlined) for a remote host."""
     if _is_local(host):
-        return NodeCommand(host, i, tuple(argv), env)
+        return NodeCommand(host, i, tuple(_in_workdir(inp, argv)), env)
     return NodeCommand(host, i, _ssh(inp, host, argv, env), {}, remote=True)
 
 
@@ -233,8 +409,9 @@ def build_launch(inp: LaunchInputs, base_env: Mapping[str, str]) -> LaunchComman
 def _deepspeed(inp: LaunchInputs, base_env: Mapping[str, str], attempt_dir: Path) -> LaunchCommand:
     hostfile = attempt_dir / "hostfile"
     env_file = attempt_dir / "ds_env"
-    env = forwarded_env(base_env, inp.accelerator)
+    env = forwarded_env(base_env, inp.accelerator, run_env(inp, base_env))
     files = {str(hostfile): hostfile_text(inp.hosts, inp.devices)}
+    flags, program = program_argv(inp, "deepspeed")
     argv = [
         inp.python,
         "-u",
@@ -247,7 +424,7 @@ def _deepspeed(inp: LaunchInputs, base_env: Mapping[str, str], attempt_dir: Path
         "--master_port",
         str(inp.master_port),
         "--no_local_rank",
-        "--module",
+        *flags,
     ]
     include = deepspeed_include(inp)
     if include:  # DeepSpeed's launch sets CUDA_VISIBLE_DEVICES on each node from it
@@ -270,14 +447,16 @@ def _deepspeed(inp: LaunchInputs, base_env: Mapping[str, str], attempt_dir: Path
         env["PDSH_RCMD_TYPE"] = "ssh"
         if inp.ssh_config:
             env["PDSH_SSH_ARGS_APPEND"] = f"-F {inp.ssh_config}"
-    argv += [TRAIN_MODULE, *_entry_args(inp)]
+    argv += program
+    argv = _in_workdir(inp, argv)  # DeepSpeed's pdsh runner starts remote ranks in its own working directory
     return LaunchCommand("deepspeed", (NodeCommand(inp.hosts[0][0], 0, tuple(argv), env, remote=False),), files)
 
 
 def _accelerate(inp: LaunchInputs, base_env: Mapping[str, str], meta: Path) -> LaunchCommand:
     nodes = []
     for i, (host, _) in enumerate(inp.hosts):
-        env = forwarded_env(base_env, inp.accelerator, inp.node_env(host))
+        env = forwarded_env(base_env, inp.accelerator, {**run_env(inp, base_env), **inp.node_env(host)})
+        flags, program = program_argv(inp, "accelerate")
         argv = [
             inp.python,
             "-m",
@@ -290,9 +469,8 @@ def _accelerate(inp: LaunchInputs, base_env: Mapping[str, str], meta: Path) -> L
             inp.master_addr,
             "--main_process_port",
             str(inp.master_port),
-            "-m",
-            TRAIN_MODULE,
-            *_entry_args(inp),
+            *flags,
+            *program,
         ]
         nodes.append(_node_command(inp, i, host, argv, env))
     return LaunchCommand("accelerate", tuple(nodes))
@@ -302,7 +480,7 @@ def _torchrun(inp: LaunchInputs, base_env: Mapping[str, str]) -> LaunchCommand:
     nodes = []
     n = len(inp.hosts)
     for i, (host, slots) in enumerate(inp.hosts):
-        env = forwarded_env(base_env, inp.accelerator, inp.node_env(host))
+        env = forwarded_env(base_env, inp.accelerator, {**run_env(inp, base_env), **inp.node_env(host)})
         argv = [
             inp.python,
             "-m",
@@ -324,7 +502,8 @@ def _torchrun(inp: LaunchInputs, base_env: Mapping[str, str]) -> LaunchCommand:
             # Hosts may share a hostname (containers, namespaces): say explicitly which agent hosts the store, and
             # advertise the node by its hostfile name (which every node resolves) instead of its own FQDN.
             argv += ["--rdzv-conf", f"is_host={1 if i == 0 else 0}", "--local-addr", host]
-        argv += ["-m", TRAIN_MODULE, *_entry_args(inp)]
+        flags, program = program_argv(inp, "torchrun")
+        argv += [*flags, *program]
         nodes.append(_node_command(inp, i, host, argv, env))
     return LaunchCommand("torchrun", tuple(nodes))
 

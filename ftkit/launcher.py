@@ -17,15 +17,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .command import LaunchInputs, build_launch, describe
+from .command import LaunchInputs, UserCommand, build_launch, describe
 from .configs import load_and_plan
 from .errors import ExitCode, FtkitError, RecipeError
 from .plan import Plan, build_plan
 from .rundir import RunDir
 
 
-def launch_inputs(plan: Plan, attempt: int = 0, resume: str | None = None) -> LaunchInputs:
+def launch_inputs(
+    plan: Plan, attempt: int = 0, resume: str | None = None, command: UserCommand | None = None, inject: bool = True
+) -> LaunchInputs:
     r = plan.recipe
+    from .command import inject_dir
+
     return LaunchInputs(
         engine=r["cluster.engine"],
         hosts=tuple(plan.hosts),
@@ -39,6 +43,10 @@ def launch_inputs(plan: Plan, attempt: int = 0, resume: str | None = None) -> La
         name=r["name"],
         ssh_config=r["cluster.ssh_config"],
         devices=dict(plan.devices),
+        command=command,
+        inject=inject,
+        inject_path=inject_dir() if command is not None and inject else None,
+        workdir=os.getcwd() if command is not None else None,
     )
 
 
@@ -65,6 +73,8 @@ class LaunchRequest:
     dry_run: bool = False
     takeover: bool = False
     allow_changes: tuple[str, ...] = ()
+    command: tuple[str, ...] | None = None  # `-- CMD [ARGS]`: run this on every rank (else train.command, if set)
+    inject: bool = True  # --no-inject: no import hook for the command
 
 
 class Interrupted(FtkitError):
@@ -93,26 +103,58 @@ def launch(req: LaunchRequest, echo: Callable[[str], None] = print, warn: Callab
     warning = checked_in_drift(plan.recipe)  # model.config (checked in) differs from the model's real config.json
     if warning:
         (warn or echo)(warning)
+    command = _user_command(plan, req, echo, warn or echo)
     echo(plan_summary(plan))
     if req.dry_run:
-        echo(dry_run(plan))
+        echo(dry_run(plan, command, req.inject))
         return ExitCode.OK
     r = plan.recipe
     data = Path(r["data.train"])
-    if not data.is_file():
+    if command is None and not data.is_file():
         what = "is a directory, expected a file" if data.is_dir() else "file not found"
         raise RecipeError(r.problem("data.train", f"{data}: {what}"))
     # Until the supervisor installs its own handlers, a signal ends the launch at once (subprocess.run kills a
     # running ssh probe when the exception passes through it): exit 128+N, nothing started.
     old = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        return _owned_launch(plan, req, echo)
+        return _owned_launch(plan, req, echo, command)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
 
 
-def _owned_launch(plan: Plan, req: LaunchRequest, echo: Callable[[str], None]) -> int:
+def _user_command(
+    plan: Plan, req: LaunchRequest, echo: Callable[[str], None], warn: Callable[[str], None]
+) -> UserCommand | None:
+    """The command every rank runs instead of the built-in entry (`-- CMD`, else train.command), or None."""
+    import importlib.util
+    import shutil
+
+    from .command import builtin_only_keys, parse_command
+
+    r = plan.recipe
+    argv = req.command if req.command is not None else r.values.get("train.command")
+    if argv is None:
+        return None
+    trl = importlib.util.find_spec("trl")
+    trl_dir = str(Path(trl.origin).parent) if trl is not None and trl.origin else None
+    command = parse_command(argv, os.getcwd(), shutil.which, trl_dir)
+    if command.note:
+        echo(f"ftkit: note: {command.note}")
+    keys = builtin_only_keys(getattr(r, "explicit", set()))
+    if keys:
+        warn(
+            f"ftkit: warning: {', '.join(keys)}: data.* and peft.* describe ftkit's built-in entry only; "
+            "your command loads its own data and adapters, so ftkit does not apply them"
+        )
+    if not req.inject:
+        echo("ftkit: note: --no-inject: the command gets no import hook; it must use ftkit.hf itself")
+    return command
+
+
+def _owned_launch(
+    plan: Plan, req: LaunchRequest, echo: Callable[[str], None], command: UserCommand | None = None
+) -> int:
     from .owner import Ownership, stop_leftovers
     from .preflight import run_preflight
 
@@ -130,7 +172,7 @@ def _owned_launch(plan: Plan, req: LaunchRequest, echo: Callable[[str], None]) -
             engine=r["cluster.engine"],
             ssh_args=ssh_args,
         )
-        sup = _supervisor(plan, rd, ssh_args, echo)
+        sup = _supervisor(plan, rd, ssh_args, echo, command, req.inject)
         choice = sup.select()
         if choice.exit_code is not None:
             sup.events.attempt = sup.rd.next_attempt()
@@ -183,14 +225,21 @@ def _check_changes(
     return check.overrides(), [c.to_json() for c in check.applied]
 
 
-def _supervisor(plan: Plan, rd: RunDir, ssh_args: list[str], echo: Callable[[str], None]):
+def _supervisor(
+    plan: Plan,
+    rd: RunDir,
+    ssh_args: list[str],
+    echo: Callable[[str], None],
+    command: UserCommand | None = None,
+    inject: bool = True,
+):
     from .prepare import prepare_run
     from .supervise import Supervisor
 
     r = plan.recipe
     return Supervisor(
         rd=rd,
-        inputs=launch_inputs(plan),
+        inputs=launch_inputs(plan, command=command, inject=inject),
         base_env=dict(os.environ),
         resilience={k.split(".", 1)[1]: v for k, v in r.values.items() if k.startswith("resilience.")},
         stage=plan.stage,
@@ -205,7 +254,7 @@ def _supervisor(plan: Plan, rd: RunDir, ssh_args: list[str], echo: Callable[[str
     )
 
 
-def dry_run(plan: Plan) -> str:
+def dry_run(plan: Plan, command: UserCommand | None = None, inject: bool = True) -> str:
     """What a launch would start (per-node argv and environment), and who owns the run directory now. Reads only."""
     from .checkpoints import select_resume
     from .owner import owner_state, read_owner
@@ -220,5 +269,8 @@ def dry_run(plan: Plan) -> str:
         owner = read_owner(rd)
         if owner is not None and owner_state(owner, ssh_args_of(plan)) != "dead":
             lines.append(f"note: a live job owns {rd.path} ({owner.describe()}): a launch now would be refused")
-    lines.append(describe(build_launch(launch_inputs(plan, rd.next_attempt(), resume), dict(os.environ))))
+    inputs = launch_inputs(plan, rd.next_attempt(), resume, command=command, inject=inject)
+    if inputs.inject_path:
+        lines.append(f"import hook: {inputs.inject_path}/sitecustomize.py first on the ranks' PYTHONPATH (--no-inject)")
+    lines.append(describe(build_launch(inputs, dict(os.environ))))
     return "\n".join(lines)

@@ -135,3 +135,140 @@ def test_exit_meanings():
     assert exit_meaning(-9) == "killed by SIGKILL"
     assert "SIGTERM" in exit_meaning(143)
     assert exit_meaning(1) == "exit 1"
+
+
+# ------------------------------------------------------------------------------------------------ user commands
+
+
+def _cmd(tmp_path, *argv, which=None, trl_dir=None):
+    from ftkit.command import parse_command
+
+    return parse_command(list(argv), str(tmp_path), which or (lambda name: None), trl_dir)
+
+
+def test_builtin_entry_argv_is_unchanged_and_gets_the_env_contract():
+    for engine in ("deepspeed", "accelerate", "torchrun"):
+        (node,) = build_launch(_inputs(engine), BASE_ENV).nodes
+        assert node.argv[0] == "/py" and "env" not in node.argv[:1]
+        assert node.argv[-6:] == ("ftkit.launch.train", "/r/run", "--attempt", "1", "--resume", "/r/run/checkpoint-8")
+        assert node.env["FTKIT_RUN_DIR"] == "/r/run" and node.env["FTKIT_ATTEMPT"] == "1"
+        assert node.env["FTKIT_RESUME"] == "/r/run/checkpoint-8"
+        assert "PYTHONPATH" not in node.env  # the built-in entry uses ftkit.hf itself: no hook
+
+
+def test_user_command_forms(tmp_path):
+    (tmp_path / "sft.py").write_text("")
+    exe = tmp_path / "bin" / "mytrain"
+    exe.parent.mkdir()
+    exe.write_text("")
+    script = _cmd(tmp_path, "python3", "-u", "sft.py", "--output_dir", "x")
+    assert (script.kind, script.target, script.args) == ("script", str(tmp_path / "sft.py"), ("--output_dir", "x"))
+    mod = _cmd(tmp_path, "python", "-m", "pkg.train", "--a", "1")
+    assert (mod.kind, mod.target, mod.args) == ("module", "pkg.train", ("--a", "1"))
+    ex = _cmd(tmp_path, "mytrain", "--a", which=lambda n: str(exe) if n == "mytrain" else None)
+    assert (ex.kind, ex.target, ex.args) == ("exec", str(exe), ("--a",))
+
+
+def test_trl_console_command_is_unwrapped_to_its_module(tmp_path):
+    trl = tmp_path / "trl"
+    (trl / "scripts").mkdir(parents=True)
+    (trl / "scripts" / "sft.py").write_text("")
+    c = _cmd(tmp_path, "trl", "sft", "--model_name_or_path", "m", trl_dir=str(trl), which=lambda n: "/bin/true")
+    assert (c.kind, c.target, c.args) == ("module", "trl.scripts.sft", ("--model_name_or_path", "m"))
+    assert "accelerate-launch wrapper" in c.note
+    # `trl env` is not a training script: it stays the console command
+    assert _cmd(tmp_path, "trl", "env", trl_dir=str(trl), which=lambda n: "/bin/true").kind == "exec"
+
+
+def test_user_command_mistakes_are_one_line_user_errors(tmp_path):
+    import pytest
+
+    from ftkit.errors import UserError
+
+    cases = {
+        (): "empty",
+        ("python", "missing.py"): "script not found",
+        ("python", "-c", "print(1)"): "put the code in a script",
+        ("python", "-m", "torch.distributed.run", "x.py"): "is a launcher",
+        ("torchrun", "x.py"): "is a launcher",
+        ("accelerate", "launch", "x.py"): "is a launcher",
+        ("/usr/bin/deepspeed", "x.py"): "is a launcher",
+        ("nosuchprogram",): "not found on PATH",
+        ("python", "-m", "1bad"): "not a module name",
+    }
+    for argv, text in cases.items():
+        with pytest.raises(UserError, match=text):
+            _cmd(tmp_path, *argv)
+
+
+def test_user_command_argv_per_engine(tmp_path):
+    from ftkit.command import UserCommand
+
+    cases = {
+        UserCommand("script", "/w/sft.py", ("--a", "1")): {
+            "deepspeed": ("--no_local_rank", "--no_ssh_check", "/w/sft.py", "--a", "1"),
+            "accelerate": ("--main_process_port", "29500", "/w/sft.py", "--a", "1"),
+            "torchrun": ("--max-restarts", "0", "/w/sft.py", "--a", "1"),
+        },
+        UserCommand("module", "trl.scripts.sft", ("--a",)): {
+            "deepspeed": ("--no_local_rank", "--module", "--no_ssh_check", "trl.scripts.sft", "--a"),
+            "accelerate": ("--main_process_port", "29500", "-m", "trl.scripts.sft", "--a"),
+            "torchrun": ("--max-restarts", "0", "-m", "trl.scripts.sft", "--a"),
+        },
+        UserCommand("exec", "/bin/mytrain", ()): {
+            "deepspeed": ("--no_local_rank", "--no_python", "--no_ssh_check", "/bin/mytrain"),
+            "accelerate": ("--main_process_port", "29500", "--no_python", "/bin/mytrain"),
+            "torchrun": ("--max-restarts", "0", "--no-python", "/bin/mytrain"),
+        },
+    }
+    for command, per_engine in cases.items():
+        for engine, tail in per_engine.items():
+            inp = _inputs(engine, command=command, inject_path="/ft/launch/inject", workdir="/w")
+            (node,) = build_launch(inp, {**BASE_ENV, "PYTHONPATH": "/site"}).nodes
+            assert node.argv[:4] == ("env", "-C", "/w", "/py"), engine  # runs where ftkit launch ran
+            assert node.argv[-len(tail) :] == tail if engine != "deepspeed" else _subseq(tail, node.argv), engine
+            assert node.env["PYTHONPATH"] == "/ft/launch/inject:/site"
+            assert node.env["FTKIT_RUN_DIR"] == "/r/run" and node.env["FTKIT_RESUME"] == "/r/run/checkpoint-8"
+            off = build_launch(_inputs(engine, command=command, inject=False, workdir="/w"), BASE_ENV).nodes[0]
+            assert "PYTHONPATH" not in off.env  # --no-inject: no hook
+
+
+def _subseq(sub, seq) -> bool:
+    it = iter(seq)
+    return all(x in it for x in sub)
+
+
+def test_user_command_over_ssh_runs_in_the_launch_directory():
+    from ftkit.command import UserCommand
+
+    inp = _inputs(
+        "torchrun",
+        hosts=(("n0", 2), ("n1", 2)),
+        master_addr="10.0.0.1",
+        command=UserCommand("script", "/w/sft.py", ()),
+        inject_path="/ft/inject",
+        workdir="/w",
+    )
+    for node in build_launch(inp, BASE_ENV).nodes:
+        remote = node.argv[-1]
+        assert remote.startswith("cd /w && exec env ") and "FTKIT_RUN_DIR=/r/run" in remote
+        assert "PYTHONPATH=/ft/inject" in remote and remote.endswith("--local-addr " + node.host + " /w/sft.py")
+    ds = build_launch(
+        _inputs(
+            "deepspeed",
+            hosts=(("n0", 1), ("n1", 1)),
+            master_addr="10.0.0.1",
+            command=inp.command,
+            inject_path="/ft/inject",
+            workdir="/w",
+        ),
+        BASE_ENV,
+    )
+    env_file = ds.files["/r/run/ftkit/attempts/1/ds_env"]
+    assert "FTKIT_RUN_DIR=/r/run\n" in env_file and "PYTHONPATH=/ft/inject\n" in env_file
+
+
+def test_builtin_only_keys():
+    from ftkit.command import builtin_only_keys
+
+    assert builtin_only_keys({"data.train", "peft.r", "train.seed", "model.path"}) == ["data.train", "peft.r"]

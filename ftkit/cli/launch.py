@@ -17,8 +17,21 @@ from .options import (
 )
 
 
+class _CommandAfterDashes(click.Command):
+    """Everything after the first ``--`` is the user's command (ARGS may look like options or ``key=value``):
+    it is kept apart before click parses ftkit's own arguments."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if "--" in args:
+            i = args.index("--")
+            ctx.meta["ftkit.user_command"] = tuple(args[i + 1 :])
+            args = args[:i]
+        return super().parse_args(ctx, args)
+
+
 @click.command(
     "launch",
+    cls=_CommandAfterDashes,
     epilog="""\b
 Examples:
   ftkit launch recipe.yaml                               # this machine
@@ -26,10 +39,18 @@ Examples:
   ftkit launch recipe.yaml --engine torchrun --dry-run   # print per-node argv and env, start nothing
   ftkit launch recipe.yaml train.max_steps=2000          # continue a finished run for more steps
   ftkit launch recipe.yaml train.learning_rate=1e-4 --allow-changes train.learning_rate
+  ftkit launch recipe.yaml -- python sft.py --output_dir out   # your own HF Trainer script on every rank
+  ftkit launch recipe.yaml -- python -m trl.scripts.sft --model_name_or_path ./model --dataset_name ./data
 \b
-Exit codes: 0 success, 2 bad recipe/hostfile/data or a refused change, 3 preflight failed, 4 restart budget
-exhausted, 5 no valid checkpoint, 6 training failed otherwise, 7 host lost (cluster.min_nodes), 9 resumed state
-disagrees with the logged run, 11 a live job owns the run directory, 12 no space left, 129/130/143 interrupted.
+After `--`: your command (python SCRIPT ARGS, python -m MODULE ARGS, or a program such as `trl sft ARGS`, which
+is run as python -m trl.scripts.sft ARGS), instead of the built-in entry; the recipe may hold it as
+train.command (the command line wins). ftkit's import hook applies the recipe's TrainingArguments to it and lists
+each change; --no-inject leaves the script alone (it then uses ftkit.hf itself).
+\b
+Exit codes: 0 success, 2 bad recipe/hostfile/data/command or a refused change, 3 preflight failed, 4 restart
+budget exhausted, 5 no valid checkpoint, 6 training failed otherwise, 7 host lost (cluster.min_nodes), 8 stopped
+on request, 9 resumed state disagrees with the logged run, 11 a live job owns the run directory, 12 no space
+left, 14 the training script failed before its first step, 129/130/143 interrupted.
 """,
 )
 @recipe_argument
@@ -53,7 +74,15 @@ disagrees with the logged run, 11 a live job owns the run directory, 12 no space
     metavar="KEY[,KEY...]",
     help="Apply these changed recipe keys to a resumed run (e.g. train.learning_rate); others are refused.",
 )
+@click.option(
+    "--no-inject",
+    "no_inject",
+    is_flag=True,
+    help="Run the command after -- without ftkit's import hook (the script calls ftkit.hf itself).",
+)
+@click.pass_context
 def command(
+    ctx: click.Context,
     recipe: str,
     overrides: tuple[str, ...],
     hostfile: str | None,
@@ -63,8 +92,11 @@ def command(
     dry_run: bool,
     takeover: bool,
     allow_changes: tuple[str, ...],
+    no_inject: bool,
 ) -> None:
-    """Launch RECIPE: validate, plan, own the run directory, preflight, render into it, start, supervise, recover."""
+    """Launch RECIPE: validate, plan, own the run directory, preflight, render into it, start, supervise, recover.
+
+    With `-- CMD [ARGS]`, every rank runs CMD instead of ftkit's built-in training entry."""
     from ..launcher import LaunchRequest, launch
 
     request = LaunchRequest(
@@ -75,5 +107,7 @@ def command(
         dry_run=dry_run,
         takeover=takeover,
         allow_changes=allow_changes,
+        command=ctx.meta.get("ftkit.user_command"),
+        inject=not no_inject,
     )
     sys.exit(launch(request, echo=click.echo, warn=lambda line: click.echo(line, err=True)))

@@ -1,0 +1,266 @@
+"""The import hook: ftkit's per-rank services for a script that never heard of ftkit (DESIGN §8).
+
+Mechanism. For ``ftkit launch RECIPE -- CMD`` ftkit puts ``launch/inject`` (shipped as ``ftkit/launch/inject``)
+first on the ranks' ``PYTHONPATH``, for that run only (``--dry-run`` shows it; ``--no-inject`` leaves it out).
+That directory holds one file, ``sitecustomize.py``, which Python imports at start-up in every process of the run.
+It first runs any other ``sitecustomize`` further on the path (a site's own keeps working), then, only in a rank
+of an ftkit run (``FTKIT_RUN_DIR`` and ``RANK``/``LOCAL_RANK`` set, and not a child process a rank started), calls
+:func:`install`:
+
+* :func:`ftkit.hf.start` at once: per-rank log, pid record, heartbeat, supervisor watchdog;
+* ``sys.excepthook`` and ``argparse.ArgumentParser.error``: an import error, an argument error or any exception
+  before the first training step writes the rank's error record (``ftkit/attempts/N/errors/rank-R.json``: kind,
+  lines, exit code 14, the traceback's last lines, step None) so the supervisor stops at once instead of
+  restarting a script that cannot start. A failure after the first step writes no record: the supervisor's
+  no-progress rule decides (the traceback is in the rank's log);
+* a post-import hook on two modules of ``transformers``, wrapping once (whichever class the script uses: TRL's
+  trainers and configs are subclasses):
+
+  - ``TrainingArguments.__post_init__``: the recipe's values (:func:`ftkit.hf.recipe_arguments`) are set on the
+    object *before* HF's own ``__post_init__`` runs, so the DeepSpeed config HF builds there is ftkit's, and
+    ZeRO-3's partitioned loading sees it before the model is built. A ``--deepspeed`` config the script passed is
+    replaced, never merged. Every value that changed is listed (:func:`ftkit.hf.record_changes`);
+  - ``Trainer.__init__``: ftkit's callbacks (:func:`ftkit.hf.callbacks`: commit records, heartbeat, metrics,
+    graceful stop, fault injection) are added, unless the script added them itself;
+  - ``Trainer.train``: resumes from the checkpoint ftkit chose and verified (:func:`ftkit.hf.resume_checkpoint`),
+    never HF's ``get_last_checkpoint``; a different ``resume_from_checkpoint`` from the script (``True``, a path)
+    is overridden and listed.
+
+Importing this module costs nothing heavy: transformers is patched when the script imports it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import os
+import sys
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+HOOK_PID_ENV = "FTKIT_HOOK_PID"  # the pid of the rank the hook serves: its child processes leave it alone
+TRACEBACK_LINES = 20  # the last lines of a traceback kept in the error record
+
+_step: dict[str, int | None] = {"first": None, "last": None}  # optimizer steps this process completed
+_installed = False
+
+
+def should_install(environ: Mapping[str, str], pid: int) -> bool:
+    """A rank of an ftkit run (not the engine's launcher, not a process the rank started)."""
+    if not environ.get("FTKIT_RUN_DIR"):
+        return False
+    if environ.get("RANK", "") == "" and environ.get("LOCAL_RANK", "") == "":
+        return False  # torchrun's agent, DeepSpeed's launcher, accelerate launch: they start the ranks
+    owner = environ.get(HOOK_PID_ENV, "")
+    return owner in ("", str(pid))
+
+
+def install() -> None:
+    """Called by ``launch/inject/sitecustomize.py`` at interpreter start-up; does nothing outside a rank."""
+    global _installed
+    if _installed or not should_install(os.environ, os.getpid()):
+        return
+    _installed = True
+    os.environ[HOOK_PID_ENV] = str(os.getpid())
+    import ftkit.hf as hf
+
+    hf.start()
+    _install_error_hooks()
+    sys.meta_path.insert(
+        0,
+        PostImportHook({"transformers.training_args": _patch_training_args, "transformers.trainer": _patch_trainer}),
+    )
+    for name, patch in (("transformers.training_args", _patch_training_args), ("transformers.trainer", _patch_trainer)):
+        if name in sys.modules:  # imported before us (another sitecustomize): patch now
+            patch(sys.modules[name])
+    print(f"ftkit: import hook installed ({__name__}): TrainingArguments, Trainer.__init__, Trainer.train", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ post-import
+
+
+class PostImportHook(importlib.abc.MetaPathFinder):
+    """Runs ``patches[name](module)`` right after module ``name`` executed, whoever imports it and however
+    (``transformers`` loads its submodules lazily). The module's own loader stays in place (``inspect`` and
+    ``linecache`` keep finding its source); only that loader's ``exec_module`` is wrapped for this one import."""
+
+    def __init__(self, patches: Mapping[str, Callable[[Any], None]]):
+        self.patches = dict(patches)
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        patch = self.patches.get(fullname)
+        if patch is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        original = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            original(module)
+            try:
+                del loader.exec_module  # back to the class's method: the wrapper serves this import only
+            except AttributeError:
+                pass
+            patch(module)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def _patch_training_args(mod: Any) -> None:
+    cls = mod.TrainingArguments
+    if getattr(cls.__post_init__, "_ftkit", False):
+        return
+    original = cls.__post_init__
+
+    @functools.wraps(original)
+    def __post_init__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        apply_recipe(self)
+        return original(self, *args, **kwargs)
+
+    __post_init__._ftkit = True  # type: ignore[attr-defined]
+    cls.__post_init__ = __post_init__
+
+
+def apply_recipe(args: Any) -> list[tuple[str, Any, Any]]:
+    """Set the recipe's TrainingArguments values on ``args`` in place (before HF's ``__post_init__`` derives
+    anything from them); list and record each value that changed."""
+    import dataclasses
+
+    import ftkit.hf as hf
+
+    fields = {f.name for f in dataclasses.fields(args) if f.init}
+    changes = []
+    for name, new in hf.recipe_arguments().items():
+        if name not in fields:
+            continue
+        old = getattr(args, name, None)
+        if _plain(old) != _plain(new):
+            changes.append((name, old, new))
+            setattr(args, name, new)
+    if changes:
+        for name, old, new in changes:
+            print(f"ftkit: {type(args).__name__}.{name}: {_plain(old)!r} -> {_plain(new)!r} (recipe)", flush=True)
+        hf.record_changes(changes)
+    return changes
+
+
+def _plain(v: Any) -> Any:
+    """Enums (save_strategy, lr_scheduler_type) compare by value; a one-element report_to list like the string."""
+    return getattr(v, "value", v)
+
+
+def _patch_trainer(mod: Any) -> None:
+    cls = mod.Trainer
+    if getattr(cls.__init__, "_ftkit", False):
+        return
+    original_init, original_train = cls.__init__, cls.train
+
+    @functools.wraps(original_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        _add_callbacks(self)
+
+    @functools.wraps(original_train)
+    def train(self: Any, *args: Any, **kwargs: Any) -> Any:
+        import ftkit.hf as hf
+
+        if args:
+            given, args = args[0], args[1:]
+        else:
+            given = kwargs.pop("resume_from_checkpoint", None)
+        chosen = hf.resume_checkpoint()
+        if given not in (None, False) and given != chosen:
+            print(f"ftkit: Trainer.train(resume_from_checkpoint={given!r}) -> {chosen!r} (ftkit's choice)", flush=True)
+            hf.record_changes([("resume_from_checkpoint", given, chosen)])
+        return original_train(self, chosen, *args, **kwargs)
+
+    __init__._ftkit = True  # type: ignore[attr-defined]
+    cls.__init__ = __init__
+    cls.train = train
+
+
+def _add_callbacks(trainer: Any) -> None:
+    import ftkit.hf as hf
+
+    ours = hf._callback_class()
+    if not any(isinstance(cb, ours) for cb in trainer.callback_handler.callbacks):
+        for cb in hf.callbacks():
+            trainer.add_callback(cb)
+    trainer.add_callback(_step_watcher())
+
+
+@functools.lru_cache(maxsize=1)
+def _step_watcher_class() -> type:
+    from transformers import TrainerCallback
+
+    class StepWatcher(TrainerCallback):
+        """Whether this process completed an optimizer step (an exception before it is the script's fault)."""
+
+        def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
+            if _step["first"] is None:
+                _step["first"] = state.global_step
+            _step["last"] = state.global_step
+
+    return StepWatcher
+
+
+def _step_watcher() -> Any:
+    return _step_watcher_class()()
+
+
+# ------------------------------------------------------------------------------------------------ failures
+
+
+def _install_error_hooks() -> None:
+    import argparse
+
+    previous = sys.excepthook
+
+    def excepthook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
+        try:
+            record_failure(traceback.format_exception(tp, value, tb), f"{tp.__name__}: {value}")
+        finally:
+            previous(tp, value, tb)
+
+    sys.excepthook = excepthook
+    original_error = argparse.ArgumentParser.error
+
+    @functools.wraps(original_error)
+    def error(self: Any, message: str) -> Any:
+        record_failure([f"{self.prog}: error: {message}"], f"argument error: {self.prog}: {message}")
+        return original_error(self, message)
+
+    argparse.ArgumentParser.error = error  # type: ignore[method-assign]
+
+
+def record_failure(text: list[str], summary: str) -> bool:
+    """The rank's error record for a failure before its first step (exit code 14: a restart would not fix it).
+    Returns whether one was written: after the first step the no-progress rule decides."""
+    if _step["first"] is not None:
+        return False
+    try:
+        import ftkit.hf as hf
+        from ftkit.errors import ScriptFailed
+
+        lines = [x for chunk in text for x in chunk.rstrip("\n").splitlines()]
+        ctx = hf.context()
+        ctx.record_error(
+            ScriptFailed(f"rank {ctx.rank}: the script failed before its first step: {summary}"),
+            traceback=lines[-TRACEBACK_LINES:],
+            step=None,
+        )
+        return True
+    except Exception as e:  # noqa: BLE001 - never hide the script's own error behind ours
+        print(f"ftkit: could not record the error: {e}", file=sys.stderr, flush=True)
+        return False
