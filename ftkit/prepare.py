@@ -43,5 +43,5 @@ def prepare_run(
     spec = build_spec(
         plan, rd.path.resolve(), rd.ds_config.resolve(), fingerprint=fingerprint, resume_overrides=resume_overrides
     )
-    atomic_write(rd.spec, json.dumps(spec, indent=2, default=str) + "\n")
+    atomic_write(rd.spec, spec.to_json())
     return rd

@@ -12,6 +12,42 @@ from . import __version__
 from .fingerprint import compute as compute_fingerprint
 from .hub import DEFAULT_REVISION, model_is_hub
 from .plan import Plan
+from .runspec import DataSpec, RunSpec
+
+# TrainingArguments a wrapped script always gets from the recipe (DESIGN §8: the recipe is the source of truth for
+# what it states): the batch triple, precision, seed, save cadence, step limit, output directory, DeepSpeed config
+# and device. The optimizer's values join them when the recipe states them explicitly (STATED_WHEN_EXPLICIT).
+ALWAYS_STATED = (
+    "output_dir",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "bf16",
+    "fp16",
+    "seed",
+    "data_seed",
+    "save_strategy",
+    "save_steps",
+    "save_total_limit",
+    "max_steps",
+    "num_train_epochs",
+    "deepspeed",
+    "use_cpu",
+    "ddp_backend",
+)
+STATED_WHEN_EXPLICIT = {
+    "learning_rate": "train.learning_rate",
+    "lr_scheduler_type": "train.lr_scheduler",
+    "warmup_steps": "train.warmup_steps",
+    "weight_decay": "train.weight_decay",
+    "adam_beta1": "train.adam_beta1",
+    "adam_beta2": "train.adam_beta2",
+    "adam_epsilon": "train.adam_epsilon",
+    "max_grad_norm": "train.max_grad_norm",
+    "logging_steps": "train.logging_steps",
+    "gradient_checkpointing": "model.gradient_checkpointing",
+    "report_to": "train.report_to",
+    "eval_steps": "train.eval_steps",
+}
 
 
 def training_arguments(plan: Plan, output_dir: str, ds_config_path: str) -> dict[str, Any]:
@@ -57,6 +93,16 @@ def training_arguments(plan: Plan, output_dir: str, ds_config_path: str) -> dict
     return args
 
 
+def stated_arguments(plan: Plan, args: dict[str, Any]) -> list[str]:
+    """The names in ``args`` that a wrapped script's own TrainingArguments get from the recipe."""
+    explicit = getattr(plan.recipe, "explicit", set())
+    names = [k for k in ALWAYS_STATED if k in args]
+    names += [k for k, key in STATED_WHEN_EXPLICIT.items() if k in args and key in explicit]
+    if "max_steps" not in args:  # epochs decide: a script's own max_steps (default -1) must not override them
+        names.append("max_steps")
+    return names
+
+
 def build_spec(
     plan: Plan,
     run_dir: Path,
@@ -64,33 +110,44 @@ def build_spec(
     *,
     fingerprint: dict[str, Any] | None = None,
     resume_overrides: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> RunSpec:
     """The spec for ``plan``. ``fingerprint`` (computed here when not given: pass it to hash the data only once
     per launch) is what rank 0 records in every commit; ``resume_overrides`` (dotted recipe key → new value) are
     the allowed changes a resumed attempt applies after loading its checkpoint (see ftkit.fingerprint)."""
     r = plan.recipe
-    return {
-        "ftkit_version": __version__,
-        "name": r["name"],
-        "recipe": r.to_dict(),
-        "recipe_hash": r.hash(),
-        "world_size": plan.world_size,
-        "hosts": plan.hosts,
-        "stage": plan.stage,
-        "offload_optimizer": plan.offload_optimizer,
-        "offload_params": plan.offload_params,
-        "accelerator": r["cluster.accelerator"],
-        "model_path": r["model.path"],
-        "tokenizer_path": r["model.tokenizer"] or r["model.path"],
+    targs = training_arguments(plan, str(run_dir), str(ds_config_path))
+    if "max_steps" not in targs:
+        targs["max_steps"] = -1
+    command = r.get("train.command")
+    return RunSpec(
+        ftkit_version=__version__,
+        name=r["name"],
+        recipe=r.to_dict(),
+        recipe_hash=r.hash(),
+        world_size=plan.world_size,
+        hosts=[list(h) for h in plan.hosts],
+        stage=plan.stage,
+        offload_optimizer=plan.offload_optimizer,
+        offload_params=plan.offload_params,
+        accelerator=r["cluster.accelerator"],
+        model_path=r["model.path"],
+        tokenizer_path=r["model.tokenizer"] or r["model.path"],
         # a hub id's revision (main unless pinned): the ranks call from_pretrained(id, revision=...); None: local
-        "model_revision": (r["model.revision"] or DEFAULT_REVISION) if model_is_hub(r) else None,
-        "tokenizer_revision": (r["model.revision"] or DEFAULT_REVISION)
+        model_revision=(r["model.revision"] or DEFAULT_REVISION) if model_is_hub(r) else None,
+        tokenizer_revision=(r["model.revision"] or DEFAULT_REVISION)
         if model_is_hub(r) and not r["model.tokenizer"]
         else None,
-        "peft": r.to_dict()["peft"],
-        "data": {"train": r["data.train"], "max_seq_len": r["data.max_seq_len"], "truncate": r["data.truncate"]},
-        "save_total_limit": r["train.save_total_limit"],
-        "training_args": training_arguments(plan, str(run_dir), str(ds_config_path)),
-        "fingerprint": fingerprint if fingerprint is not None else compute_fingerprint(plan),
-        "resume_overrides": dict(resume_overrides or {}),
-    }
+        peft=r.to_dict()["peft"],
+        data=DataSpec(
+            train=r["data.train"],
+            max_seq_len=r["data.max_seq_len"],
+            truncate=r["data.truncate"],
+            eval=r.get("data.eval"),
+        ),
+        save_total_limit=r["train.save_total_limit"],
+        training_args=targs,
+        fingerprint=fingerprint if fingerprint is not None else compute_fingerprint(plan),
+        resume_overrides=dict(resume_overrides or {}),
+        command=list(command) if command else None,
+        stated_args=stated_arguments(plan, targs),
+    )

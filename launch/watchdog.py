@@ -13,7 +13,9 @@ train on unwatched, holding GPUs with no hang detection and no restarts. A daemo
   Its engine agent (torchrun, DeepSpeed's launcher) then stops the node's other ranks, which also notice on their own.
 
 Bound: a rank stops at most ``orphan_timeout_s + POLL_S`` seconds after its supervisor died (plus the time the
-engine's agent takes to stop its peers, about a second). With graceful stop (save on request), it will save first.
+engine's agent takes to stop its peers, about a second). Started by :mod:`ftkit.hf`, it first asks for the same
+graceful stop the supervisor would (every rank saves the same step, committed), waiting up to
+``resilience.stop_timeout_s`` for it: a rank whose supervisor vanished loses no completed step.
 """
 
 from __future__ import annotations
@@ -34,9 +36,23 @@ POLL_S = 2.0
 
 
 class SupervisorWatchdog:
-    def __init__(self, rd: RunDir, timeout_s: float, log=print, clock=time.monotonic):
+    def __init__(
+        self,
+        rd: RunDir,
+        timeout_s: float,
+        log=print,
+        clock=time.monotonic,
+        *,
+        request_stop=None,
+        stopped: threading.Event | None = None,
+        grace_s: float = 0.0,
+    ):
         self.rd = rd
         self.timeout_s = float(timeout_s)
+        # graceful stop (ftkit.hf): ask this rank to save at the next step boundary, wait up to grace_s for it
+        self.request_stop = request_stop
+        self.stopped = stopped
+        self.grace_s = float(grace_s)
         self.log = log
         self.clock = clock
         self.owner = self._owner()
@@ -83,6 +99,12 @@ class SupervisorWatchdog:
         while not self._stop.wait(POLL_S):
             why = self.check()
             if why:
+                if self.request_stop is not None and self.stopped is not None:
+                    self.log(
+                        f"ftkit: {why}: saving at the next step, then stopping ({self.grace_s:g}s at most)", flush=True
+                    )
+                    self.request_stop()
+                    self.stopped.wait(self.grace_s)
                 self.log(f"ftkit: {why}: this rank stops itself", flush=True)
                 remove_own_shm()
                 os.kill(os.getpid(), signal.SIGTERM)
