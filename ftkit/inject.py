@@ -24,7 +24,11 @@ of an ftkit run (``FTKIT_RUN_DIR`` and ``RANK``/``LOCAL_RANK`` set, and not a ch
     graceful stop, fault injection) are added, unless the script added them itself;
   - ``Trainer.train``: resumes from the checkpoint ftkit chose and verified (:func:`ftkit.hf.resume_checkpoint`),
     never HF's ``get_last_checkpoint``; a different ``resume_from_checkpoint`` from the script (``True``, a path)
-    is overridden and listed.
+    is overridden and listed;
+  - ``Trainer.save_model`` (the script's own call after training, not the checkpoint saves): a model saved to the
+    run directory (``output_dir``, which the recipe sets) goes to ``RUN/final`` and gets its commit record
+    (:func:`save_final`), so the supervisor knows the run finished; elsewhere it is saved as asked, and committed
+    into ``RUN/final`` as well.
 
 Importing this module costs nothing heavy: transformers is patched when the script imports it.
 """
@@ -164,7 +168,7 @@ def _patch_trainer(mod: Any) -> None:
     cls = mod.Trainer
     if getattr(cls.__init__, "_ftkit", False):
         return
-    original_init, original_train = cls.__init__, cls.train
+    original_init, original_train, original_save = cls.__init__, cls.train, cls.save_model
 
     @functools.wraps(original_init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -185,9 +189,52 @@ def _patch_trainer(mod: Any) -> None:
             hf.record_changes([("resume_from_checkpoint", given, chosen)])
         return original_train(self, chosen, *args, **kwargs)
 
+    @functools.wraps(original_save)
+    def save_model(self: Any, output_dir: str | None = None, _internal_call: bool = False) -> Any:
+        if _internal_call:  # a checkpoint save: HF's own path, committed by ftkit's callback
+            return original_save(self, output_dir, _internal_call=True)
+        return save_final(self, output_dir, original_save)
+
     __init__._ftkit = True  # type: ignore[attr-defined]
     cls.__init__ = __init__
     cls.train = train
+    cls.save_model = save_model
+
+
+def save_final(trainer: Any, output_dir: str | None = None, save: Callable[..., Any] | None = None) -> str:
+    """Save the trained model as the run's final model (``RUN/final``) and commit it (rank 0), like the built-in
+    entry: the supervisor takes a committed ``final/`` of this attempt for "finished". ``output_dir`` other than
+    the run directory: saved there too, as the script asked. Returns the final directory. Every rank calls it
+    (ZeRO-3 gathers the 16-bit weights)."""
+    from pathlib import Path
+
+    import ftkit.hf as hf
+    from ftkit.checkpoints import manifest_part, write_commit
+
+    save = save or type(trainer).save_model
+    ctx, spec = hf.context(), hf.spec()
+    final = ctx.rd.final
+    asked = Path(output_dir or trainer.args.output_dir).resolve()
+    if asked != ctx.rd.path.resolve() and asked != final.resolve():
+        save(trainer, str(asked))
+    elif asked != final.resolve():
+        print(f"ftkit: save_model({str(asked)!r}) -> {str(final)!r} (the run's final model)", flush=True)
+    ctx.heartbeat("saving", trainer.state.global_step)
+    save(trainer, str(final))
+    if ctx.rank == 0:
+        part = manifest_part(final, 0, 1, checksum=spec.checksum)
+        write_commit(
+            final,
+            [part],
+            step=trainer.state.global_step,
+            world_size=ctx.world_size,
+            stage=spec.stage,
+            kind="model",
+            recipe_hash=spec.recipe_hash,
+            extra={"final": True, "attempt": ctx.attempt, "fingerprint": spec.fingerprint},
+        )
+    ctx.heartbeat("finished", trainer.state.global_step)
+    return str(final)
 
 
 def _add_callbacks(trainer: Any) -> None:
