@@ -303,6 +303,15 @@ def stopped_at() -> int | None:
     return _rank.stop.stopped_at if _rank is not None else None
 
 
+def save_final(trainer: Any, output_dir: str | None = None) -> str:
+    """Save the trained model as the run's final model (``RUN/final``) with its commit record, on every rank (ZeRO-3
+    gathers the weights): how the supervisor knows the run finished. ``output_dir`` (not the run directory): saved
+    there as well. Returns the final directory. (Under the import hook, the script's own ``save_model`` does this.)"""
+    from .inject import save_final as _save_final
+
+    return _save_final(trainer, output_dir)
+
+
 # ------------------------------------------------------------------------------------------------ graceful stop
 
 
