@@ -196,6 +196,7 @@ def _patch_trainer(mod: Any) -> None:
         return save_final(self, output_dir, original_save)
 
     __init__._ftkit = True  # type: ignore[attr-defined]
+    save_model._ftkit = True  # type: ignore[attr-defined]
     cls.__init__ = __init__
     cls.train = train
     cls.save_model = save_model
@@ -211,7 +212,9 @@ def save_final(trainer: Any, output_dir: str | None = None, save: Callable[..., 
     import ftkit.hf as hf
     from ftkit.checkpoints import manifest_part, write_commit
 
-    save = save or type(trainer).save_model
+    if save is None:
+        save = type(trainer).save_model
+        save = getattr(save, "__wrapped__", save) if getattr(save, "_ftkit", False) else save  # not the hook again
     ctx, spec = hf.context(), hf.spec()
     final = ctx.rd.final
     asked = Path(output_dir or trainer.args.output_dir).resolve()
