@@ -29,6 +29,7 @@ safe            train.max_steps, train.epochs                        how long to
 safe            train.save_steps, train.save_total_limit,            when checkpoints and losses are written
                 train.logging_steps
 safe            resilience.*                                         how the supervisor reacts to failures
+safe            train.report_to                                      where metrics are reported
 safe            name, cluster.engine, cluster.master_addr,           how processes are started and find each other
                 cluster.master_port, cluster.ssh_config
 safe            cluster.gpu_memory_gb, cluster.host_memory_gb        inputs to ftkit plan only; what it decides
@@ -54,6 +55,9 @@ allowable       data.train (content), data.max_seq_len,              change the 
                 data.truncate, model.tokenizer (content)             continues at the same offset in the new data
 allowable       peft.alpha, peft.dropout                             set when the model is built, not stored in
                                                                      the checkpoint
+allowable       data.eval, train.eval_steps                          each evaluation draws a DataLoader seed from
+                                                                     the global generator: dropout after it differs
+allowable       train.command                                        another program may compute another step
 allowable       zero.offload_optimizer, zero.offload_params,         change the optimizer implementation or the
                 cluster.accelerator                                  device (other kernels, other rounding)
 impossible      model.path (config or weights differ)                the checkpoint holds weights for the recorded
@@ -107,6 +111,7 @@ POLICY: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ),
     (SAFE, ("train.save_steps", "train.save_total_limit", "train.logging_steps"), "save/log cadence"),
     (SAFE, ("resilience.*",), "restart policy and timeouts"),
+    (SAFE, ("train.report_to",), "where metrics are reported, not how a step is computed"),
     (
         SAFE,
         ("name", "cluster.engine", "cluster.master_addr", "cluster.master_port", "cluster.ssh_config"),
@@ -160,6 +165,12 @@ POLICY: tuple[tuple[str, tuple[str, ...], str], ...] = (
         "changes the training examples",
     ),
     (ALLOWABLE, ("peft.alpha", "peft.dropout"), "changes the LoRA adapters' forward pass"),
+    (
+        ALLOWABLE,
+        ("data.eval", "train.eval_steps"),
+        "changes the random stream: each evaluation draws a DataLoader seed from the global generator (dropout after)",
+    ),
+    (ALLOWABLE, ("train.command",), "another training program may compute another step"),
     (
         ALLOWABLE,
         ("zero.offload_optimizer", "zero.offload_params", "cluster.accelerator"),

@@ -231,6 +231,14 @@ def _coerce(f: Field, value: Any) -> tuple[Any, str | None]:
             return value, None
         if kind == "list[str]" and isinstance(value, list) and value and all(isinstance(x, str) for x in value):
             return list(value), None
+        if kind == "list[choice]" and isinstance(value, list) and all(isinstance(x, str) for x in value):
+            bad = [x for x in value if x not in f.choices]
+            if bad:
+                hint = _suggest(bad[0], f.choices)
+                return None, f"items must be among {', '.join(f.choices)}; got {bad[0]!r}{hint}"
+            return list(value), None
+    if value == [] and "list[str]" in kinds:
+        return None, "must list at least one item" + (" (null: none)" if "null" in kinds else "")
     if "choice" in kinds:
         hint = _suggest(str(value), f.choices)
         return None, f"must be one of {', '.join(f.choices)}; got {value!r}{hint}"
@@ -254,6 +262,14 @@ def _describe(value: Any) -> str:
 def _bounds(f: Field, value: Any) -> str | None:
     if isinstance(value, str):
         return _text_problem(f, value)
+    if isinstance(value, list) and "list[str]" in f.type.split("|"):
+        if not value[0].strip():
+            return "the first word must not be empty (it names the program)"
+        for i, item in enumerate(value):
+            problem = _text_problem(f, item)
+            if problem:
+                return f"item {i + 1}: {problem}"
+        return None
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return None
     if f.exclusive_minimum is not None and not value > f.exclusive_minimum:
@@ -588,6 +604,12 @@ def _cross_checks(r: Recipe, add: Any) -> None:
             "model.revision",
             f"applies to a hub id only; model.path is a local directory ({v['model.path']}): remove model.revision",
             src("model.revision"),
+        )
+    if "none" in v["train.report_to"] and len(v["train.report_to"]) > 1:
+        add(
+            "train.report_to",
+            "'none' cannot be combined with other targets; use [] or drop 'none'",
+            src("train.report_to"),
         )
     if r.has_peft and v["peft.dropout"] is not None and v["peft.dropout"] >= 1:
         add("peft.dropout", "must be below 1", src("peft.dropout"))

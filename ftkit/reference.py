@@ -27,6 +27,10 @@ def _json_type(f: Field) -> dict[str, Any]:
             t = {"enum": list(f.choices)}
         elif kind == "list[str]":
             t = {"type": "array", "items": {"type": "string"}, "minItems": 1}
+            if f.pattern:
+                t["items"]["pattern"] = f"^{f.pattern}$"
+        elif kind == "list[choice]":
+            t = {"type": "array", "items": {"enum": list(f.choices)}}
         elif kind == "auto":
             t = {"const": "auto"}
         elif kind == "null":

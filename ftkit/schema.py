@@ -4,8 +4,9 @@ Everything that describes a recipe field (the loader's type checks, ``ftkit init
 reference in docs/recipe.md, ``ftkit schema``'s JSON Schema) reads this table, so they cannot drift apart.
 
 Types are small strings rather than Python annotations so they print well in errors and docs:
-``int``, ``float``, ``bool``, ``str``, ``path``, ``host`` (a host name or an IP literal), ``list[str]``, ``choice``
-(with ``choices``), and unions such as ``int|auto`` or ``path|null``. ``path`` values are relative to the recipe
+``int``, ``float``, ``bool``, ``str``, ``path``, ``host`` (a host name or an IP literal), ``list[str]`` (at least one
+item; a ``pattern`` applies to every item), ``choice`` (with ``choices``), ``list[choice]`` (a list, possibly empty, of
+``choices``), and unions such as ``int|auto`` or ``path|null``. ``path`` values are relative to the recipe
 file's directory when they come from the file and to the current directory when they come from the command line.
 Floats must be finite. Text that ends up on command lines (and, through the engines, in remote shells) has a
 grammar: ``host`` values, and ``str`` values with a ``pattern``.
@@ -37,8 +38,8 @@ class Field:
         return self.default is REQUIRED
 
     def type_label(self) -> str:
-        kinds = [", ".join(self.choices) if k == "choice" else k for k in self.type.split("|")]
-        return " or ".join(kinds)
+        labels = {"choice": ", ".join(self.choices), "list[choice]": f"list of {', '.join(self.choices)}"}
+        return " or ".join(labels.get(k, k) for k in self.type.split("|"))
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,12 @@ SECTIONS: tuple[Section, ...] = (
                 False,
                 "Cut examples longer than max_seq_len instead of failing with the row number.",
             ),
+            _f(
+                "eval",
+                "path|null",
+                None,
+                "Evaluation file in the same formats as train; its loss is logged every train.eval_steps; null: none.",
+            ),
         ),
     ),
     Section(
@@ -201,6 +208,30 @@ SECTIONS: tuple[Section, ...] = (
                 "Random seed for weights of new layers, data order and dropout.",
                 minimum=0,
                 maximum=2**32 - 1,
+            ),
+            _f(
+                "eval_steps",
+                "int|null",
+                None,
+                "Evaluate on data.eval every N optimizer steps; null: every save_steps.",
+                exclusive_minimum=0,
+            ),
+            _f(
+                "report_to",
+                "list[choice]",
+                [],
+                "Where HF Trainer also reports metrics: tensorboard (event files in <output_dir>/tensorboard, "
+                "offline), wandb, mlflow (when installed); []: nowhere but ftkit's metrics.jsonl.",
+                choices=("tensorboard", "wandb", "mlflow", "none"),
+            ),
+            _f(
+                "command",
+                "list[str]|null",
+                None,
+                "Your training command run on every rank instead of the built-in entry, one word per item "
+                "(e.g. [python, sft.py, --bf16]); `ftkit launch RECIPE -- CMD` overrides it; null: the built-in entry.",
+                pattern=r"[^\x00-\x1f\x7f]*",
+                pattern_doc="must be printable text without control characters (newline, tab, NUL)",
             ),
         ),
     ),
@@ -367,6 +398,22 @@ SECTIONS: tuple[Section, ...] = (
             ),
             _f("backoff_s", "float", 10, "First wait before a restart; doubles each time, with jitter.", minimum=0),
             _f("backoff_max_s", "float", 300, "Longest wait between restarts.", minimum=0),
+            _f(
+                "stop_timeout_s",
+                "float",
+                120,
+                "Seconds a graceful stop (first SIGTERM/SIGINT, ftkit stop) waits for the save at the next step "
+                "boundary before tearing down; one optimizer step plus one checkpoint save must fit (120 covers a "
+                "multi-GB sharded save on local NVMe).",
+                exclusive_minimum=0,
+            ),
+            _f(
+                "exclude_stragglers",
+                "bool",
+                False,
+                "Restart without a host whose ranks are consistently slower than the rest (ftkit status names it), "
+                "when cluster.min_nodes allows.",
+            ),
             _f(
                 "orphan_timeout_s",
                 "float",

@@ -345,3 +345,59 @@ def test_recipe_size_cap(tmp_path):
 
 
 MINIMAL_WITH = "model: {path: ./model}\ndata: {train: ./data.jsonl}\ntrain:\n  output_dir: ./run\n"
+
+
+def test_eval_report_to_command_and_resilience_keys_have_documented_defaults(write_recipe):
+    r = load_recipe(write_recipe())
+    assert r["data.eval"] is None and r["train.eval_steps"] is None and r["train.report_to"] == []
+    assert r["train.command"] is None
+    assert r["resilience.stop_timeout_s"] == 120 and r["resilience.exclude_stragglers"] is False
+
+
+def test_eval_file_is_a_path_relative_to_the_recipe(write_recipe, tmp_path):
+    p = write_recipe(MINIMAL_WITH.replace("./data.jsonl}", "./data.jsonl, eval: ./eval.jsonl}"))
+    r = load_recipe(p, ["train.eval_steps=5", "train.report_to=[tensorboard, wandb]"])
+    assert r["data.eval"] == str((tmp_path / "eval.jsonl").resolve())
+    assert r["train.eval_steps"] == 5 and r["train.report_to"] == ["tensorboard", "wandb"]
+
+
+def test_report_to_refuses_unknown_targets_and_none_with_others(write_recipe):
+    with pytest.raises(RecipeError) as e:
+        load_recipe(write_recipe(), ["train.report_to=[tensorbord]"])
+    (line,) = e.value.lines()
+    assert line == (
+        "command line train.report_to: items must be among tensorboard, wandb, mlflow, none; got 'tensorbord' "
+        "(did you mean 'tensorboard'?)"
+    )
+    with pytest.raises(RecipeError, match="'none' cannot be combined"):
+        load_recipe(write_recipe(), ["train.report_to=[none, wandb]"])
+    with pytest.raises(RecipeError, match="train.report_to: expected list of tensorboard"):
+        load_recipe(write_recipe(), ["train.report_to=tensorboard"])  # a bare word, not a list
+    assert load_recipe(write_recipe(), ["train.report_to=[none]"])["train.report_to"] == ["none"]
+
+
+def test_command_is_a_list_of_printable_words(write_recipe):
+    p = write_recipe()
+    ok = load_recipe(p, ['train.command=[python, "my script.py", --lr, "", "$(x)"]'])
+    assert ok["train.command"] == ["python", "my script.py", "--lr", "", "$(x)"]  # quoted once where argv is built
+    with pytest.raises(RecipeError, match=r"^command line train.command: the first word must not be empty"):
+        load_recipe(p, ['train.command=["  ", sft.py]'])
+    with pytest.raises(RecipeError, match=r"^command line train.command: item 2: must be printable text"):
+        load_recipe(p, ['train.command=[python, "a\\nb"]'])
+    with pytest.raises(RecipeError, match=r"train.command: must list at least one item \(null: none\)"):
+        load_recipe(p, ["train.command=[]"])
+    with pytest.raises(RecipeError, match=r"train.command: expected list\[str\] or null, got text"):
+        load_recipe(p, ["train.command=python sft.py"])  # one string, not a list of words
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("resilience.stop_timeout_s=0", "must be greater than 0"),
+        ("resilience.exclude_stragglers=maybe", "expected bool"),
+        ("train.eval_steps=0", "must be greater than 0"),
+    ],
+)
+def test_new_keys_are_bounded(write_recipe, override, message):
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(write_recipe(), [override])
