@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import Problem, RunBusy, UserError, os_error
-from .procs import Target, is_alive, is_this_machine, proc_start_time, remote_signal, targets_from_records
+from .procs import Target, is_alive, is_this_machine, proc_start_time, remote_signal, signal_hosts, targets_from_records
 from .rundir import RunDir, atomic_write
 
 HEARTBEAT_S = 2.0  # how often the supervisor rewrites supervisor.json
@@ -162,8 +162,9 @@ def leftovers(rd: RunDir, ssh_args: list[str] | None = None) -> Leftovers:
                 remote.setdefault(str(rec["host"]), []).append(rec)
         except (KeyError, TypeError, ValueError):
             continue
+    looked = signal_hosts({h: targets_from_records(recs) for h, recs in remote.items()}, "0", list(ssh_args or []))
     for host, recs in remote.items():
-        ok, alive = remote_signal(host, targets_from_records(recs), "0", list(ssh_args or []))
+        ok, alive = looked[host]
         out.records += [r for r in recs if not ok or int(r["pid"]) in alive or int(r.get("ppid") or 0) in alive]
     try:
         lines = rd.events.read_text(errors="replace").splitlines()

@@ -14,7 +14,7 @@ from importlib import metadata
 from pathlib import Path
 
 from .errors import PreflightError, Problem
-from .procs import LOCAL_HOSTS, ssh_run
+from .fanout import LOCAL_HOSTS, run_on_hosts
 
 KEY_PACKAGES = ("torch", "deepspeed", "transformers", "accelerate", "peft", "ftkit")
 
@@ -40,15 +40,16 @@ def resolve_probe(addr: str, port: int) -> str:
     )
 
 
-def port_probe(addr: str, port: int) -> str:
-    """Python (for ``python -c``) printing ``free``, ``in-use`` or ``error: why`` for binding ``addr:port`` there."""
+def port_probe(addr: str, port: int, prefix: str = "") -> str:
+    """Python (for ``python -c``) printing ``free``, ``in-use`` or ``error: why`` (after ``prefix``) for binding
+    ``addr:port`` there."""
     return (
         "import errno, socket\n"
         "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
         "try:\n"
-        f"    s.bind(({addr!r}, {int(port)})); print('free')\n"
+        f"    s.bind(({addr!r}, {int(port)})); print({prefix!r} + 'free')\n"
         "except OSError as e:\n"
-        "    print('in-use' if e.errno == errno.EADDRINUSE else 'error: ' + str(e))\n"
+        f"    print({prefix!r} + ('in-use' if e.errno == errno.EADDRINUSE else 'error: ' + str(e)))\n"
     )
 
 
@@ -142,27 +143,43 @@ def run_preflight(
             problems.append(
                 Problem(f"master address {master_addr} does not resolve here: {err}", key="cluster.master_addr")
             )
+    # The master port must be free where rank 0's rendezvous will listen: here, or on the first host when the
+    # master is remote (probed in the same session as that host's versions).
+    master_here = master_addr in LOCAL_HOSTS or _is_local_address(master_addr)
+    if master_here:
+        err = port_free(master_addr, master_port)
+        if err:
+            problems.append(Problem(err, key="cluster.master_port"))
+        else:
+            checks.append(f"master port {master_addr}:{master_port} free")
+    port_host = hosts[0][0] if remote and not master_here else None
+    q = shlex.quote
+    # Every value is quoted once, here, where the remote shell line is built (the probes hold them as Python
+    # literals inside one quoted -c argument).
+    port_line = f"{q(python)} -c {q(port_probe(master_addr, master_port, prefix='master_port='))}"
+    probe = VERSION_PROBE + resolve_probe(master_addr, master_port)
+    version_line = f"{q(python)} -c {q(probe)} && test -w {q(str(run_dir))} && echo run_dir=writable"
+
+    def line(host: str) -> str:
+        if host not in remote:
+            return port_line
+        return f"{version_line}; {port_line}" if host == port_host else version_line
+
+    fan = [*remote, *([port_host] if port_host and port_host not in remote else [])]
+    results = run_on_hosts(fan, line, ssh_args, deadline_s=17, connect_timeout_s=15)
     for host in remote:
-        # Every value is quoted once, here, where the remote shell line is built (the probes hold them as Python
-        # literals inside one quoted -c argument).
-        probe = VERSION_PROBE + resolve_probe(master_addr, master_port)
-        q = shlex.quote
-        ok, out = ssh_run(
-            host,
-            f"{q(python)} -c {q(probe)} && test -w {q(str(run_dir))} && echo run_dir=writable",
-            ssh_args,
-            15,
-        )
-        if not ok:
+        r = results[host]
+        if not r.reachable:
             problems.append(
                 Problem(
-                    f"host {host} is not reachable over ssh ({out or 'timed out'}); "
+                    f"host {host} is not reachable over ssh ({r.out or 'timed out'}); "
                     "check the hostfile and passwordless ssh",
                     key="cluster.hostfile",
                 )
             )
             continue
-        theirs = _parse_versions(out)
+        theirs = _parse_versions(r.out)
+        theirs.pop("master_port", None)
         versions[host] = theirs
         master = theirs.pop("master", "")
         if master.startswith("unresolvable"):
@@ -188,25 +205,16 @@ def run_preflight(
             problems.append(Problem(f"host {host} differs: " + "; ".join(diffs)))
         else:
             checks.append(f"host {host} reachable, same versions")
-    # The master port must be free where rank 0's rendezvous will listen.
-    if master_addr in LOCAL_HOSTS or _is_local_address(master_addr):
-        err = port_free(master_addr, master_port)
-        if err:
-            problems.append(Problem(err, key="cluster.master_port"))
-        else:
-            checks.append(f"master port {master_addr}:{master_port} free")
-    elif remote:
-        ok, out = ssh_run(
-            hosts[0][0], f"{shlex.quote(python)} -c {shlex.quote(port_probe(master_addr, master_port))}", ssh_args, 15
-        )
-        if ok and "in-use" in out:
+    if port_host and results[port_host].reachable:
+        port = _parse_versions(results[port_host].out).get("master_port", "")
+        if port == "in-use":
             problems.append(
                 Problem(
                     f"port {master_port} on {master_addr} is already in use; set cluster.master_port",
                     key="cluster.master_port",
                 )
             )
-        elif ok and "free" in out:
+        elif port == "free":
             checks.append(f"master port {master_addr}:{master_port} free")
     if problems:  # one line per problem: a message never spans lines (ssh's stderr is joined by ssh_run)
         raise PreflightError("\n".join(" ".join(str(p).split()) for p in problems))

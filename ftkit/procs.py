@@ -8,21 +8,17 @@ then after a grace period SIGKILL, and reports what is left and which hosts coul
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import signal
-import subprocess
 import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-LOCAL_HOSTS = ("localhost", "127.0.0.1")  # how plans and hostfiles name this machine
+from .fanout import LOCAL_HOSTS, HostResult, is_this_machine, one_line, run_on_hosts, valid_host
 
-
-def is_this_machine(host: str) -> bool:
-    """A host name in a plan or pid record that means this machine (records carry the hostname too)."""
-    return host in LOCAL_HOSTS or host == os.uname().nodename
+__all__ = ["LOCAL_HOSTS", "HostResult", "is_this_machine", "one_line", "valid_host"]  # re-exported: older imports
 
 
 def exit_meaning(code: int | None) -> str:
@@ -147,57 +143,66 @@ def signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def _remote_script(targets: list[Target], sig: str) -> str:
-    """A POSIX sh snippet that signals each pid only if its start time still matches, then lists the living.
+# ``a PID START``: true while PID runs (not a zombie) and, when START is not empty, started at START (field 22 of
+# /proc/PID/stat, read after the ")" that ends the command name, which may hold spaces).
+_ALIVE_FN = (
+    'a() { p=$1; w=$2; s=$(cat /proc/$p/stat 2>/dev/null) || return 1; s=${s##*") "}; set -- $s; '
+    '[ "$1" != Z ] && [ "$1" != X ] && { [ -z "$w" ] || [ "${20}" = "$w" ]; }; }'
+)
 
-    Pids and start times come from pid records on disk: every one is quoted here, where the line is built, so a
-    record holding ``1; touch x`` is a pid that never matches, not a command.
-    """
+
+def _living_fn(targets: list[Target]) -> str:
+    """``l``: sets ``L`` to the targets that still run. Pids and start times come from pid records on disk: every
+    one is quoted here, where the line is built, so a record holding ``1; touch x`` never matches, never runs."""
+    checks = []
+    for t in targets:
+        pid = str(t.pid)
+        if not pid.isdigit():
+            continue  # not a pid: nothing to signal
+        checks.append(f'a {shlex.quote(pid)} {shlex.quote(str(t.start_time or ""))} && L="$L {pid}"')
+    return "l() { L=; " + "".join(f"{c}; " for c in checks) + "}"
+
+
+def _remote_script(targets: list[Target], sig: str) -> str:
+    """A POSIX sh line that signals each target still running (start time matching), then lists them (``alive``)."""
     if sig not in ("TERM", "KILL", "0"):
         raise ValueError(f"signal {sig!r}")  # a programming error: callers pass constants
-    parts = []
-    for t in targets:
-        pid = shlex.quote(str(t.pid))
-        stat = shlex.quote(f"/proc/{t.pid}/stat")
-        check = (
-            f'[ "$(cut -d" " -f22 {stat} 2>/dev/null)" = {shlex.quote(str(t.start_time))} ]'
-            if t.start_time
-            else f"[ -e {shlex.quote(f'/proc/{t.pid}')} ]"
-        )
-        cont = f"kill -CONT {pid} 2>/dev/null; " if sig == "TERM" else ""  # a stopped process acts on TERM only then
-        parts.append(f"if {check}; then kill -{sig} {pid} 2>/dev/null; {cont}echo alive {pid}; fi")
-    return "; ".join(parts) + "; true"
+    cont = "kill -CONT $p 2>/dev/null; " if sig == "TERM" else ""  # a stopped process acts on TERM only then
+    return (
+        f"{_ALIVE_FN}; {_living_fn(targets)}; l; "
+        f"for p in $L; do kill -{sig} $p 2>/dev/null; {cont}echo alive $p; done; true"
+    )
 
 
-# ssh reads a "host" that starts with '-' as an option (-oProxyCommand=... runs a local command): host names from
-# pid records or plans must look like host names before they reach ssh's argv.
-_SSH_HOST = re.compile(r"[A-Za-z0-9_.:%][A-Za-z0-9_.:%-]*")
+def teardown_script(targets: list[Target], grace_s: float, verify_s: float = 5.0) -> str:
+    """The whole teardown of one host as one POSIX sh line, so every host spends its grace period at once:
+    SIGTERM + SIGCONT (``term PID``), wait up to ``grace_s`` for them to go, SIGKILL the rest (``kill PID``), wait
+    up to ``verify_s`` and list what still runs (``left PID``)."""
+    grace = max(0, round(grace_s * 10))
+    verify = max(1, round(verify_s * 10))
+    wait = 'i=0; while [ -n "$L" ] && [ $i -lt {n} ]; do sleep 0.1; l; i=$((i+1)); done'
+    return (
+        f"{_ALIVE_FN}; {_living_fn(targets)}; l; "
+        "for p in $L; do kill -TERM $p 2>/dev/null; kill -CONT $p 2>/dev/null; echo term $p; done; "
+        f"{wait.format(n=grace)}; "
+        "for p in $L; do kill -KILL $p 2>/dev/null; echo kill $p; done; "
+        f"{wait.format(n=verify)}; "
+        "for p in $L; do echo left $p; done; true"
+    )
+
+
+def _pids(out: str, word: str) -> list[int]:
+    return [int(line.split()[1]) for line in out.splitlines() if line.startswith(word + " ") and line.split()[1:]]
 
 
 def ssh_run(host: str, script: str, ssh_args: list[str], timeout: float) -> tuple[bool, str]:
     """Run ``script`` (a shell line whose values are already quoted) on ``host``; (reachable, stdout or why not).
 
-    When unreachable the reason is one line (ssh's last words), so a caller's error stays one line per problem.
+    One host of :func:`ftkit.fanout.run_on_hosts`: this machine runs it locally, others over ssh. When unreachable
+    the reason is one line (ssh's last words), so a caller's error stays one line per problem.
     """
-    if not _SSH_HOST.fullmatch(host):
-        return False, f"not a host name: {host!r}"
-    argv = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={max(1, int(timeout))}", *ssh_args, host, script]
-    try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout + 2, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        return False, ""
-    except OSError as e:  # no ssh client installed
-        return False, f"cannot run ssh: {e.strerror or e}"
-    if out.returncode == 255:  # ssh's own failure: the host cannot be reached
-        return False, one_line(out.stderr)
-    return True, out.stdout
-
-
-def one_line(text: str) -> str:
-    """ssh's stderr as one line: its messages joined, without the "Warning: Permanently added" noise."""
-    lines = [ln.strip() for ln in text.replace("\r", "\n").splitlines()]
-    lines = [ln for ln in lines if ln and not ln.startswith("Warning: Permanently added")]
-    return "; ".join(lines)
+    r = run_on_hosts([host], script, ssh_args, deadline_s=timeout + 2, connect_timeout_s=timeout)[host]
+    return r.reachable, r.out
 
 
 def remote_signal(
@@ -205,9 +210,21 @@ def remote_signal(
 ) -> tuple[bool, set[int]]:
     """Signal (``TERM``, ``KILL``, or ``0`` to only look) the targets on ``host`` whose start time still matches;
     returns (host reachable, pids that were alive)."""
-    ok, out = ssh_run(host, _remote_script(targets, sig), ssh_args, timeout)
-    alive = {int(line.split()[1]) for line in out.splitlines() if line.startswith("alive ")} if ok else set()
-    return ok, alive
+    return signal_hosts({host: targets}, sig, ssh_args, timeout)[host]
+
+
+def signal_hosts(
+    by_host: Mapping[str, list[Target]], sig: str, ssh_args: list[str], timeout: float = 10.0
+) -> dict[str, tuple[bool, set[int]]]:
+    """:func:`remote_signal` on every host at once: host -> (reachable, pids that were alive)."""
+    res = run_on_hosts(
+        list(by_host),
+        lambda h: _remote_script(by_host[h], sig),
+        ssh_args,
+        deadline_s=timeout + 2,
+        connect_timeout_s=timeout,
+    )
+    return {h: (r.reachable, set(_pids(r.out, "alive")) if r.reachable else set()) for h, r in res.items()}
 
 
 def teardown(
@@ -220,7 +237,12 @@ def teardown(
     sleep=time.sleep,
     clock=time.monotonic,
 ) -> TeardownResult:
-    """SIGTERM (+SIGCONT) every group and target, wait up to ``grace_s``, SIGKILL what is left, report the result."""
+    """SIGTERM (+SIGCONT) every group and target, wait up to ``grace_s``, SIGKILL what is left, report the result.
+
+    Every remote host runs its whole teardown (:func:`teardown_script`) in one ssh session, all hosts in parallel
+    and alongside this machine's part: the grace period is spent once, and an unreachable host costs one ssh
+    timeout in total.
+    """
     res = TeardownResult()
     groups = list(groups)
     by_host: dict[str, list[Target]] = {}
@@ -234,63 +256,53 @@ def teardown(
     def groups_alive() -> list[int]:
         return [g for g in groups if group_alive(g)]
 
-    # SIGTERM, then SIGCONT: a stopped process (SIGSTOP, a debugger, a frozen rank) keeps SIGTERM pending until it
-    # is continued, so without SIGCONT it would use up the whole grace period and need SIGKILL.
-    for g in groups:
-        signal_group(g, signal.SIGTERM)
-        signal_group(g, signal.SIGCONT)
-        res.signalled.append(f"group {g}")
-    for t in local_alive():
-        try:
-            os.kill(t.pid, signal.SIGTERM)
-            os.kill(t.pid, signal.SIGCONT)
-            res.signalled.append(f"{t.what or 'pid'} {t.pid}")
-        except ProcessLookupError:
-            pass
-    remote_left: dict[str, list[Target]] = {}
-    for host, ts in by_host.items():
-        ok, out = ssh_run(host, _remote_script(ts, "TERM"), ssh_args, ssh_timeout)
-        if not ok:
-            res.unreachable.append(host)
-            continue
-        res.signalled += [f"{host}:{line.split()[1]}" for line in out.splitlines() if line.startswith("alive")]
-        remote_left[host] = ts
-
-    deadline = clock() + grace_s
-    while clock() < deadline and (local_alive() or groups_alive()):
-        sleep(0.2)
-    if remote_left and clock() < deadline:
-        sleep(max(0.0, min(2.0, deadline - clock())))
-
-    for g in groups_alive():
-        signal_group(g, signal.SIGKILL)
-        res.killed.append(f"group {g}")
-    for t in local_alive():
-        try:
-            os.kill(t.pid, signal.SIGKILL)
-            res.killed.append(f"{t.what or 'pid'} {t.pid}")
-        except ProcessLookupError:
-            pass
-    for host, ts in remote_left.items():
-        ok, out = ssh_run(host, _remote_script(ts, "KILL"), ssh_args, ssh_timeout)
-        if not ok:
-            res.unreachable.append(host)
-            continue
-        res.killed += [f"{host}:{line.split()[1]}" for line in out.splitlines() if line.startswith("alive")]
-    # Give the kernel a moment to reap, then check nothing of ours is left.
-    end = clock() + 5.0
-    while clock() < end and (local_alive() or groups_alive()):
-        sleep(0.1)
-    res.left += [f"{t.what or 'pid'} {t.pid}" for t in local_alive()]
-    res.left += [f"group {g}" for g in groups_alive()]
-    for host, ts in remote_left.items():
-        if host in res.unreachable:
-            continue
-        ok, out = ssh_run(host, _remote_script(ts, "0"), ssh_args, ssh_timeout)
-        if ok:
-            res.left += [f"{host}:{line.split()[1]}" for line in out.splitlines() if line.startswith("alive")]
-        else:
-            res.unreachable.append(host)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="teardown") as ex:
+        remote = ex.submit(
+            run_on_hosts,
+            list(by_host),
+            lambda h: teardown_script(by_host[h], grace_s),
+            ssh_args,
+            deadline_s=ssh_timeout + grace_s + 10,  # connect, grace, 5 s to verify, slack
+            connect_timeout_s=ssh_timeout,
+        )
+        # SIGTERM, then SIGCONT: a stopped process (SIGSTOP, a debugger, a frozen rank) keeps SIGTERM pending until
+        # it is continued, so without SIGCONT it would use up the whole grace period and need SIGKILL.
+        for g in groups:
+            signal_group(g, signal.SIGTERM)
+            signal_group(g, signal.SIGCONT)
+            res.signalled.append(f"group {g}")
+        for t in local_alive():
+            try:
+                os.kill(t.pid, signal.SIGTERM)
+                os.kill(t.pid, signal.SIGCONT)
+                res.signalled.append(f"{t.what or 'pid'} {t.pid}")
+            except ProcessLookupError:
+                pass
+        deadline = clock() + grace_s
+        while clock() < deadline and (local_alive() or groups_alive()):
+            sleep(0.2)
+        for g in groups_alive():
+            signal_group(g, signal.SIGKILL)
+            res.killed.append(f"group {g}")
+        for t in local_alive():
+            try:
+                os.kill(t.pid, signal.SIGKILL)
+                res.killed.append(f"{t.what or 'pid'} {t.pid}")
+            except ProcessLookupError:
+                pass
+        # Give the kernel a moment to reap, then check nothing of ours is left.
+        end = clock() + 5.0
+        while clock() < end and (local_alive() or groups_alive()):
+            sleep(0.1)
+        res.left += [f"{t.what or 'pid'} {t.pid}" for t in local_alive()]
+        res.left += [f"group {g}" for g in groups_alive()]
+        for host, r in remote.result().items():
+            if not r.reachable:
+                res.unreachable.append(host)
+                continue
+            res.signalled += [f"{host}:{p}" for p in _pids(r.out, "term")]
+            res.killed += [f"{host}:{p}" for p in _pids(r.out, "kill")]
+            res.left += [f"{host}:{p}" for p in _pids(r.out, "left")]
     return res
 
 
@@ -337,26 +349,27 @@ def remove_shm_script(keys: Iterable[str]) -> str:
 def remove_shm(records: Iterable[Mapping[str, Any]], ssh_args: list[str], timeout: float = 10.0) -> list[str]:
     """Delete the run's shared-memory buffers on every host once its ranks are gone. DeepSpeed never removes
     them, so without this every attempt leaks ~70 MB of RAM per rank (hundreds of runs filled a 24 GB machine).
-    Returns the hosts that could not be reached."""
+    Remote hosts are cleaned all at once. Returns the hosts that could not be reached."""
     import fnmatch
 
-    unreachable = []
     records = list(records)
     keys = _shm_keys(records)
+    remote = []
     for host, patterns in shm_patterns(records).items():
-        if is_this_machine(host):
-            try:
-                names = os.listdir(SHM_DIR)
-            except OSError:
-                continue
-            for name in names:
-                if any(fnmatch.fnmatchcase(name, p) for p in patterns):
-                    try:
-                        os.unlink(os.path.join(SHM_DIR, name))
-                    except OSError:
-                        pass
-        else:
-            ok, _ = ssh_run(host, remove_shm_script(keys[host]), ssh_args, timeout)
-            if not ok:
-                unreachable.append(host)
-    return unreachable
+        if not is_this_machine(host):
+            remote.append(host)
+            continue
+        try:
+            names = os.listdir(SHM_DIR)
+        except OSError:
+            continue
+        for name in names:
+            if any(fnmatch.fnmatchcase(name, p) for p in patterns):
+                try:
+                    os.unlink(os.path.join(SHM_DIR, name))
+                except OSError:
+                    pass
+    res = run_on_hosts(
+        remote, lambda h: remove_shm_script(keys[h]), ssh_args, deadline_s=timeout + 2, connect_timeout_s=timeout
+    )
+    return [h for h, r in res.items() if not r.reachable]
