@@ -76,13 +76,22 @@ def training_arguments(plan: Plan, output_dir: str, ds_config_path: str) -> dict
         "fp16": precision == "fp16",
         "deepspeed": ds_config_path,
         "gradient_checkpointing": r["model.gradient_checkpointing"],
-        "report_to": [],
+        "report_to": list(r["train.report_to"]),
         "disable_tqdm": True,
         "dataloader_num_workers": 0,
         "remove_unused_columns": False,
         "logging_first_step": True,
         "save_only_model": False,
     }
+    # tokens seen (non-padding input tokens: the attention mask summed, all tokens without one) in every log record: the
+    # progress line's tokens/s. HF 5.x: "all" | "non_padding" | "no" (True means "all").
+    args["include_num_input_tokens_seen"] = "non_padding"
+    if r["data.eval"] is not None:
+        args["eval_strategy"] = "steps"
+        args["eval_steps"] = r["train.eval_steps"] or r["train.save_steps"]
+        args["per_device_eval_batch_size"] = plan.micro_batch_size
+    # TensorBoard's directory: transformers 5.x has no TrainingArguments.logging_dir any more; its TensorBoardCallback
+    # reads TENSORBOARD_LOGGING_DIR (default <output_dir>/runs/<time>_<host>), see tensorboard_dir() below.
     if r["train.max_steps"] is not None:
         args["max_steps"] = r["train.max_steps"]
     else:
@@ -91,6 +100,12 @@ def training_arguments(plan: Plan, output_dir: str, ds_config_path: str) -> dict
         args["use_cpu"] = True
         args["ddp_backend"] = "gloo"
     return args
+
+
+def tensorboard_dir(output_dir: str | Path) -> str:
+    """Where TensorBoard event files go when train.report_to has tensorboard: ``<output_dir>/tensorboard``, handed to
+    the ranks as the ``TENSORBOARD_LOGGING_DIR`` environment variable (transformers 5.x reads only that)."""
+    return str(Path(output_dir) / "tensorboard")
 
 
 def stated_arguments(plan: Plan, args: dict[str, Any]) -> list[str]:

@@ -401,3 +401,33 @@ def test_command_is_a_list_of_printable_words(write_recipe):
 def test_new_keys_are_bounded(write_recipe, override, message):
     with pytest.raises(RecipeError, match=message):
         load_recipe(write_recipe(), [override])
+
+
+def test_eval_and_report_to_reach_training_arguments_that_transformers_accepts(write_recipe, tmp_path):
+    """The recipe's eval and reporting keys become TrainingArguments kwargs, checked by transformers' own class."""
+    from transformers import TrainingArguments
+
+    from ftkit.plan import build_plan
+    from ftkit.spec import tensorboard_dir, training_arguments
+
+    base = ["cluster.accelerator=cpu", "cluster.gpus_per_node=2", "train.precision=fp32", "train.save_steps=6"]
+    rec = write_recipe()
+
+    def targs(*overrides: str) -> dict:
+        plan = build_plan(load_recipe(rec, [*base, *overrides]), with_memory=False)
+        return training_arguments(plan, str(tmp_path / "run"), str(tmp_path / "ds.json"))
+
+    plain = targs()
+    assert "eval_strategy" not in plain and plain["report_to"] == []
+    assert plain["include_num_input_tokens_seen"] == "non_padding"
+    local = {"deepspeed": None, "ddp_backend": None}  # no DeepSpeed config file, no process group in this process
+    TrainingArguments(**{**plain, **local})
+
+    ev = targs(f"data.eval={tmp_path / 'eval.jsonl'}", "train.report_to=[tensorboard]")
+    assert ev["eval_strategy"] == "steps" and ev["eval_steps"] == 6  # null: every save_steps
+    assert ev["per_device_eval_batch_size"] == ev["per_device_train_batch_size"]
+    assert ev["report_to"] == ["tensorboard"]
+    assert targs(f"data.eval={tmp_path / 'e.jsonl'}", "train.eval_steps=3")["eval_steps"] == 3
+    a = TrainingArguments(**{**ev, **local})
+    assert a.eval_strategy == "steps" and a.eval_steps == 6 and a.include_num_input_tokens_seen == "non_padding"
+    assert tensorboard_dir(tmp_path / "run") == str(tmp_path / "run" / "tensorboard")
