@@ -8,11 +8,12 @@ of an ftkit run (``FTKIT_RUN_DIR`` and ``RANK``/``LOCAL_RANK`` set, and not a ch
 :func:`install`:
 
 * :func:`ftkit.hf.start` at once: per-rank log, pid record, heartbeat, supervisor watchdog;
-* ``sys.excepthook`` and ``argparse.ArgumentParser.error``: an import error, an argument error or any exception
-  before the first training step writes the rank's error record (``ftkit/attempts/N/errors/rank-R.json``: kind,
-  lines, exit code 14, the traceback's last lines, step None) so the supervisor stops at once instead of
-  restarting a script that cannot start. A failure after the first step writes no record: the supervisor's
-  no-progress rule decides (the traceback is in the rank's log);
+* ``sys.excepthook`` and ``argparse.ArgumentParser.error``: an uncaught exception (an import error, an argument
+  error, a bug at any step) writes the rank's error record (``ftkit/attempts/N/errors/rank-R.json``: kind, lines,
+  exit code 14, the traceback's last lines, and ``step``: None when no training step began in this process, else
+  the trainer's global step). Before the first step the supervisor stops at once instead of restarting a
+  script that cannot start; after it, the failure is restarted and the no-progress rule stops a repeating one,
+  the traceback shown either way;
 * a post-import hook on two modules of ``transformers``, wrapping once (whichever class the script uses: TRL's
   trainers and configs are subclasses):
 
@@ -46,7 +47,7 @@ from typing import Any
 HOOK_PID_ENV = "FTKIT_HOOK_PID"  # the pid of the rank the hook serves: its child processes leave it alone
 TRACEBACK_LINES = 20  # the last lines of a traceback kept in the error record
 
-_step: dict[str, int | None] = {"first": None, "last": None}  # optimizer steps this process completed
+_training: dict[str, Any] = {"began": False, "trainer": None}  # a training step began in this process; by whom
 _installed = False
 
 
@@ -248,6 +249,9 @@ def _add_callbacks(trainer: Any) -> None:
         for cb in hf.callbacks():
             trainer.add_callback(cb)
     trainer.add_callback(_step_watcher())
+    import weakref
+
+    _training["trainer"] = weakref.ref(trainer)
 
 
 @functools.lru_cache(maxsize=1)
@@ -255,12 +259,10 @@ def _step_watcher_class() -> type:
     from transformers import TrainerCallback
 
     class StepWatcher(TrainerCallback):
-        """Whether this process completed an optimizer step (an exception before it is the script's fault)."""
+        """Whether a training step began in this process (an exception before that is a start-up failure)."""
 
-        def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
-            if _step["first"] is None:
-                _step["first"] = state.global_step
-            _step["last"] = state.global_step
+        def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001
+            _training["began"] = True
 
     return StepWatcher
 
@@ -295,10 +297,13 @@ def _install_error_hooks() -> None:
 
 
 def record_failure(text: list[str], summary: str) -> bool:
-    """The rank's error record for a failure before its first step (exit code 14: a restart would not fix it).
-    Returns whether one was written: after the first step the no-progress rule decides."""
-    if _step["first"] is not None:
-        return False
+    """The rank's error record (exit code 14) with the traceback's last lines and the last step this process
+    completed (None: it failed before its first step, which a restart would not fix). Returns whether written."""
+    step = None
+    if _training["began"]:
+        trainer = _training["trainer"]() if _training["trainer"] is not None else None
+        step = int(trainer.state.global_step) if trainer is not None else -1
+    when = "before its first step" if step is None else f"after step {step}"
     try:
         import ftkit.hf as hf
         from ftkit.errors import ScriptFailed
@@ -306,9 +311,9 @@ def record_failure(text: list[str], summary: str) -> bool:
         lines = [x for chunk in text for x in chunk.rstrip("\n").splitlines()]
         ctx = hf.context()
         ctx.record_error(
-            ScriptFailed(f"rank {ctx.rank}: the script failed before its first step: {summary}"),
+            ScriptFailed(f"rank {ctx.rank}: the script failed {when}: {summary}"),
             traceback=lines[-TRACEBACK_LINES:],
-            step=None,
+            step=step,
         )
         return True
     except Exception as e:  # noqa: BLE001 - never hide the script's own error behind ours

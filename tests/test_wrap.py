@@ -1,0 +1,248 @@
+"""Wrapping a user's HF Trainer script: ``ftkit launch RECIPE [--no-inject] -- CMD`` with real 2-rank CPU runs.
+
+The scripts (tests/scripts/, and the README's ``ftkit.hf`` example) never change for ftkit: the import hook serves
+them. Each run is 8 steps, checkpoints every 4; a kill test SIGKILLs rank 1 after step 6 (``FTKIT_FAULT_INJECT``
+rides on ftkit's callbacks, so it reaches a wrapped script too) and expects one restart from checkpoint-4 and the
+losses of an uninterrupted run. One kill test per engine; the other runs are single attempts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ftkit.errors import ExitCode
+from tests.runs import REPO, assert_no_process_left, events, losses, mp_lock, write_recipe
+
+SCRIPTS = REPO / "tests" / "scripts"
+STEPS = 8
+RUN_S = 300
+KILL = {"FTKIT_FAULT_INJECT": "kill:1:6"}  # rank 1 SIGKILLs itself after step 6 of attempt 0
+
+
+def _recipe(tmp_path: Path, fx: dict[str, Path], **kw: Any) -> tuple[Path, Path]:
+    recipe = write_recipe(tmp_path, fx, train__max_steps=STEPS, **kw)
+    return recipe, tmp_path / "run"
+
+
+def launch(recipe: Path, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None):
+    e = {k: v for k, v in os.environ.items() if k != "FTKIT_FAULT_INJECT"}
+    e.update({"DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env or {})})
+    with mp_lock():
+        r = subprocess.run(
+            [sys.executable, "-m", "ftkit", "launch", str(recipe), *args],
+            capture_output=True,
+            text=True,
+            env=e,
+            timeout=RUN_S,
+            cwd=cwd or recipe.parent,
+        )
+    return r
+
+
+def named(run: Path, name: str) -> list[dict[str, Any]]:
+    return [e for e in events(run) if e["event"] == name]
+
+
+def hf_script(fx: dict[str, Path], *extra: str) -> list[str]:
+    return ["python", str(SCRIPTS / "hf_trainer.py"), "--model", str(fx["model"]), "--data", str(fx["data"]), *extra]
+
+
+def assert_recovered(r: subprocess.CompletedProcess, run: Path, expected: dict[int, float]) -> None:
+    """Exit 0 after exactly one restart from checkpoint-4, every step's loss equal to the uninterrupted run's."""
+    assert r.returncode == ExitCode.OK, r.stdout[-4000:] + r.stderr[-3000:]
+    assert len(named(run, "restart")) == 1, named(run, "restart")
+    chosen = [e for e in named(run, "checkpoint_chosen") if e["attempt"] == 1]
+    assert [Path(e["checkpoint"]).name for e in chosen] == ["checkpoint-4"], chosen
+    got = losses(run)
+    assert sorted(got) == list(range(1, STEPS + 1)), got
+    diffs = {s: (got[s], expected[s]) for s in got if abs(got[s] - expected[s]) > 1e-6}
+    assert not diffs, f"losses differ from the uninterrupted run (step: got, expected): {diffs}"
+    assert (run / "final" / "ftkit_commit.json").is_file()
+    assert_no_process_left(run)
+
+
+@pytest.fixture(scope="module")
+def hf_baseline(fx: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """The plain HF Trainer script, uninterrupted, on the deepspeed engine: its losses are the reference."""
+    d = tmp_path_factory.mktemp("hf-baseline")
+    recipe, run = _recipe(d, fx)
+    r = launch(recipe, "--", *hf_script(fx, "--logging_steps", "1", "--report_to", "none"))
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
+    # the script asked HF for get_last_checkpoint (resume_from_checkpoint=True): ftkit's choice (none) won, listed
+    assert "resume_from_checkpoint: True -> None" in r.stdout, r.stdout[-3000:]
+    assert not named(run, "restart")
+    assert_no_process_left(run)
+    got = losses(run)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    return got
+
+
+# ------------------------------------------------------------------------------------------------ TRL
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_unmodified_trl_script_gets_the_recipe_and_survives_a_killed_rank(fx, tmp_path):
+    """TRL's SFTTrainer in a script that never imports ftkit: the recipe's values win over the script's arguments
+    (each change listed once, in the output and in events.jsonl); a SIGKILLed rank costs one restart and no loss."""
+    cmd = [
+        "python",
+        str(SCRIPTS / "trl_sft.py"),
+        "--model",
+        str(fx["model"]),
+        "--data",
+        str(fx["data"]),
+        "--output_dir",
+        str(tmp_path / "elsewhere"),
+        "--per_device_train_batch_size",
+        "7",
+        "--bf16",
+        "true",
+        "--deepspeed",
+        str(tmp_path / "their_ds.json"),
+        "--logging_steps",
+        "1",
+        "--report_to",
+        "none",
+    ]
+    (tmp_path / "their_ds.json").write_text(json.dumps({"train_batch_size": 14, "zero_optimization": {"stage": 3}}))
+    clean_dir, kill_dir = tmp_path / "clean", tmp_path / "kill"
+    clean_dir.mkdir()
+    kill_dir.mkdir()
+    recipe, run = _recipe(clean_dir, fx)
+    r = launch(recipe, "--", *cmd)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
+    out = r.stdout
+    for line in (
+        f"output_dir: '{tmp_path / 'elsewhere'}' -> '{run}'",
+        "per_device_train_batch_size: 7 -> 4",
+        "gradient_accumulation_steps: 1 -> 2",
+        "bf16: True -> False",
+        f"deepspeed: '{tmp_path / 'their_ds.json'}' -> '{run / 'ftkit' / 'ds_config.json'}'",  # replaced, not merged
+        "max_steps: -1 -> 8",
+        "save_steps: 500 -> 4",
+    ):
+        assert out.count(line) == 1, (line, out[-4000:])
+    (changed,) = named(run, "args_changed")
+    names = [c["name"] for c in changed["changes"]]
+    assert len(names) == len(set(names)) and {"output_dir", "per_device_train_batch_size", "deepspeed"} <= set(names)
+    assert not (tmp_path / "elsewhere").exists()  # nothing went where the script said: the run directory is ftkit's
+    assert json.loads((run / "ftkit" / "ds_config.json").read_text())["zero_optimization"]["stage"] == 2
+    expected = losses(run)
+    assert sorted(expected) == list(range(1, STEPS + 1))
+    assert_no_process_left(run)
+
+    recipe, run = _recipe(kill_dir, fx)
+    r = launch(recipe, "--", *cmd, env=KILL)
+    assert_recovered(r, run, expected)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_trl_console_command_runs_trls_own_sft_script(fx, tmp_path):
+    """`trl sft` is an accelerate-launch wrapper: ftkit runs `python -m trl.scripts.sft` on every rank itself
+    (offline, a local dataset directory), says so, and TRL's unmodified script trains and finishes."""
+    data_dir = tmp_path / "dataset"
+    data_dir.mkdir()
+    (data_dir / "train.jsonl").write_text(fx["data"].read_text())
+    recipe, run = _recipe(tmp_path, fx, cluster__engine="torchrun")
+    args = ["--model_name_or_path", str(fx["model"]), "--dataset_name", str(data_dir), "--report_to", "none"]
+    dry = launch(recipe, "--dry-run", "--", "trl", "sft", *args)
+    assert dry.returncode == 0, dry.stderr
+    assert "-m trl.scripts.sft --model_name_or_path" in dry.stdout and "accelerate-launch wrapper" in dry.stdout
+    assert "import hook:" in dry.stdout and "PYTHONPATH=" + str(REPO / "launch" / "inject") in dry.stdout
+    r = launch(recipe, "--", "trl", "sft", *args)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
+    assert sorted(losses(run)) == list(range(1, STEPS + 1))
+    assert (run / "final" / "ftkit_commit.json").is_file()
+    assert_no_process_left(run)
+
+
+# ------------------------------------------------------------------------------------------------ plain HF Trainer
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("engine", ["accelerate"])
+def test_unmodified_hf_trainer_script_survives_a_killed_rank(engine, fx, hf_baseline, tmp_path):
+    """The HfArgumentParser script on deepspeed (the baseline) and, killed mid-run, on accelerate: same losses."""
+    recipe, run = _recipe(tmp_path, fx, cluster__engine=engine)
+    r = launch(recipe, "--", *hf_script(fx, "--logging_steps", "1", "--report_to", "none"), env=KILL)
+    assert_recovered(r, run, hf_baseline)
+
+
+def readme_example() -> str:
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Bring your own script", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    return code
+
+
+def test_readme_example_is_a_complete_script():
+    code = readme_example()
+    compile(code, "train.py", "exec")
+    assert code.startswith("# train.py\n") and len(code.splitlines()) <= 25
+    for name in ("training_arguments", "callbacks()", "resume_checkpoint()", "save_final"):
+        assert f"ftkit.hf.{name}" in code, name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_readme_explicit_ftkit_hf_example_with_no_inject_survives_a_killed_rank(fx, hf_baseline, tmp_path):
+    """The README's explicit ftkit.hf script, run as written with --no-inject on torchrun: no hook on its path, the
+    same kill test, and the same losses as the unmodified script under the hook."""
+    (tmp_path / "train.py").write_text(readme_example())
+    recipe, run = _recipe(tmp_path, fx, cluster__engine="torchrun")
+    dry = launch(recipe, "--dry-run", "--no-inject", "--", "python", "train.py", "M", "D")
+    assert "import hook:" not in dry.stdout and "launch/inject" not in dry.stdout, dry.stdout
+    r = launch(recipe, "--no-inject", "--", "python", "train.py", str(fx["model"]), str(fx["data"]), env=KILL)
+    assert_recovered(r, run, hf_baseline)
+    assert "import hook installed" not in (run / "logs" / "attempt-0" / "rank-0.log").read_text()
+
+
+# ------------------------------------------------------------------------------------------------ script errors
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_script_failing_at_import_stops_at_once_with_its_error(fx, tmp_path):
+    """An import error is not restarted: one attempt, the error shown, exit 14 (the script failed before its
+    first step), and the rank's error record carries the traceback's last lines."""
+    recipe, run = _recipe(tmp_path, fx)
+    r = launch(recipe, "--", "python", str(SCRIPTS / "raise_at_import.py"))
+    assert r.returncode == ExitCode.SCRIPT_FAILED, r.stdout[-3000:] + r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    assert "No module named 'no_such_module_for_ftkit_tests'" in out, out[-3000:]
+    assert not named(run, "restart") and len(named(run, "launch")) == 1
+    records = [json.loads(p.read_text()) for p in (run / "ftkit" / "attempts" / "0" / "errors").glob("rank-*.json")]
+    assert records and all(rec["exit_code"] == ExitCode.SCRIPT_FAILED and rec["step"] is None for rec in records)
+    assert any("raise_at_import.py" in line for line in records[0]["traceback"]), records[0]
+    assert_no_process_left(run)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_script_failing_at_the_same_step_every_time_stops_with_its_traceback(fx, tmp_path):
+    """A bug at step 5 every time (after the first step, so it is restarted once from checkpoint-4): the same
+    failure at the same step stops the run through the no-progress rule, with the script's traceback shown. The
+    plain HF script runs on torchrun here (its third engine)."""
+    recipe, run = _recipe(tmp_path, fx, cluster__engine="torchrun")
+    r = launch(recipe, "--", *hf_script(fx, "--fail_at_step", "5", "--report_to", "none"))
+    assert r.returncode == ExitCode.BUDGET_EXHAUSTED, r.stdout[-3000:] + r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    assert "the script's own bug at step 5" in out, out[-3000:]
+    failures = named(run, "failure")
+    assert len(failures) >= 2 and all(f.get("step") in (4, 5) for f in failures), failures
+    records = [json.loads(p.read_text()) for p in (run / "ftkit" / "attempts" / "0" / "errors").glob("rank-*.json")]
+    assert records and all(rec["step"] == 5 for rec in records), records
+    assert any("hf_trainer.py" in line for line in records[0]["traceback"]), records[0]
+    assert not (run / "final").exists()
+    assert_no_process_left(run)
