@@ -31,6 +31,8 @@ class FailureKind(Enum):
     NO_SPACE = "no_space"  # a write failed with ENOSPC: restarting would fail the same way
     INTERRUPTED = "interrupted"  # SIGINT/SIGTERM/SIGHUP to ftkit launch
     RESUME_MISMATCH = "resume_mismatch"  # recomputed steps disagree with the logged run beyond 10x the tolerance
+    STOPPED = "stopped"  # a graceful stop finished: every rank saved the same step and it is committed
+    SCRIPT_ERROR = "script_error"  # the training script failed before its first step (import, arguments, setup)
 
 
 class Action(Enum):
@@ -115,6 +117,20 @@ def decide(s: Situation, policy: RestartPolicy) -> Decision:
         code = interrupted_code(s.signum)
         name = signal.Signals(s.signum).name if s.signum else "a signal"
         return Decision(Action.STOP, f"interrupted by {name}: run torn down, exit {code}", code)
+    if s.kind is FailureKind.STOPPED:
+        name = signal.Signals(s.signum).name if s.signum else "request"
+        where = (
+            f"checkpoint committed at step {s.newest_commit}" if s.newest_commit is not None else "no checkpoint yet"
+        )
+        return Decision(
+            Action.STOP, f"stopped on request ({name}): {where}; ftkit launch resumes from it", ExitCode.STOPPED
+        )
+    if s.kind is FailureKind.SCRIPT_ERROR:
+        return Decision(
+            Action.STOP,
+            "not restarting: the training script failed before its first step (traceback above)",
+            ExitCode.SCRIPT_FAILED,
+        )
     if s.kind is FailureKind.USER_ERROR:
         return Decision(Action.STOP, "not restarting: fix the error above and launch again", ExitCode.USAGE)
     if s.kind is FailureKind.NO_SPACE:

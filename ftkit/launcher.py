@@ -115,7 +115,8 @@ def launch(req: LaunchRequest, echo: Callable[[str], None] = print, warn: Callab
         raise RecipeError(r.problem("data.train", f"{data}: {what}"))
     # Until the supervisor installs its own handlers, a signal ends the launch at once (subprocess.run kills a
     # running ssh probe when the exception passes through it): exit 128+N, nothing started.
-    old = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+    old = {s: signal.signal(s, _raise_interrupted) for s in stops}
     try:
         return _owned_launch(plan, req, echo, command)
     finally:

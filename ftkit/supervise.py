@@ -6,6 +6,10 @@
 * **spawn** starts the engine's processes; **monitor** watches their exits, every rank's heartbeat
   (:class:`ftkit.decide.Progress`), error records and, for a resumed attempt, whether recomputed steps reproduce
   the logged ones (:mod:`ftkit.fidelity`).
+* **graceful stop**: the first SIGTERM/SIGINT/SIGHUP/SIGUSR1 (``ftkit stop``, Ctrl-C, Slurm's notice) writes
+  ``ftkit/stop.json``; every rank sees it at the same optimizer step (:mod:`ftkit.hf`), saves and commits that
+  step and ends; then teardown, and exit 8. Bounded by ``resilience.stop_timeout_s``; past it, or on a second
+  signal, the run is torn down at once (exit 128+N).
 * **teardown** stops the whole run on every host by process group and recorded pid (SIGTERM, grace, SIGKILL) and
   removes its /dev/shm buffers. It runs in a ``finally``: no exception between spawn and teardown leaves ranks
   holding the GPUs.
@@ -35,11 +39,14 @@ from .command import LaunchCommand, LaunchInputs, build_launch
 from .decide import Action, Decision, FailureKind, Progress, RestartPolicy, Situation, decide
 from .errors import ExitCode
 from .fidelity import FidelityCheck
+from .hf import STOP_FILE
 from .procs import exit_meaning, group_exists, proc_start_time, remove_shm, targets_from_records, teardown
 from .rundir import NEARLY_FULL, RunDir, append_jsonl, atomic_write
 from .shrink import convert_newest, probe_hosts
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # a closed terminal (SIGHUP) is handled like SIGTERM
+# A closed terminal (SIGHUP) is handled like SIGTERM; SIGUSR1 is Slurm's advance notice (--signal=B:USR1@T).
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+STOP_TIMEOUT_S = 120.0  # resilience.stop_timeout_s when a recipe predates it
 
 
 def is_no_space(e: BaseException) -> bool:
@@ -75,6 +82,11 @@ class Failure:
     step: int | None = None
     exit_code: int | None = None
     lines: list[str] = field(default_factory=list)  # what the ranks reported (user errors, no space)
+    traceback: list[str] = field(default_factory=list)  # the last lines of a failing script's traceback
+
+    def with_traceback(self, tb: list[str]) -> Failure:
+        self.traceback = tb
+        return self
 
 
 @dataclass
@@ -139,7 +151,11 @@ class Supervisor:
         self.policy = RestartPolicy(
             self.res["max_restarts"], self.res["backoff_s"], self.res["backoff_max_s"], rng or random.Random()
         )
-        self.interrupted: int | None = None
+        self.interrupted: int | None = None  # a signal that ends the run now (the second one)
+        self.stop_requested: int | None = None  # the first signal: save at the next step, then stop
+        self._stop_sent_at: float | None = None
+        self._changes_seen: set[int] = set()
+        self._changes_listed: set[Any] = set()
         self.check_fidelity = True  # off for an attempt that resumes with changes the user allowed
         self._metrics_pos = 0
         self._plan: Any = None
@@ -267,6 +283,11 @@ class Supervisor:
         while True:
             if self.interrupted:
                 return Failure(FailureKind.INTERRUPTED, f"interrupted by {signal.Signals(self.interrupted).name}")
+            if self.stop_requested:
+                stopping = self._stopping(attempt, progress)
+                if stopping is not None:
+                    return stopping
+            self._echo_args_changes(attempt)
             if self.events.write_error is not None and is_no_space(self.events.write_error):
                 return self._no_space_failure(self.events.write_error)
             self._read_metrics(attempt)
@@ -275,8 +296,14 @@ class Supervisor:
             codes = [p.proc.poll() for p in procs]
             errors = self.rd.records("errors", attempt)
             if errors:
-                return self._error_failure(errors)
+                return self._error_failure(errors, attempt)
             bad = [(p, c) for p, c in zip(procs, codes, strict=True) if c not in (None, 0)]
+            if bad and self._stop_sent_at is not None:
+                return Failure(
+                    FailureKind.INTERRUPTED,
+                    f"a rank ended during the graceful stop ({exit_meaning(bad[0][1])}): the stop's save may be torn",
+                    step=self._step(attempt),
+                )
             if bad:
                 p, c = bad[0]
                 time.sleep(0.3)  # let a rank finish writing its error record before we look again
@@ -297,6 +324,8 @@ class Supervisor:
                     exit_code=c,
                 )
             if all(c == 0 for c in codes):
+                if self._stop_sent_at is not None and not self._final_committed(attempt):
+                    return Failure(FailureKind.STOPPED, "every rank saved and stopped", step=self._step(attempt))
                 return None
             now = time.monotonic()
             progress.observe((hb for hb in self.rd.heartbeats() if hb.get("attempt") == attempt), now)
@@ -305,11 +334,27 @@ class Supervisor:
                 return Failure(found[0], found[1], step=self._step(attempt))
             time.sleep(self.poll_s)
 
-    def _error_failure(self, errors: list[dict[str, Any]]) -> Failure:
+    def _error_failure(self, errors: list[dict[str, Any]], attempt: int) -> Failure:
         lines = [str(line) for e in errors for line in (e.get("lines") or [])]
         lines = sorted(set(lines), key=lines.index)
         if any(e.get("exit_code") == ExitCode.NO_SPACE for e in errors):
             return Failure(FailureKind.NO_SPACE, "a rank ran out of disk space", lines=lines)
+        script = [e for e in errors if e.get("exit_code") == ExitCode.SCRIPT_FAILED]
+        if script:
+            e = script[0]
+            tb = [str(x) for x in (e.get("traceback") or [])]
+            where = f"rank {e.get('rank')} on {e.get('host')}"
+            if e.get("step") is None:  # before the first step: the same will happen again
+                return Failure(
+                    FailureKind.SCRIPT_ERROR, f"the training script failed on {where}", lines=lines, exit_code=14
+                ).with_traceback(tb)
+            # after it: an ordinary failure (restarted; the no-progress rule stops a repeating one)
+            return Failure(
+                FailureKind.EXIT,
+                f"the training script raised on {where} at step {e.get('step')}",
+                step=self._step(attempt),
+                exit_code=ExitCode.SCRIPT_FAILED,
+            ).with_traceback(tb)
         return Failure(FailureKind.USER_ERROR, "a rank reported an error a restart cannot fix", lines=lines)
 
     def _no_space_failure(self, e: OSError) -> Failure:
@@ -385,6 +430,10 @@ class Supervisor:
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
+            try:
+                (self.rd.meta / STOP_FILE).unlink()
+            except OSError:
+                pass
 
     def _run(self, first: Choice | None) -> int:
         attempt = self.rd.next_attempt()
@@ -396,8 +445,8 @@ class Supervisor:
             first = None
             if choice.exit_code is not None:
                 return choice.exit_code
-            if self.interrupted:
-                return self._stop(decide(Situation(FailureKind.INTERRUPTED, signum=self.interrupted), self.policy))
+            if self.interrupted or self.stop_requested:
+                return self._stop_between_attempts()
             self._start_fidelity(attempt, choice.step)
             inputs = LaunchInputs(**{**self.inputs.__dict__, "attempt": attempt, "resume": choice.resume})
             cmd = build_launch(inputs, self.base_env)
@@ -412,7 +461,7 @@ class Supervisor:
             try:
                 self.spawn(cmd, attempt, procs)
                 failure = self.monitor(procs, attempt, time.monotonic())
-                if failure is not None:
+                if failure is not None and failure.kind is not FailureKind.STOPPED:
                     self._record_failure(failure, attempt)
             finally:
                 self.teardown(procs, attempt)  # whatever happened above: nothing of the run is left running
@@ -431,14 +480,28 @@ class Supervisor:
                     return code
             self.events("restart", decision.reason, restarts=self.policy.used, delay_s=round(decision.delay_s, 2))
             deadline = time.monotonic() + decision.delay_s
-            while time.monotonic() < deadline and not self.interrupted:
+            while time.monotonic() < deadline and not (self.interrupted or self.stop_requested):
                 time.sleep(0.1)
-            if self.interrupted:
-                return self._stop(decide(Situation(FailureKind.INTERRUPTED, signum=self.interrupted), self.policy))
+            if self.interrupted or self.stop_requested:
+                return self._stop_between_attempts()
             if self._universal_attempt and self.prepare is not None:
                 self.prepare(self._plan, False)  # later attempts load the new world size's own checkpoints
                 self._universal_attempt = False
             attempt += 1
+
+    def _stop_between_attempts(self) -> int:
+        """A signal while nothing runs: nothing is in flight, so the newest committed checkpoint is where the run
+        is (exit 8); a second signal, or none committed, is an interruption as before (128+N)."""
+        if self.interrupted or self._newest_commit() is None:
+            return self._stop(
+                decide(Situation(FailureKind.INTERRUPTED, signum=self.interrupted or self.stop_requested), self.policy)
+            )
+        return self._stop(
+            decide(
+                Situation(FailureKind.STOPPED, signum=self.stop_requested, newest_commit=self._newest_commit()),
+                self.policy,
+            )
+        )
 
     def _record_failure(self, failure: Failure, attempt: int) -> None:
         self.events(
@@ -454,11 +517,16 @@ class Supervisor:
     def _decide(self, failure: Failure, attempt: int) -> Decision:
         for line in failure.lines:
             self.echo(f"ftkit: error: {line}")
+        if failure.traceback:
+            self.echo("  the script's traceback (last lines):")
+            for line in failure.traceback:
+                self.echo(f"    {line[:300]}")
         if failure.kind is FailureKind.NO_SPACE:
             self._discard_torn()
         self._lost: list[str] = []
-        if failure.kind in (FailureKind.EXIT, FailureKind.HANG, FailureKind.STARTUP):
+        if failure.kind in (FailureKind.EXIT, FailureKind.HANG, FailureKind.STARTUP) and not failure.traceback:
             self._echo_log_tail(attempt)
+        if failure.kind in (FailureKind.EXIT, FailureKind.HANG, FailureKind.STARTUP):
             self._lost = probe_hosts(list(self.inputs.hosts), self.ssh_args)
             if self._lost:
                 self.events(
@@ -468,7 +536,7 @@ class Supervisor:
             failure.kind,
             step=failure.step,
             newest_commit=self._newest_commit(),
-            signum=self.interrupted,
+            signum=self.interrupted or self.stop_requested,
             lost_hosts=tuple(self._lost),
             nodes=len(self.inputs.hosts),
             min_nodes=self.min_nodes,
@@ -476,7 +544,9 @@ class Supervisor:
         return decide(situation, self.policy)
 
     def _stop(self, decision: Decision) -> int:
-        event = "interrupted" if decision.exit_code in (129, 130, 143) else "gave_up"
+        event = {129: "interrupted", 130: "interrupted", 138: "interrupted", 143: "interrupted"}.get(
+            decision.exit_code, "stopped" if decision.exit_code == ExitCode.STOPPED else "gave_up"
+        )
         self.events(event, decision.reason, restarts=self.policy.used, exit_code=decision.exit_code)
         return decision.exit_code
 
@@ -576,7 +646,64 @@ class Supervisor:
         return sel.step
 
     def _on_signal(self, signum: int, frame: Any) -> None:  # noqa: ARG002
-        self.interrupted = signum
+        if self.stop_requested is None:
+            self.stop_requested = signum  # the first: save at the next step boundary, then stop
+        else:
+            self.interrupted = signum  # the second: tear down now
+
+    # ------------------------------------------------------------------------------------------------ graceful stop
+
+    def _stopping(self, attempt: int, progress: Progress) -> Failure | None:
+        """Called every poll once a stop is requested: ask the ranks (once), then bound the wait."""
+        name = signal.Signals(self.stop_requested).name if self.stop_requested else "request"
+        now = time.monotonic()
+        timeout = float(self.res.get("stop_timeout_s") or STOP_TIMEOUT_S)
+        if self._stop_sent_at is None:
+            if not progress.first_step_seen:  # no step computed in this attempt: nothing to save, stop now
+                return Failure(FailureKind.STOPPED, f"{name} before the first step: nothing new to save")
+            atomic_write(
+                self.rd.meta / STOP_FILE,
+                json.dumps({"attempt": attempt, "signal": name, "time": time.time(), "timeout_s": timeout}),
+            )
+            self._stop_sent_at = now
+            self.events(
+                "stop_requested",
+                f"{name}: every rank saves at the next step boundary, then stops (at most {timeout:g}s; "
+                "a second signal stops at once)",
+                signal=name,
+                timeout_s=timeout,
+            )
+            return None
+        if now - self._stop_sent_at > timeout:
+            self.interrupted = self.stop_requested
+            return Failure(
+                FailureKind.INTERRUPTED,
+                f"the graceful stop did not finish within stop_timeout_s={timeout:g}s: tearing down",
+                step=self._step(attempt),
+            )
+        return None
+
+    def _echo_args_changes(self, attempt: int) -> None:
+        """A wrapped script's TrainingArguments that the recipe overrode, listed once per run (ftkit.hf)."""
+        if attempt in self._changes_seen:
+            return
+        path = self.rd.attempt_dir(attempt) / "args_changes.json"
+        try:
+            rows = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return
+        self._changes_seen.add(attempt)
+        if not isinstance(rows, list):
+            return
+        new = [r for r in rows if isinstance(r, dict) and r.get("name") not in self._changes_listed]
+        self._changes_listed.update(r.get("name") for r in new)
+        if new:
+            self.events(
+                "args_changed",
+                "the recipe overrides the script's TrainingArguments:\n"
+                + "\n".join(f"    {r.get('name')}: {r.get('from')!r} -> {r.get('to')!r}" for r in new),
+                changes=new,
+            )
 
     def _dead_ranks(self, attempt: int) -> list[int]:
         from .procs import is_alive, is_this_machine

@@ -163,8 +163,8 @@ def test_ftkit_stop_ends_a_live_run_from_another_shell(fx, tmp_path):
         wait_step(run, 0, 2)
         stop = ftkit("stop", str(run), env=ENV, timeout=120)
         assert stop.returncode == 0, stop.stdout + stop.stderr
-        assert proc.wait(10) == ExitCode.SIGTERM
-        assert named(run, "interrupted")
+        assert proc.wait(10) == ExitCode.STOPPED  # a graceful stop: the step in flight is saved first
+        assert named(run, "stopped") and named(run, "stop_requested")
         assert_no_process_left(run)
     again = ftkit("stop", str(run), env=ENV, timeout=60)
     assert again.returncode == 0 and "nothing of the run" in again.stdout, again.stdout + again.stderr

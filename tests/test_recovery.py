@@ -312,19 +312,17 @@ def test_rank_failing_at_the_same_step_every_time_gives_up_and_keeps_checkpoints
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(
-    ("sig", "expected"),
-    [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)],  # SIGHUP: a closed terminal
-    ids=["SIGINT", "SIGTERM", "SIGHUP"],
-)
-def test_interrupting_ftkit_tears_the_run_down(sig, expected, fx, tmp_path):
-    recipe, run = _recipe(tmp_path, fx)
+def test_a_second_signal_tears_the_run_down_at_once(fx, tmp_path):
+    """The first signal asks for a graceful stop (tests/test_graceful_stop.py); a second one is the old Ctrl-C:
+    teardown now, exit 128+N, nothing left."""
+    recipe, run = _recipe(tmp_path, fx, train__max_steps=120)
     with launched(recipe, run) as proc:
         wait_step(run, 0, 2)
-        proc.send_signal(sig)  # like Ctrl-C (the engines run in their own sessions, so only ftkit gets it)
+        proc.send_signal(signal.SIGTERM)  # like Ctrl-C (the engines run in their own sessions, so only ftkit gets it)
+        proc.send_signal(signal.SIGHUP)  # a closed terminal right after
         code = finish(proc, 60)
-    assert code == expected, output(recipe)[-3000:]
-    assert named(run, "interrupted") and not named(run, "restart")
+    assert code == 129, output(recipe)[-3000:]
+    assert named(run, "interrupted") and not named(run, "restart") and not named(run, "stopped")
     (td,) = named(run, "teardown")
     assert td["clean"], td
     assert_no_process_left(run)

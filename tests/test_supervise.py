@@ -60,6 +60,8 @@ def test_restartable_failures_restart_within_budget(kind):
         (FailureKind.USER_ERROR, ExitCode.USAGE),
         (FailureKind.NO_SPACE, ExitCode.NO_SPACE),
         (FailureKind.RESUME_MISMATCH, ExitCode.RESUME_MISMATCH),
+        (FailureKind.SCRIPT_ERROR, ExitCode.SCRIPT_FAILED),
+        (FailureKind.STOPPED, ExitCode.STOPPED),
     ],
 )
 def test_failures_a_restart_cannot_fix_stop_at_once_without_using_the_budget(kind, code):
@@ -73,6 +75,12 @@ def test_interrupted_stops_with_128_plus_signal(sig, code):
     d = decide(Situation(FailureKind.INTERRUPTED, signum=sig), policy())
     assert d.action is Action.STOP and d.exit_code == code == interrupted_code(sig)
     assert sig.name in d.reason
+
+
+def test_a_finished_graceful_stop_exits_8_naming_the_committed_step():
+    d = decide(Situation(FailureKind.STOPPED, step=14, newest_commit=14, signum=signal.SIGUSR1), policy())
+    assert d.action is Action.STOP and d.exit_code == ExitCode.STOPPED == 8
+    assert "SIGUSR1" in d.reason and "checkpoint committed at step 14" in d.reason
 
 
 def test_lost_host_with_all_nodes_required_stops_with_host_lost():
