@@ -1,4 +1,5 @@
-"""Summaries of a run directory: attempts, restarts, steps, losses, checkpoints (committed or rejected, why).
+"""Summaries of a run directory: attempts, restarts, steps, losses and eval losses, checkpoints (committed or
+rejected, why), Slurm job events, and hosts that straggle.
 
 What is malformed and what is merely odd: a line of ``events.jsonl`` or ``metrics.jsonl`` that is not a JSON object
 (a line cut by a crash, or hand-edited), and a metrics line whose step or loss is not a number, is skipped and
@@ -21,6 +22,7 @@ from typing import Any
 from .checkpoints import list_checkpoints, list_set_aside, read_commit, verify
 from .errors import ExitCode, FtkitError, NoSpace, Problem, UserError
 from .rundir import RunDir
+from .stragglers import score_run
 
 
 class VerifyFailed(FtkitError):
@@ -96,6 +98,15 @@ class RunSummary:
     verified: bool = False  # checkpoints were checked against their checksums, not only sizes
     skipped: dict[str, int] = field(default_factory=dict)  # file name -> malformed lines skipped
     running: str | None = None  # who runs it now, or that its ranks run unsupervised (ftkit.owner.liveness)
+    eval_losses: list[tuple[int, float, int]] = field(default_factory=list)  # (step, eval loss, attempt), latest
+    slurm: list[dict[str, Any]] = field(default_factory=list)  # {"job_id", "restart_count", "reason"} events
+    stragglers: list[str] = field(default_factory=list)  # one line per slow host (ftkit.stragglers)
+
+    @property
+    def recomputed(self) -> list[tuple[int, float, int]]:
+        """Values a failed attempt logged for steps that a later attempt computed again (and whose value counts)."""
+        kept = {(step, attempt) for step, _, attempt in self.losses}
+        return [(st, loss, a) for st, loss, a in self.all_losses if (st, a) not in kept]
 
     @property
     def verify_failures(self) -> list[str]:
@@ -148,7 +159,15 @@ def summarize(run_dir: str | Path, *, checksums: bool = False) -> RunSummary:
     launches = [e for e in events if e.get("event") == "launch"]
     restarts = [e for e in events if e.get("event") == "restart"]
     all_losses: list[tuple[int, float, int]] = []
+    evals: dict[int, tuple[float, int]] = {}
     for m in metrics:
+        if "eval_loss" in m and "loss" not in m:
+            step, loss, attempt = _int(m.get("step")), _number(m.get("eval_loss")), _int(m.get("attempt", 0))
+            if step is None or loss is None or attempt is None:
+                skipped[rd.metrics.name] = skipped.get(rd.metrics.name, 0) + 1
+            else:
+                evals[step] = (loss, attempt)  # a recomputed step's evaluation: the latest attempt's value
+            continue
         if "loss" not in m:
             continue  # another kind of line (commit events, ...)
         step, loss, attempt = _int(m.get("step")), _number(m.get("loss")), _int(m.get("attempt", 0))
@@ -198,6 +217,13 @@ def summarize(run_dir: str | Path, *, checksums: bool = False) -> RunSummary:
         final_problem=final_problem,
         verified=checksums,
         skipped=skipped,
+        eval_losses=[(st, loss, a) for st, (loss, a) in sorted(evals.items())],
+        slurm=[
+            {k: e.get(k) for k in ("job_id", "restart_count", "reason", "time")}
+            for e in events
+            if e.get("event") == "slurm"
+        ],
+        stragglers=score_run(rd.path).lines(),
     )
 
 
@@ -211,6 +237,15 @@ def format_summary(s: RunSummary) -> str:
     lines.append(f"attempts: {s.attempts}   restarts: {s.restarts}   step: {steps}")
     if s.first_loss is not None:
         lines.append(f"loss: {s.first_loss:.4f} at step {s.losses[0][0]} -> {s.last_loss:.4f} at step {s.step}")
+    if s.eval_losses:
+        (s0, e0, _), (s1, e1, _) = s.eval_losses[0], s.eval_losses[-1]
+        best = min(s.eval_losses, key=lambda t: t[1])
+        lines.append(
+            f"eval loss: {e0:.4f} at step {s0} -> {e1:.4f} at step {s1} (best {best[1]:.4f} at step {best[0]}, "
+            f"{len(s.eval_losses)} evaluation{'s' if len(s.eval_losses) != 1 else ''})"
+        )
+    lines += _slurm_lines(s.slurm)
+    lines += s.stragglers
     for f in s.failures:
         lines.append(f"failure: {f}")
     if s.checkpoints:
@@ -235,8 +270,55 @@ def format_summary(s: RunSummary) -> str:
     return "\n".join(lines)
 
 
-def plot_losses(s: RunSummary, out: Path) -> Path:
-    """Loss against step, one colour per attempt, a dashed line where a restart resumed. Needs matplotlib."""
+def _slurm_lines(events: list[dict[str, Any]]) -> list[str]:
+    """``slurm: job 4242, requeued 2 times`` then one line per event, oldest first (the last 10)."""
+    if not events:
+        return []
+    jobs = list(dict.fromkeys(str(e.get("job_id")) for e in events if e.get("job_id") is not None))
+    requeues = max((_int(e.get("restart_count")) or 0 for e in events), default=0)
+    head = f"slurm: job {', '.join(jobs) or '?'}, requeued {requeues} time{'s' if requeues != 1 else ''}"
+    out = [head]
+    if len(events) > 10:
+        out.append(f"  ... {len(events) - 10} earlier event(s) in events.jsonl")
+    for e in events[-10:]:
+        n = _int(e.get("restart_count"))
+        out.append(f"  {'start' if not n else f'requeue {n}'}: {e.get('reason') or 'no reason recorded'}")
+    return out
+
+
+@dataclass(frozen=True)
+class Series:
+    """One line of the loss plot, as data: what plot_losses draws (and what its tests check)."""
+
+    label: str
+    steps: list[int]
+    values: list[float]
+    kind: str  # "train" (the losses that count), "recomputed" (a failed attempt's, computed again later), "eval"
+    attempt: int | None = None
+
+
+def loss_series(s: RunSummary) -> list[Series]:
+    """The plot's lines: per attempt the training losses that count; per failed attempt, in a lighter style, the
+    steps it computed that a later attempt recomputed (on CPU they coincide with the new values); eval loss."""
+    out = []
+    recomputed = s.recomputed
+    for a in sorted({a for _, _, a in s.losses} | {a for _, _, a in recomputed}):
+        pts = [(st, loss) for st, loss, att in s.losses if att == a]
+        if pts:
+            out.append(Series(f"attempt {a}", [p[0] for p in pts], [p[1] for p in pts], "train", a))
+        gone = [(st, loss) for st, loss, att in recomputed if att == a]
+        if gone:
+            label = f"attempt {a}: steps recomputed later"
+            out.append(Series(label, [p[0] for p in gone], [p[1] for p in gone], "recomputed", a))
+    if s.eval_losses:
+        out.append(Series("eval loss", [e[0] for e in s.eval_losses], [e[1] for e in s.eval_losses], "eval"))
+    return out
+
+
+def loss_figure(s: RunSummary) -> Any:
+    """The matplotlib Figure of :func:`plot_losses` (the caller closes it): loss against step, one colour per
+    attempt, a dashed line where a restart resumed, the steps a failed attempt computed before they were recomputed
+    in a lighter style (under the values that count: on CPU they coincide), eval loss as crosses."""
     try:
         import matplotlib
     except ImportError:
@@ -245,10 +327,27 @@ def plot_losses(s: RunSummary, out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    attempts = sorted({a for _, _, a in s.all_losses})
-    for a in attempts:
-        pts = [(st, loss) for st, loss, att in s.all_losses if att == a]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=f"attempt {a}", alpha=0.85)
+    colours: dict[int | None, Any] = {}
+    for line in loss_series(s):
+        if line.kind == "train":
+            (drawn,) = ax.plot(line.steps, line.values, marker=".", label=line.label, alpha=0.85, zorder=3)
+            colours[line.attempt] = drawn.get_color()
+        elif line.kind == "recomputed":  # drawn under the values that count, wider and paler, so both show
+            ax.plot(
+                line.steps,
+                line.values,
+                marker="o",
+                markersize=7,
+                markerfacecolor="none",
+                linestyle=":",
+                linewidth=2.5,
+                alpha=0.35,
+                color=colours.get(line.attempt),
+                label=line.label,
+                zorder=2,
+            )
+        else:
+            ax.plot(line.steps, line.values, marker="x", linestyle="--", color="black", label=line.label, zorder=4)
     for i, st in enumerate(s.restart_steps):
         ax.axvline(
             st,
@@ -258,11 +357,19 @@ def plot_losses(s: RunSummary, out: Path) -> Path:
             label="restart: resumed from this step's checkpoint" if i == 0 else None,
         )
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
+    ax.set_ylabel("loss")
     ax.set_title(f"{s.run_dir.name}: {s.restarts} restart(s); steps after a restart line were recomputed")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    return fig
+
+
+def plot_losses(s: RunSummary, out: Path) -> Path:
+    """Write :func:`loss_figure` as a PNG to ``out``. Needs matplotlib."""
+    fig = loss_figure(s)
+    import matplotlib.pyplot as plt
+
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, format="png")

@@ -253,3 +253,97 @@ def test_plot_to_a_bad_path_is_one_line_exit_2(tmp_path: Path) -> None:
     good = tmp_path / "plots" / "loss.png"
     out = run_ftkit("status", str(run), "--plot", str(good))
     assert (out.returncode, out.stderr) == (0, "") and good.read_bytes()[:4] == b"\x89PNG"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Eval loss, recomputed steps in the plot, Slurm events, stragglers (issues 11, 12, 13)
+
+
+def _append(path: Path, rows: list[dict]) -> None:
+    with open(path, "a") as fh:
+        fh.write("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_eval_loss_in_status_and_json(tmp_path: Path) -> None:
+    run = make_run(tmp_path)
+    _append(
+        run / "metrics.jsonl",
+        [
+            {"step": 10, "eval_loss": 3.5, "attempt": 1, "time": 1.0},
+            {"step": 10, "eval_loss": 3.25, "attempt": 2, "time": 2.0},  # recomputed after the restart: counts
+            {"step": 20, "eval_loss": 3.0, "attempt": 2, "time": 3.0},
+        ],
+    )
+    out = run_ftkit("status", str(run))
+    assert (out.returncode, out.stderr) == (0, ""), out.stderr
+    assert "eval loss: 3.2500 at step 10 -> 3.0000 at step 20 (best 3.0000 at step 20, 2 evaluations)" in out.stdout
+    assert "note:" not in out.stdout  # eval lines are not malformed loss lines
+    data = json.loads(run_ftkit("status", str(run), "--json").stdout)
+    assert data["eval_losses"] == [[10, 3.25, 2], [20, 3.0, 2]]
+
+
+def test_plot_draws_recomputed_steps_in_a_lighter_style_and_eval_loss(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from ftkit.runstatus import loss_figure, summarize
+
+    run = make_run(tmp_path)  # attempt 1 logged steps 1-12, died; attempt 2 resumed from 10 and logged 11-20
+    _append(run / "metrics.jsonl", [{"step": 20, "eval_loss": 2.5, "attempt": 2}])
+    s = summarize(run)
+    assert [(st, a) for st, _, a in s.recomputed] == [(11, 1), (12, 1)]
+    fig = loss_figure(s)
+    try:
+        lines = {ln.get_label(): ln for ln in fig.axes[0].get_lines()}
+        main1, gone, main2 = lines["attempt 1"], lines["attempt 1: steps recomputed later"], lines["attempt 2"]
+        assert list(main1.get_xdata()) == list(range(1, 11)) and list(main2.get_xdata()) == list(range(11, 21))
+        assert list(gone.get_xdata()) == [11, 12] and list(gone.get_ydata()) == [4.0 - 1.1, 4.0 - 1.2]
+        assert gone.get_alpha() < main1.get_alpha() and gone.get_color() == main1.get_color()
+        assert list(lines["eval loss"].get_xdata()) == [20]
+    finally:
+        plt.close(fig)
+    png = tmp_path / "loss.png"
+    out = run_ftkit("status", str(run), "--plot", str(png))
+    assert (out.returncode, out.stderr) == (0, "") and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_slurm_events_in_status(tmp_path: Path) -> None:
+    run = make_run(tmp_path)
+    _append(
+        run / "events.jsonl",
+        [
+            {"event": "slurm", "job_id": "4242", "restart_count": 0, "reason": "started in allocation n[1-2]"},
+            {"event": "slurm", "job_id": "4242", "restart_count": 1, "reason": "preempted (USR1): saved step 13"},
+            {"event": "slurm", "job_id": "4242", "restart_count": 2, "reason": "time limit (USR1): saved step 17"},
+        ],
+    )
+    out = run_ftkit("status", str(run))
+    assert (out.returncode, out.stderr) == (0, ""), out.stderr
+    assert (
+        "slurm: job 4242, requeued 2 times\n"
+        "  start: started in allocation n[1-2]\n"
+        "  requeue 1: preempted (USR1): saved step 13\n"
+        "  requeue 2: time limit (USR1): saved step 17\n"
+    ) in out.stdout
+    assert "slurm:" not in run_ftkit("status", str(make_run(tmp_path / "plain"))).stdout
+
+
+def test_status_names_a_straggling_host_with_numbers(tmp_path: Path) -> None:
+    from test_stragglers import write_rank
+
+    from ftkit.rundir import RunDir
+
+    run = make_run(tmp_path)
+    rd = RunDir(run)
+    for rank, host, compute_s in [(0, "n1", 0.25), (1, "n1", 0.26), (2, "n2", 0.61), (3, "n2", 0.60)]:
+        write_rank(rd, rank, host, compute_s, 14, attempt=2)
+    out = run_ftkit("status", str(run))
+    assert (out.returncode, out.stderr) == (0, ""), out.stderr
+    assert (
+        "straggler: host n2 (ranks 2, 3): 0.605 s compute per step, 2.37x the other hosts' median 0.255 s, "
+        "over 14 steps (threshold 1.5x after 10 steps)"
+    ) in out.stdout
+    assert json.loads(run_ftkit("status", str(run), "--json").stdout)["stragglers"][0].startswith("straggler: host n2")
+    write_rank(rd, 2, "n2", 0.27, 14, attempt=2)
+    write_rank(rd, 3, "n2", 0.27, 14, attempt=2)
+    assert "straggler" not in run_ftkit("status", str(run)).stdout

@@ -25,11 +25,13 @@ Exit codes:
       copies a restart set aside as checkpoint-N.rejected-* do not count)
 Malformed lines in events.jsonl or metrics.jsonl (not a JSON object, no numeric step or
 loss) are skipped and counted in a note; the summary still prints.
+A host whose ranks compute each step at least 1.5x slower than the other hosts' median
+(after 10 steps; from the heartbeats) is named on a "straggler:" line with its numbers.
 
 \b
 Examples:
   ftkit status runs/demo
-  ftkit status runs/demo --plot loss.png     # loss against step, restarts marked
+  ftkit status runs/demo --plot loss.png     # loss and eval loss against step, restarts marked
   ftkit status runs/demo --verify --json     # re-read every checkpoint byte; exit 13 if any fails
 """,
 )
@@ -38,7 +40,8 @@ Examples:
     "--plot",
     type=click.Path(path_type=str),
     default=None,
-    help="Write a PNG of loss against step with each restart marked.",
+    help="Write a PNG of loss (and eval loss) against step with each restart marked; steps a failed attempt "
+    "computed and a later one recomputed are drawn too, lighter.",
 )
 @click.option(
     "--verify",
@@ -47,7 +50,8 @@ Examples:
 )
 @json_option
 def command(run_dir: str, plot: str | None, verify: bool, as_json: bool) -> None:
-    """Summarise RUN_DIR: attempts, restarts, current step, loss, checkpoints (committed or rejected, and why)."""
+    """Summarise RUN_DIR: attempts, restarts, current step, loss and eval loss, checkpoints (committed or rejected,
+    and why), Slurm job events, straggling hosts."""
     path = Path(run_dir)
     if not path.exists():
         raise UserError(Problem("does not exist [give the run's train.output_dir]", file=run_dir))
