@@ -46,6 +46,9 @@ from typing import Any
 
 HOOK_PID_ENV = "FTKIT_HOOK_PID"  # the pid of the rank the hook serves: its child processes leave it alone
 TRACEBACK_LINES = 20  # the last lines of a traceback kept in the error record
+# A collective failing because a peer died: an echo of that peer's failure, not this rank's (no record: the
+# supervisor finds the rank that really failed; the text stays in this rank's log).
+PEER_ECHO = ("by peer", "Connection closed", "Connection reset", "Broken pipe", "Socket Timeout", "NCCL communicator")
 
 _training: dict[str, Any] = {"began": False, "trainer": None}  # a training step began in this process; by whom
 _installed = False
@@ -299,6 +302,8 @@ def _install_error_hooks() -> None:
 def record_failure(text: list[str], summary: str) -> bool:
     """The rank's error record (exit code 14) with the traceback's last lines and the last step this process
     completed (None: it failed before its first step, which a restart would not fix). Returns whether written."""
+    if any(s in summary for s in PEER_ECHO):
+        return False
     step = None
     if _training["began"]:
         trainer = _training["trainer"]() if _training["trainer"] is not None else None

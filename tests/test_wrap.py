@@ -77,7 +77,8 @@ def hf_baseline(fx: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
     r = launch(recipe, "--", *hf_script(fx, "--logging_steps", "1", "--report_to", "none"))
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
     # the script asked HF for get_last_checkpoint (resume_from_checkpoint=True): ftkit's choice (none) won, listed
-    assert "resume_from_checkpoint: True -> None" in r.stdout, r.stdout[-3000:]
+    rows = json.loads((run / "ftkit" / "attempts" / "0" / "args_changes.json").read_text())
+    assert {"name": "resume_from_checkpoint", "from": True, "to": None} in rows, rows
     assert not named(run, "restart")
     assert_no_process_left(run)
     got = losses(run)
