@@ -371,9 +371,10 @@ def _signal_owner(owner: Owner, ssh_args: list[str]) -> None:
     remote_signal(owner.host, [Target(owner.host, owner.pid, owner.start_time)], "TERM", ssh_args)
 
 
-def stop_run(run_dir: str, *, force: bool = False, timeout: float = 120.0, echo: Callable[[str], None] = print) -> int:
-    """``ftkit stop``: SIGTERM the live supervisor and wait until it and the ranks are gone; with ``force``, when
-    the supervisor is gone (or cannot be reached), tear the ranks down by their pid records. Exit 0 when nothing of
+def stop_run(run_dir: str, *, force: bool = False, timeout: float = 180.0, echo: Callable[[str], None] = print) -> int:
+    """``ftkit stop``: SIGTERM the live supervisor (a graceful stop: the step in flight is saved) and wait until it
+    and the ranks are gone; with ``force``, SIGTERM twice (no save), and when the supervisor is gone (or cannot be
+    reached), tear the ranks down by their pid records. Exit 0 when nothing of
     the run is left, 11 (RUN_BUSY) when something is."""
     from .errors import ExitCode
 
@@ -385,7 +386,12 @@ def stop_run(run_dir: str, *, force: bool = False, timeout: float = 120.0, echo:
     state = owner_state(owner, ssh_args) if owner else "dead"
     if state == "alive":
         assert owner is not None
-        echo(f"ftkit: asking its supervisor ({owner.describe()}) to stop")
+        if force:  # two signals: the second ends the graceful stop's wait, so the run is torn down at once
+            echo(f"ftkit: stopping its supervisor ({owner.describe()}) at once, without saving")
+            _signal_owner(owner, ssh_args)
+            time.sleep(0.5)
+        else:
+            echo(f"ftkit: asking its supervisor ({owner.describe()}) to save the step in flight and stop")
         _signal_owner(owner, ssh_args)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and owner_state(owner, ssh_args) == "alive":

@@ -154,3 +154,16 @@ def test_a_stop_that_cannot_finish_is_bounded_by_stop_timeout_s(fx, tmp_path):
     assert 3 <= took < 3 + 10.0 + 5, took
     assert "stop_timeout_s=3" in output(recipe)
     assert_no_process_left(run)
+
+
+@pytest.mark.timeout(600)
+def test_ftkit_stop_force_tears_a_live_run_down_without_saving(fx, tmp_path):
+    recipe, run = _recipe(tmp_path, fx, train__max_steps=LONG, train__save_steps=SAVE)
+    with launched(recipe, run) as proc:
+        wait_step(run, 0, 3)
+        r = ftkit("stop", "--force", str(run), env=ENV, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "without saving" in r.stdout
+        assert finish(proc, 30) == ExitCode.SIGTERM, output(recipe)[-3000:]
+    assert named(run, "interrupted") and not named(run, "stopped")
+    assert_no_process_left(run)

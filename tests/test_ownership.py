@@ -112,9 +112,16 @@ def test_sigkilled_supervisor_ranks_stop_by_themselves_and_relaunch_finishes(fx,
         assert_no_process_left(run)  # /dev/shm included: each rank removed the run's buffers
         logs = "".join(p.read_text(errors="replace") for p in RunDir(run).log_dir(0).glob("rank-*.log"))
         assert "this rank stops itself" in logs
+    # ... after saving the step in flight (the graceful stop, asked for by every rank's own watchdog)
+    from ftkit.runstatus import read_jsonl
+
+    saved = [m["step"] for m in read_jsonl(run / "metrics.jsonl") if m.get("event") == "commit" and m.get("stop")]
+    assert len(saved) == 1 and saved[0] >= 5, saved
     with launched(recipe, run) as proc:
         code = finish(proc)
         assert code == ExitCode.OK, output(recipe)[-3000:]
+    chosen = [e for e in events(run) if e["event"] == "checkpoint_chosen"]
+    assert chosen and chosen[-1]["step"] == saved[0], chosen
     assert_same_as_lone_run(run, baseline)
     assert_no_process_left(run)
 

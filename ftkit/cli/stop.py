@@ -11,17 +11,25 @@ import click
     "stop",
     epilog="""\b
 Examples:
-  ftkit stop runs/demo            # SIGTERM to its ftkit launch, wait until nothing of the run is left
-  ftkit stop runs/demo --force    # its supervisor is gone: tear the ranks down by their pid records
+  ftkit stop runs/demo            # its ftkit launch saves the step in flight, stops (exit 8); wait for it
+  ftkit stop runs/demo --force    # stop at once without saving; or, its supervisor gone, by pid records
 \b
 Exit codes: 0 nothing of the run is left, 2 not a run directory, 11 something is still running.
 """,
 )
 @click.argument("run_dir", type=click.Path(file_okay=False, path_type=str))
-@click.option("--force", is_flag=True, help="Tear down by pid records on every host when the supervisor is gone.")
-@click.option("--timeout", type=float, default=120.0, show_default=True, help="Seconds to wait for the run to end.")
+@click.option(
+    "--force", is_flag=True, help="Stop at once without saving; tear down by pid records when the supervisor is gone."
+)
+@click.option(
+    "--timeout",
+    type=float,
+    default=180.0,
+    show_default=True,
+    help="Seconds to wait for the run to end (a graceful stop takes up to resilience.stop_timeout_s).",
+)
 def command(run_dir: str, force: bool, timeout: float) -> None:
-    """Stop the run in RUN_DIR: signal its supervisor (which tears everything down), or with --force its ranks."""
+    """Stop the run in RUN_DIR: its supervisor saves the step in flight and tears everything down (exit 8 there)."""
     from ..owner import stop_run
 
     sys.exit(stop_run(run_dir, force=force, timeout=timeout, echo=click.echo))
