@@ -1,0 +1,150 @@
+"""Stale JIT build locks: torch's extension builder waits forever on a ``lock`` file a killed build left behind.
+
+torch.utils.cpp_extension (used by DeepSpeed for its CPU Adam and shared-memory ops) guards each build with a
+``FileBaton``: ``<build dir>/lock`` created with O_CREAT|O_EXCL, its descriptor kept open by the building process
+for the whole build, removed when the build ends. A process that waits for the baton only polls for the file to
+disappear. A build killed at the wrong moment (SIGKILL, OOM, a teardown) leaves the file, and every later rank
+that needs the op then waits on it silently, forever.
+
+Build directories: ``$TORCH_EXTENSIONS_DIR/<op>/`` when that is set, else
+``${XDG_CACHE_HOME:-~/.cache}/torch_extensions/py<XY>_<cpu|cuNNN|rocmNNN>/<op>/``.
+
+**Rule** (stated once, used by ``ftkit doctor`` and the supervisor's loading hint): a ``lock`` is *stale* when no
+process on this machine holds its build — none has the lock file open (the baton holder keeps its descriptor) and
+none runs in the op's directory (ninja and the compiler run with that cwd). Processes whose /proc entries cannot be
+read (another user's, without root) are not seen; on a file system shared between hosts a build running on another
+host is not seen either, so ``ftkit doctor`` runs the check on every host and calls a lock stale only when no host
+holds it. The fix is ``rm <lock>``: the next rank rebuilds (or reuses) the op.
+
+Import-light: standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+LOADING_HINT_AFTER_S = 60.0  # a rank still "loading" this long while a stale lock exists gets a hint
+
+
+def extension_roots(env: Mapping[str, str] | None = None) -> list[Path]:
+    """Directories whose children are op build directories (the torch_extensions layout above)."""
+    env = os.environ if env is None else env
+    explicit = env.get("TORCH_EXTENSIONS_DIR")
+    if explicit:
+        return [Path(explicit)]
+    home = env.get("HOME") or os.path.expanduser("~")
+    cache = Path(env.get("XDG_CACHE_HOME") or os.path.join(home, ".cache")) / "torch_extensions"
+    try:
+        return sorted(p for p in cache.iterdir() if p.is_dir())
+    except OSError:
+        return []
+
+
+def build_locks(env: Mapping[str, str] | None = None) -> list[Path]:
+    """Every ``<op>/lock`` file under the extension roots, held or not."""
+    out: list[Path] = []
+    for root in extension_roots(env):
+        try:
+            out += sorted(p for p in root.glob("*/lock") if p.is_file())
+        except OSError:
+            continue
+    return out
+
+
+def _holders(locks: Iterable[Path], proc: Path = Path("/proc")) -> dict[Path, int]:
+    """lock -> the pid of one process on this machine that holds its build (open lock file or cwd in its dir)."""
+    wanted = {str(p.resolve()): p for p in locks}
+    dirs = {str(Path(k).parent): v for k, v in wanted.items()}
+    held: dict[Path, int] = {}
+    if not wanted:
+        return held
+    try:
+        pids = [int(d.name) for d in proc.iterdir() if d.name.isdigit()]
+    except OSError:
+        return held
+    me = os.getpid()
+    for pid in pids:
+        if pid == me:
+            continue
+        base = proc / str(pid)
+        try:
+            cwd = os.readlink(base / "cwd")
+        except OSError:
+            cwd = ""
+        if cwd in dirs:
+            held.setdefault(dirs[cwd], pid)
+        try:
+            fds = os.listdir(base / "fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(base / "fd" / fd)
+            except OSError:
+                continue
+            if target in wanted:
+                held.setdefault(wanted[target], pid)
+    return held
+
+
+def lock_states(env: Mapping[str, str] | None = None) -> list[tuple[Path, int | None]]:
+    """(lock, pid holding its build or None) for every build lock on this machine."""
+    locks = build_locks(env)
+    held = _holders(locks)
+    return [(p, held.get(p)) for p in locks]
+
+
+def stale_build_locks(env: Mapping[str, str] | None = None) -> list[Path]:
+    """The build locks no process on this machine holds (see the module's rule); ``rm`` each to unblock ranks."""
+    return [p for p, pid in lock_states(env) if pid is None]
+
+
+def loading_hint(
+    heartbeats: Iterable[Mapping[str, Any]],
+    now: float,
+    *,
+    since: Mapping[int, tuple[str, float]] | None = None,
+    after_s: float = LOADING_HINT_AFTER_S,
+    env: Mapping[str, str] | None = None,
+) -> str | None:
+    """For the supervisor: one line when a rank has been in its ``loading`` phase for ``after_s`` or more while a
+    stale build lock exists on this machine, else None.
+
+    ``since`` is the supervisor's own record of when each rank entered its phase (``Progress.phases``: rank ->
+    (phase, time on the caller's clock, the clock of ``now``)); without it the heartbeat's own ``time`` is used
+    (the rank's clock). The lock scan runs only once some rank qualifies, so calling this every poll is cheap.
+    """
+    waiting: list[int] = []
+    for hb in heartbeats:
+        if hb.get("phase") != "loading":
+            continue
+        rank = hb.get("rank")
+        entered = None
+        if since is not None and isinstance(rank, int) and rank in since and since[rank][0] == "loading":
+            entered = since[rank][1]
+        elif since is None and isinstance(hb.get("time"), (int, float)):
+            entered = float(hb["time"])
+        if entered is not None and now - entered >= after_s:
+            waiting.append(rank if isinstance(rank, int) else -1)
+    if not waiting:
+        return None
+    stale = stale_build_locks(env)
+    if not stale:
+        return None
+    ranks = ", ".join(str(r) for r in sorted(waiting))
+    rms = " && ".join(f"rm {p}" for p in stale)
+    return (
+        f"rank(s) {ranks} still loading after {after_s:g}s and a stale torch extension build lock exists: "
+        f"{', '.join(map(str, stale))} (a killed build left it; ranks wait on it forever) [{rms}]"
+    )
+
+
+if __name__ == "__main__":  # python -m ftkit.buildlocks: list stale locks, exit 1 if any
+    found = stale_build_locks()
+    for p in found:
+        print(p)
+    sys.exit(1 if found else 0)

@@ -1,0 +1,475 @@
+"""``ftkit doctor``: find the host that will break a multi-node start, in seconds, before anything is launched.
+
+Steps (each host in parallel through :func:`ftkit.fanout.run_on_hosts`; the probes are
+``python -m ftkit.launch.doctor_probe``, run with the ranks' interpreter):
+
+1. everything :func:`ftkit.preflight.run_preflight` checks (reused as it is: hosts reachable over ssh, run
+   directory writable, master port free, same versions, master address resolves);
+2. ``facts`` on every host: ftkit/python/torch/deepspeed/transformers versions against this machine's, GPU model
+   and driver (cuda), free space in the run directory (< ``MIN_FREE_RUN_DIR`` fails), /dev/shm size and free space
+   (< ``MIN_SHM`` fails), clock skew against this machine (> ``MAX_SKEW_S`` fails), the interface the collectives
+   use (``GLOO_SOCKET_IFNAME`` on cpu, ``NCCL_SOCKET_IFNAME`` on cuda, else the route to master_addr) and whether
+   it exists there, stale torch extension build locks (:mod:`ftkit.buildlocks`; stale only if no host holds it);
+3. a real rendezvous and all-reduce across all hosts with the engine's backend (gloo on cpu, nccl on cuda), one
+   process per host, bounded by ``RENDEZVOUS_TIMEOUT_S``; hosts that did not join are named with their own error.
+   Skipped when a host is unreachable (it cannot join).
+
+``--bandwidth`` adds all-reduce bus bandwidth (NCCL's factor 2(n-1)/n) for a few sizes across all hosts and for
+every pair of hosts (three or more), and writes it where the planner reads it (:func:`ftkit.comm.bandwidth_file`,
+``$FTKIT_BANDWIDTH_FILE`` or ``~/.cache/ftkit/bandwidth.json``). Format: comm's version-1 object
+(``version``, ``measured_at``, ``hosts``, ``inter_node_gbs``: the all-hosts bus bandwidth at the largest size,
+``intra_node_gbs``: the recipe's value, doctor measures one process per host) plus what doctor measured::
+
+    "backend": "gloo", "intra_node_source": "recipe (not measured: one probe per host)",
+    "all_reduce": [{"bytes": 1048576, "seconds": 0.02, "busbw_gbs": 0.05}, ...],
+    "pairs": [{"hosts": ["node0", "node1"], "bytes": 8388608, "seconds": 0.1, "busbw_gbs": 0.08}, ...]
+
+Exit codes (``ftkit doctor``): 0 every check passed; 2 bad recipe, hostfile or command line; 3 (PREFLIGHT) a check
+failed: one line per failure with its fix. :func:`cheap_checks` is the part ``ftkit launch`` runs as preflight
+(1 and 2, no rendezvous).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from .errors import PreflightError
+from .fanout import LOCAL_HOSTS, run_on_hosts
+
+MIN_FREE_RUN_DIR = 1 << 30  # bytes free in the run directory below which doctor fails (checkpoints need room)
+MIN_SHM = 512 << 20  # bytes of /dev/shm (size and free) below which doctor fails (NCCL/DeepSpeed shm buffers)
+MAX_SKEW_S = 5.0  # clock skew against this machine above which doctor fails (logs and events disagree)
+FACTS_DEADLINE_S = 15.0
+RENDEZVOUS_TIMEOUT_S = 10.0
+BANDWIDTH_BUDGET_S = 60.0
+COLUMNS = ("ssh", "versions", "gpu", "run_dir", "shm", "clock", "iface", "locks", "rendezvous")
+MARK = "FTKIT_DOCTOR "
+FORWARD = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TORCH_EXTENSIONS_DIR", "XDG_CACHE_HOME", "PYTHONPATH")
+
+
+@dataclass
+class Failure:
+    host: str  # "-" for a failure not tied to one host
+    check: str
+    message: str
+    fix: str = ""
+
+    def line(self) -> str:
+        where = f"host {self.host}: " if self.host != "-" else ""
+        return f"{where}{self.check}: {self.message}" + (f" [{self.fix}]" if self.fix else "")
+
+
+@dataclass
+class DoctorReport:
+    hosts: list[str]
+    cells: dict[str, dict[str, str]] = field(default_factory=dict)  # host -> column -> short value
+    failures: list[Failure] = field(default_factory=list)
+    bandwidth: dict[str, Any] | None = None
+    bandwidth_file: str | None = None
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def fail(self, host: str, check: str, message: str, fix: str = "") -> None:
+        self.failures.append(Failure(host, check, message, fix))
+        if host in self.cells:
+            self.cells[host][check] = "FAIL"
+
+    def set(self, host: str, check: str, value: str) -> None:
+        row = self.cells.setdefault(host, {})
+        if row.get(check) != "FAIL":
+            row[check] = value
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "hosts": {h: self.cells.get(h, {}) for h in self.hosts},
+            "failures": [f.__dict__ | {"line": f.line()} for f in self.failures],
+            "bandwidth": self.bandwidth,
+            "bandwidth_file": self.bandwidth_file,
+            "notes": self.notes,
+            "seconds": round(self.seconds, 2),
+        }
+
+
+def format_report(rep: DoctorReport) -> str:
+    """One row per host, a check per column; then one line per failure with its fix; then bandwidth."""
+    head = ["host", *COLUMNS]
+    rows = [[h, *(rep.cells.get(h, {}).get(c, "-") for c in COLUMNS)] for h in rep.hosts]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [head, *rows]]
+    if rep.bandwidth:
+        lines.append("")
+        lines.append(f"all-reduce bus bandwidth across {len(rep.hosts)} host(s) ({rep.bandwidth.get('backend')}):")
+        for row in rep.bandwidth.get("all_reduce", []):
+            lines.append(
+                f"  {row['bytes'] / 2**20:8.1f} MiB  {row['busbw_gbs']:9.3f} GB/s  ({row['seconds'] * 1e3:.1f} ms)"
+            )
+        for row in rep.bandwidth.get("pairs", []):
+            a, b = row["hosts"]
+            lines.append(f"  pair {a} <-> {b}: {row['busbw_gbs']:.3f} GB/s at {row['bytes'] / 2**20:.0f} MiB")
+        if rep.bandwidth_file:
+            lines.append(f"bandwidth recorded in {rep.bandwidth_file} (ftkit plan reads it)")
+    lines.append("")
+    lines += rep.notes
+    if rep.failures:
+        lines.append(f"{len(rep.failures)} check(s) failed:")
+        lines += [f"  {f.line()}" for f in rep.failures]
+    else:
+        lines.append(f"all checks passed on {len(rep.hosts)} host(s) in {rep.seconds:.1f}s")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------- probes
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f}G"
+
+
+def _probe_line(python: str, args: list[str], env: dict[str, str]) -> str:
+    q = shlex.quote
+    assign = " ".join(q(f"{k}={v}") for k, v in env.items())
+    return f"exec env {assign} {q(python)} -m ftkit.launch.doctor_probe {shlex.join(args)}".replace("env  ", "env ")
+
+
+def _parse(out: str) -> dict[str, Any] | None:
+    for line in reversed(out.splitlines()):
+        if line.startswith(MARK):
+            try:
+                return json.loads(line[len(MARK) :])
+            except ValueError:
+                return None
+    return None
+
+
+def _probe_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: env[k] for k in FORWARD if env.get(k)}
+
+
+def _ifname_matches(spec: str, names: list[str], nccl: bool) -> list[str]:
+    """The interfaces ``spec`` selects: gloo takes exact names (comma list); NCCL prefixes, ``=`` exact, ``^`` not."""
+    items = [s for s in spec.split(",") if s]
+    if not nccl:
+        return [n for n in names if n in items]
+    exclude = spec.startswith("^")
+    body = spec[1:] if exclude else spec
+    exact = body.startswith("=")
+    items = [s for s in (body[1:] if exact else body).split(",") if s]
+    hit = [n for n in names if any(n == s if exact else n.startswith(s) for s in items)]
+    return [n for n in names if n not in hit and n != "lo"] if exclude else hit
+
+
+def check_facts(
+    rep: DoctorReport, host: str, f: dict[str, Any], mine: dict[str, str], received: float, accel: str
+) -> None:
+    """Turn one host's facts into cells and failures (pure: tested without any host)."""
+    theirs = f.get("versions", {})
+    diffs = [f"{k} {theirs.get(k, 'missing')} (here {v})" for k, v in mine.items() if theirs.get(k) != v]
+    if diffs:
+        rep.fail(host, "versions", "differs: " + "; ".join(diffs), "install the same versions on every host")
+    else:
+        rep.set(host, "versions", f"torch {theirs.get('torch', '?')}")
+    if accel == "cuda":
+        g = f.get("gpu") or {}
+        if g.get("error"):
+            rep.fail(host, "gpu", g["error"], "install the NVIDIA driver, or set cluster.accelerator=cpu")
+        else:
+            rep.set(
+                host, "gpu", f"{g.get('count')}x {','.join(g.get('models', []))} drv {','.join(g.get('drivers', []))}"
+            )
+    else:
+        rep.set(host, "gpu", "cpu")
+    rd = f.get("run_dir") or {}
+    if rd.get("error"):
+        rep.fail(
+            host, "run_dir", f"{rd.get('path')}: {rd['error']}", "put train.output_dir on storage every host shares"
+        )
+    elif rd.get("free", 0) < MIN_FREE_RUN_DIR:
+        rep.fail(
+            host,
+            "run_dir",
+            f"only {_gib(rd.get('free', 0))} free in {rd.get('path')}",
+            "free space or move train.output_dir",
+        )
+    else:
+        rep.set(host, "run_dir", f"{_gib(rd['free'])} free")
+    shm = f.get("shm") or {}
+    if shm.get("error"):
+        rep.fail(host, "shm", shm["error"], "mount a tmpfs on /dev/shm")
+    elif shm.get("total", 0) < MIN_SHM or shm.get("free", 0) < MIN_SHM:
+        rep.fail(
+            host,
+            "shm",
+            f"/dev/shm {_gib(shm.get('total', 0))} total, {_gib(shm.get('free', 0))} free (< {_gib(MIN_SHM)})",
+            "enlarge it (docker run --shm-size=16g; mount -o remount,size=16G /dev/shm) or remove stale buffers",
+        )
+    else:
+        rep.set(host, "shm", f"{_gib(shm['total'])}/{_gib(shm['free'])} free")
+    if isinstance(f.get("time"), (int, float)):
+        skew = float(f["time"]) - received
+        if abs(skew) > MAX_SKEW_S:
+            rep.fail(host, "clock", f"clock {skew:+.1f}s off this machine", "synchronise clocks (chrony/NTP)")
+        else:
+            rep.set(host, "clock", f"{skew:+.1f}s")
+    names = list(f.get("interfaces", []))
+    var, spec = f.get("ifname_var"), f.get("ifname")
+    route = f.get("route") or {}
+    if spec:
+        hit = _ifname_matches(spec, names, nccl=var == "NCCL_SOCKET_IFNAME")
+        first = spec.lstrip("^=").split(",")[0]
+        if not hit:
+            rep.fail(
+                host,
+                "iface",
+                f"{var}={spec} names no interface there (it has {', '.join(names) or 'none'})",
+                f"name an interface every host has, or rename it there (ip link set <dev> name {first})",
+            )
+        else:
+            rep.set(host, "iface", ",".join(hit))
+    elif route.get("error"):
+        rep.fail(host, "iface", route["error"], "fix cluster.master_addr or the routes on that host")
+    else:
+        rep.set(host, "iface", route.get("dev") or route.get("ip") or "?")
+
+
+def check_locks(rep: DoctorReport, per_host: dict[str, list[dict[str, Any]]]) -> None:
+    """A lock is stale when no host reports a holder for it (hosts may share the file system)."""
+    held = {lk["path"] for locks in per_host.values() for lk in locks if lk.get("holder")}
+    for host, locks in per_host.items():
+        stale = [lk["path"] for lk in locks if not lk.get("holder") and lk["path"] not in held]
+        for path in stale:
+            rep.fail(
+                host,
+                "locks",
+                f"stale torch extension build lock {path}: a killed build left it; "
+                "every rank that builds this op waits forever",
+                f"rm {path}",
+            )
+        if not stale:
+            rep.set(host, "locks", "building" if any(lk.get("holder") for lk in locks) else "none")
+
+
+def _facts(plan: Any, rep: DoctorReport, ssh_args: list[str], python: str, env: dict[str, str]) -> set[str]:
+    """Run the facts probe everywhere; returns the hosts that could not be reached."""
+    from .preflight import local_versions
+
+    r = plan.recipe
+    hosts = rep.hosts
+    args = ["facts", "--run-dir", str(Path(r["train.output_dir"]).resolve()), "--master-addr", plan.master_addr]
+    args += ["--accelerator", r["cluster.accelerator"]]
+    line = _probe_line(python, args, _probe_env(env))
+    results = run_on_hosts(hosts, line, ssh_args, deadline_s=FACTS_DEADLINE_S, connect_timeout_s=FACTS_DEADLINE_S - 2)
+    mine = local_versions()
+    unreachable: set[str] = set()
+    locks: dict[str, list[dict[str, Any]]] = {}
+    for host in hosts:
+        res = results[host]
+        if not res.reachable:
+            unreachable.add(host)
+            rep.fail(host, "ssh", f"not reachable ({res.out})", "check the hostfile, the host and passwordless ssh")
+            continue
+        f = _parse(res.out)
+        if f is None:
+            why = " ".join(res.out.split())[-300:] or f"exit {res.rc}"
+            rep.fail(
+                host,
+                "versions",
+                f"{python} -m ftkit.launch.doctor_probe did not run there: {why}",
+                "install ftkit with the same interpreter path on every host",
+            )
+            continue
+        rep.set(host, "ssh", "local" if host in LOCAL_HOSTS else f"{res.seconds:.1f}s")
+        check_facts(rep, host, f, mine, time.time(), r["cluster.accelerator"])
+        locks[host] = f.get("locks", [])
+    check_locks(rep, locks)
+    return unreachable
+
+
+def _preflight(plan: Any, rep: DoctorReport, ssh_args: list[str], python: str) -> None:
+    from .preflight import run_preflight
+
+    r = plan.recipe
+    try:
+        run_preflight(
+            hosts=plan.hosts,
+            master_addr=plan.master_addr,
+            master_port=plan.master_port,
+            run_dir=Path(r["train.output_dir"]),
+            engine=r["cluster.engine"],
+            ssh_args=ssh_args,
+            python=python,
+        )
+    except PreflightError as e:
+        for text in e.lines():
+            # doctor's own columns say unreachable/versions per host: keep preflight's other findings
+            if " is not reachable over ssh " in text or " differs: " in text:
+                continue
+            host = next((h for h in rep.hosts if text.startswith(f"host {h}:") or text.startswith(f"host {h} ")), "-")
+            rep.fail(host, "preflight", text)
+
+
+# ------------------------------------------------------------------------------------------- rendezvous
+
+
+def _rendezvous(
+    plan: Any, rep: DoctorReport, ssh_args: list[str], python: str, env: dict[str, str], bandwidth: bool
+) -> None:
+    r = plan.recipe
+    hosts = rep.hosts
+    backend = "nccl" if r["cluster.accelerator"] == "cuda" else "gloo"
+    world = len(hosts)
+    penv = _probe_env(env)
+
+    def line(host: str) -> str:
+        args = [
+            "rendezvous",
+            "--rank",
+            str(hosts.index(host)),
+            "--world",
+            str(world),
+            "--master-addr",
+            plan.master_addr,
+        ]
+        args += ["--port", str(plan.master_port), "--backend", backend, "--timeout", f"{RENDEZVOUS_TIMEOUT_S:g}"]
+        if bandwidth:
+            args += ["--bandwidth", "--bandwidth-budget", f"{BANDWIDTH_BUDGET_S:g}"]
+        return _probe_line(python, args, penv)
+
+    deadline = RENDEZVOUS_TIMEOUT_S + 20 + (BANDWIDTH_BUDGET_S if bandwidth else 0)
+    results = run_on_hosts(hosts, line, ssh_args, deadline_s=deadline, connect_timeout_s=10)
+    outs: dict[str, dict[str, Any]] = {}
+    for host in hosts:
+        res = results[host]
+        o = _parse(res.out) if res.reachable else None
+        if o is None:
+            why = res.out if not res.reachable else (" ".join(res.out.split())[-300:] or f"exit {res.rc}")
+            o = {"ok": False, "error": f"probe gave no answer ({why})", "stage": "probe"}
+        outs[host] = o
+    failed = [h for h in hosts if not outs[h].get("ok")]
+    if not failed:
+        for h in hosts:
+            rep.set(h, "rendezvous", f"ok {outs[h].get('allreduce_s', 0):.1f}s")
+        if bandwidth:
+            rep.bandwidth = _bandwidth(plan, hosts, outs, backend)
+        return
+    # Name the cause: a host whose own probe failed first (import, store, gloo device) or never joined; the others
+    # only waited for it.
+    missing = {hosts[i] for i in outs[hosts[0]].get("missing", []) if 0 <= i < world}
+    causes = [h for h in failed if outs[h].get("stage") in ("import", "store", "probe") or h in missing]
+    if not causes:  # everyone reached the collective: those with an error of their own (not "peer(s) failed first")
+        causes = [h for h in failed if not str(outs[h].get("error", "")).startswith("peer(s) failed")] or failed
+    for h in hosts:
+        if h in causes:
+            o = outs[h]
+            what = "did not join the rendezvous" if h in missing else "failed in the rendezvous/all-reduce"
+            rep.fail(h, "rendezvous", f"{what}: {o.get('error')}", _rendezvous_fix(o, plan))
+        else:
+            rep.set(h, "rendezvous", "waited")
+
+
+def _rendezvous_fix(o: dict[str, Any], plan: Any) -> str:
+    err = str(o.get("error", ""))
+    if o.get("stage") == "import":
+        return "install the same torch on every host"
+    if o.get("stage") == "store":
+        port, addr = plan.master_port, plan.master_addr
+        return f"open TCP port {port} to {addr} from this host (firewall? route?), or check cluster.master_addr"
+    if "IFNAME" in err or "interface" in err.lower() or "find address" in err.lower():
+        return "set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME to an interface every host has"
+    return "check the interface (GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME) and that hosts reach each other on all ports"
+
+
+def _bandwidth(plan: Any, hosts: list[str], outs: dict[str, dict[str, Any]], backend: str) -> dict[str, Any]:
+    from .comm import BANDWIDTH_FILE_VERSION, NETWORK_PRESETS
+
+    r = plan.recipe
+    rows = outs[hosts[0]].get("all", [])
+    pairs = []
+    for o in outs.values():
+        for p in o.get("pairs", []):
+            i, j = p["ranks"]
+            pairs.append({"hosts": [hosts[i], hosts[j]], **{k: p[k] for k in ("bytes", "seconds", "busbw_gbs")}})
+    name = r["cluster.network"]
+    if name == "auto":
+        from .comm import DEFAULT_NETWORK
+
+        name = "loopback" if r["cluster.accelerator"] == "cpu" else DEFAULT_NETWORK
+    intra = r["cluster.intra_node_gbs"] or NETWORK_PRESETS[name].intra_gbs
+    return {
+        "version": BANDWIDTH_FILE_VERSION,
+        "measured_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "hosts": list(hosts),
+        "inter_node_gbs": rows[-1]["busbw_gbs"] if rows else None,
+        "intra_node_gbs": float(intra),
+        "intra_node_source": f"recipe ({name}; not measured: one probe per host)",
+        "backend": backend,
+        "all_reduce": rows,
+        "pairs": sorted(pairs, key=lambda p: p["hosts"]),
+    }
+
+
+def write_bandwidth(data: dict[str, Any], path: Path | None = None) -> Path:
+    from .comm import bandwidth_file
+    from .rundir import atomic_write
+
+    p = path or bandwidth_file()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(p, json.dumps(data, indent=2) + "\n")
+    return p
+
+
+# ------------------------------------------------------------------------------------------------- entry
+
+
+def run_doctor(
+    plan: Any,
+    *,
+    ssh_args: list[str],
+    bandwidth: bool = False,
+    rendezvous: bool = True,
+    env: dict[str, str] | None = None,
+    python: str = sys.executable,
+) -> DoctorReport:
+    """All of doctor's checks for ``plan``'s hosts; the report carries every failure (nothing raised for them)."""
+    t0 = time.monotonic()
+    env = dict(os.environ if env is None else env)
+    rep = DoctorReport(hosts=[h for h, _ in plan.hosts])
+    for h in rep.hosts:
+        rep.cells[h] = {}
+    _preflight(plan, rep, ssh_args, python)
+    unreachable = _facts(plan, rep, ssh_args, python, env)
+    if rendezvous:
+        if unreachable:
+            for h in rep.hosts:
+                rep.set(h, "rendezvous", "skipped")
+        else:
+            _rendezvous(plan, rep, ssh_args, python, env, bandwidth)
+    if rep.bandwidth and rep.bandwidth.get("inter_node_gbs"):
+        rep.bandwidth_file = str(write_bandwidth(rep.bandwidth))
+    elif bandwidth and len(rep.hosts) < 2:
+        rep.notes.append("bandwidth: a single host has no link between hosts to measure; nothing recorded")
+    rep.seconds = time.monotonic() - t0
+    return rep
+
+
+def cheap_checks(
+    plan: Any, ssh_args: list[str], env: dict[str, str] | None = None, python: str = sys.executable
+) -> DoctorReport:
+    """The part of doctor ``ftkit launch`` runs as its preflight: preflight + facts (no rendezvous, a few seconds).
+    Raises PreflightError (exit 3) with one line per failure; returns the report when all passed."""
+    rep = run_doctor(plan, ssh_args=ssh_args, rendezvous=False, env=env, python=python)
+    if not rep.ok:
+        raise PreflightError("\n".join(f.line() for f in rep.failures))
+    return rep
