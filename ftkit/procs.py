@@ -246,8 +246,12 @@ def teardown(
     res = TeardownResult()
     groups = list(groups)
     by_host: dict[str, list[Target]] = {}
+    seen: set[tuple[str, int, int | None]] = set()
     for t in targets:
-        by_host.setdefault("localhost" if is_this_machine(t.host) else t.host, []).append(t)
+        host = "localhost" if is_this_machine(t.host) else t.host
+        if (host, t.pid, t.start_time) not in seen:  # an agent is named by the record of each of its ranks
+            seen.add((host, t.pid, t.start_time))
+            by_host.setdefault(host, []).append(t)
     local = by_host.pop("localhost", [])
 
     def local_alive() -> list[Target]:

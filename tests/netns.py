@@ -51,6 +51,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -76,9 +77,11 @@ class NetnsUnavailable(RuntimeError):
 # small process helpers
 
 
-def _run(argv: Sequence[str], timeout: float = _CMD_TIMEOUT, check: bool = True) -> subprocess.CompletedProcess:
+def _run(
+    argv: Sequence[str], timeout: float = _CMD_TIMEOUT, check: bool = True, input: str | None = None
+) -> subprocess.CompletedProcess:
     try:
-        proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, input=input)
     except subprocess.TimeoutExpired as e:
         raise RuntimeError(f"timed out after {timeout}s: {shlex.join(argv)}") from e
     if check and proc.returncode != 0:
@@ -236,6 +239,9 @@ class NetnsCluster:
     nodes: list[Node] = field(default_factory=list)
     owns_workdir: bool = False
     owner_lock: IO[str] | None = field(default=None, repr=False)  # holds flock(_owner_lock_path) while we live
+    # Sessions skip root's ~/.bashrc (Debian's bash sources it for ssh commands; this machine's runs `pyenv init`,
+    # ~0.15 s of CPU per session, which 32 "hosts" sharing 2 cores would pay one after another).
+    skip_bashrc: bool = False
 
     # -- paths and names ----------------------------------------------------------------------------------------
 
@@ -356,18 +362,34 @@ class NetnsCluster:
         n = self.node(which)
         if n.sshd_pid and pid_alive(n.sshd_pid):
             return n.sshd_pid
+        self._spawn_sshd(n)
+        return self._wait_sshd(n, timeout)
+
+    def start_all_sshd(self, timeout: float = 20.0) -> None:
+        """Start every node's sshd at once, then wait until all accept connections."""
+        todo = [n for n in self.nodes if not (n.sshd_pid and pid_alive(n.sshd_pid))]
+        for n in todo:
+            self._spawn_sshd(n)
+        for n in todo:
+            self._wait_sshd(n, timeout)
+
+    def _spawn_sshd(self, n: Node) -> None:
         n.pidfile.unlink(missing_ok=True)
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # Debian's sshd wants its privilege-separation dir
-        _run(self.exec_argv(n, [SSHD, "-t", "-f", str(n.sshd_config)]))
         # -D: no daemonizing, so sshd stays our child and we reap it (this machine's pid 1 reaps no orphans).
-        # `ip netns exec` execs sshd in place, so the child's pid is sshd's (and the PidFile's).
-        n.process = subprocess.Popen(
-            self.exec_argv(n, [SSHD, "-D", "-f", str(n.sshd_config), "-E", str(n.sshd_log)]),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,  # a ^C in the test's terminal should reach pytest, not sshd
-        )
+        # `ip netns exec` execs sshd in place, so the child's pid is sshd's (and the PidFile's). A bad config
+        # makes sshd exit at once: _wait_sshd reports its log.
+        with open(n.sshd_log, "ab") as log:  # config errors go to stderr, before sshd opens its -E log
+            n.process = subprocess.Popen(
+                self.exec_argv(n, [SSHD, "-D", "-f", str(n.sshd_config), "-E", str(n.sshd_log)]),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                start_new_session=True,  # a ^C in the test's terminal should reach pytest, not sshd
+            )
+
+    def _wait_sshd(self, n: Node, timeout: float) -> int:
+        assert n.process is not None
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if n.process.poll() is not None:
@@ -376,7 +398,7 @@ class NetnsCluster:
                 n.sshd_pid = int(n.pidfile.read_text())
                 if _listening(n.sshd_pid, n.address, self.port):
                     return n.sshd_pid
-            time.sleep(0.05)
+            time.sleep(0.02)
         log = n.sshd_log.read_text()[-2000:] if n.sshd_log.exists() else ""
         raise RuntimeError(f"{n.alias}: sshd did not come up on {n.address}:{self.port} within {timeout}s. {log}")
 
@@ -405,13 +427,17 @@ class NetnsCluster:
     def teardown(self) -> list[str]:
         """Remove everything the cluster created; returns :meth:`leftovers` (empty when all is gone)."""
         errors: list[str] = []
-        for n in self.nodes:
+
+        def stop(n: Node) -> None:
             self._record_sshd_pid(n)
             try:
                 self.stop_sshd(n)
                 kill_namespace_processes(n.namespace)
             except Exception as e:  # keep tearing down the rest
                 errors.append(f"{n.alias}: {e}")
+
+        with ThreadPoolExecutor(max_workers=16) as ex:  # every node at once: each waits for its processes
+            list(ex.map(stop, self.nodes))
         errors += _delete_resources(self.tag, [n.index for n in self.nodes])
         left = self.leftovers(wait_s=5.0) + errors
         if self.owns_workdir and not left:
@@ -495,16 +521,21 @@ def _delete_resources(tag: str, indices: Sequence[int]) -> list[str]:
     namespaces = {ns for ns in _list_namespaces() if ns.startswith(f"{PREFIX}-{tag}-")}
     namespaces |= {_names(tag, i)[0] for i in indices} & set(_list_namespaces())
     links = set(_list_links())
-    for ns in sorted(namespaces):
-        kill_namespace_processes(ns)
-    for link in sorted(link for link in links if link.startswith(f"{PREFIX}{tag}v")):
-        proc = _run(["ip", "link", "del", link], check=False)  # deletes the eth0 end in the namespace too
-        if proc.returncode != 0 and "Cannot find device" not in proc.stderr:
-            errors.append(f"ip link del {link}: {proc.stderr.strip()}")
-    for ns in sorted(namespaces):
-        proc = _run(["ip", "netns", "del", ns], check=False)
-        if proc.returncode != 0:
-            errors.append(f"ip netns del {ns}: {proc.stderr.strip()}")
+    with ThreadPoolExecutor(max_workers=16) as ex:
+        list(ex.map(kill_namespace_processes, sorted(namespaces)))
+    # One `ip -force -batch` (go on past a failure) for every link and namespace; what it could not delete shows
+    # in its stderr, and in leftovers().
+    cmds = [f"link del {link}" for link in sorted(link for link in links if link.startswith(f"{PREFIX}{tag}v"))]
+    cmds += [f"netns del {ns}" for ns in sorted(namespaces)]  # deleting a veth deletes its eth0 end too
+    if cmds:
+        proc = _run(
+            ["ip", "-force", "-batch", "-"], timeout=_CMD_TIMEOUT + len(cmds), check=False, input="\n".join(cmds)
+        )
+        errors += [
+            f"ip -batch: {line}"
+            for line in proc.stderr.splitlines()
+            if line.strip() and "Cannot find device" not in line and not line.startswith("Command failed")
+        ]
     if _bridge_name(tag) in links:
         proc = _run(["ip", "link", "del", _bridge_name(tag)], check=False)
         if proc.returncode != 0:
@@ -563,7 +594,7 @@ def _pick_subnet(requested: str | None) -> ipaddress.IPv4Network:
     raise RuntimeError("no free 10.213.K.0/24 subnet left for a test cluster")
 
 
-def _sshd_config(node: Node, port: int, authorized_keys: Path) -> str:
+def _sshd_config(node: Node, port: int, authorized_keys: Path, skip_bashrc: bool = False) -> str:
     return "\n".join(
         [
             f"Port {port}",
@@ -584,6 +615,7 @@ def _sshd_config(node: Node, port: int, authorized_keys: Path) -> str:
             "MaxStartups 200",  # pdsh and launchers open many sessions at once
             "MaxSessions 200",
             "LogLevel ERROR",
+            *(["SetEnv SHLVL=1"] if skip_bashrc else []),
             "",
         ]
     )
@@ -606,6 +638,10 @@ def _ssh_client_config(cluster: NetnsCluster) -> str:
         "    LogLevel ERROR",
         "    BatchMode yes",
         "    ConnectTimeout 5",
+        # OpenSSH 9's default key exchange (sntrup761x25519, post-quantum) costs ~0.12 s of client CPU per
+        # connection here; a real head node pays that once per host, but on this machine every "host" shares the
+        # same 2 cores, so a 32-host fan-out would measure the CPU, not the fan-out. Plain curve25519: ~0.015 s.
+        "    KexAlgorithms curve25519-sha256,curve25519-sha256@libssh.org",
         "",
     ]
     return "\n".join(lines)
@@ -620,44 +656,79 @@ def _build(cluster: NetnsCluster, n_nodes: int) -> None:
         hosts_lines.append(f"{node.address} {node.alias}")
 
     br = cluster.bridge
-    _run(["ip", "link", "add", br, "type", "bridge", "stp_state", "0"])
+    # One `ip -batch` for every link and address (one process instead of ~7 per node: 32 nodes come up in a
+    # fraction of the time). The bridge's nf_call_iptables stays a separate, optional command below.
+    cmds = [f"link add {br} type bridge stp_state 0"]
+    cmds += [f"addr add {cluster.head_address}/{cluster.subnet.prefixlen} dev {br}", f"link set {br} up"]
+    for n in cluster.nodes:
+        cmds += [
+            f"netns add {n.namespace}",
+            f"link add {n.host_veth} type veth peer name eth0 netns {n.namespace}",
+            f"link set {n.host_veth} master {br}",
+            f"link set {n.host_veth} up",
+        ]
+    _run_batch([], cmds, timeout=_CMD_TIMEOUT + len(cluster.nodes))
+
+    def inside(n: Node) -> None:  # batch lines cannot name a namespace: one `ip -n NS -batch` per node
+        up = ["link set lo up", f"addr add {n.address}/{cluster.subnet.prefixlen} dev eth0", "link set eth0 up"]
+        _run_batch(["-n", n.namespace], up, timeout=_CMD_TIMEOUT)
+
+    with ThreadPoolExecutor(max_workers=8) as ex:
+        list(ex.map(inside, cluster.nodes))
     # Bridged frames must not go through iptables (br_netfilter): a host firewall would drop them.
     _run(["ip", "link", "set", br, "type", "bridge", "nf_call_iptables", "0"], check=False)
-    _run(["ip", "addr", "add", f"{cluster.head_address}/{cluster.subnet.prefixlen}", "dev", br])
-    _run(["ip", "link", "set", br, "up"])
     base_hosts = Path("/etc/hosts").read_text() if Path("/etc/hosts").exists() else "127.0.0.1 localhost\n"
     for n in cluster.nodes:
-        _run(["ip", "netns", "add", n.namespace])
-        _run(["ip", "link", "add", n.host_veth, "type", "veth", "peer", "name", "eth0", "netns", n.namespace])
-        _run(["ip", "link", "set", n.host_veth, "master", br])
-        _run(["ip", "link", "set", n.host_veth, "up"])
-        _run(["ip", "-n", n.namespace, "link", "set", "lo", "up"])
-        _run(["ip", "-n", n.namespace, "addr", "add", f"{n.address}/{cluster.subnet.prefixlen}", "dev", "eth0"])
-        _run(["ip", "-n", n.namespace, "link", "set", "eth0", "up"])
         etc = Path("/etc/netns") / n.namespace
         etc.mkdir(parents=True, exist_ok=True)
         (etc / "hosts").write_text(base_hosts.rstrip("\n") + "\n# ftkit test cluster\n" + "\n".join(hosts_lines) + "\n")
+
+
+def _run_batch(options: Sequence[str], cmds: Sequence[str], timeout: float) -> None:
+    """``ip [OPTIONS] -batch -``: the commands in one process; stops at (and reports) the first that fails."""
+    try:
+        proc = subprocess.run(
+            ["ip", *options, "-batch", "-"],
+            input="\n".join(cmds) + "\n",
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"timed out after {timeout}s: ip -batch ({len(cmds)} commands)") from e
+    if proc.returncode != 0:
+        raise RuntimeError(f"ip -batch exited {proc.returncode}: {(proc.stderr or proc.stdout).strip()}")
 
 
 def _write_keys_and_configs(cluster: NetnsCluster) -> None:
     _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "ftkit-netns-test", "-f", str(cluster.key)])
     authorized = cluster.workdir / "authorized_keys"
     shutil.copy(cluster.key.with_suffix(".pub"), authorized)
-    for n in cluster.nodes:
+
+    def host_key(n: Node) -> None:
         n.dir.mkdir(parents=True, exist_ok=True)
         hostkey = n.dir / "ssh_host_ed25519_key"
         _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"{n.alias}-hostkey", "-f", str(hostkey)])
-        n.sshd_config.write_text(_sshd_config(n, cluster.port, authorized))
+        n.sshd_config.write_text(_sshd_config(n, cluster.port, authorized, cluster.skip_bashrc))
+
+    with ThreadPoolExecutor(max_workers=8) as ex:
+        list(ex.map(host_key, cluster.nodes))
     cluster.ssh_config.write_text(_ssh_client_config(cluster))
 
 
 def create_cluster(
-    n_nodes: int = 2, subnet: str | None = None, port: int = DEFAULT_PORT, workdir: Path | None = None
+    n_nodes: int = 2,
+    subnet: str | None = None,
+    port: int = DEFAULT_PORT,
+    workdir: Path | None = None,
+    skip_bashrc: bool = False,
 ) -> NetnsCluster:
     """Build ``n_nodes`` namespace hosts with sshd running; the caller must call ``teardown()``.
 
     ``subnet``: a /24 (or smaller) the test owns, e.g. ``"10.213.7.0/24"``; must not overlap any route here.
     None picks the first free ``10.213.K.0/24``. Node i gets host address i+1, the head the last one.
+    ``skip_bashrc``: ssh sessions do not source root's ~/.bashrc (for timing many hosts on one machine; the
+    sessions then lack what .bashrc adds to PATH, which ftkit never relies on).
     """
     if not 1 <= n_nodes <= 64:
         raise ValueError(f"n_nodes must be 1..64, not {n_nodes}")
@@ -688,6 +759,7 @@ def create_cluster(
                 workdir=wd,
                 owns_workdir=workdir is None,
                 owner_lock=owner_lock,
+                skip_bashrc=skip_bashrc,
             )
             _build(cluster, n_nodes)
     except BaseException:
@@ -699,8 +771,7 @@ def create_cluster(
         raise
     try:
         _write_keys_and_configs(cluster)
-        for n in cluster.nodes:
-            cluster.start_sshd(n)
+        cluster.start_all_sshd()
     except BaseException:
         cluster.teardown()
         raise
@@ -709,10 +780,14 @@ def create_cluster(
 
 @contextlib.contextmanager
 def netns_cluster(
-    n_nodes: int = 2, subnet: str | None = None, port: int = DEFAULT_PORT, workdir: Path | None = None
+    n_nodes: int = 2,
+    subnet: str | None = None,
+    port: int = DEFAULT_PORT,
+    workdir: Path | None = None,
+    skip_bashrc: bool = False,
 ) -> Iterator[NetnsCluster]:
     """Context manager around :func:`create_cluster`: always tears down, and fails if anything is left over."""
-    cluster = create_cluster(n_nodes, subnet=subnet, port=port, workdir=workdir)
+    cluster = create_cluster(n_nodes, subnet=subnet, port=port, workdir=workdir, skip_bashrc=skip_bashrc)
     failed = False
     try:
         yield cluster
@@ -727,6 +802,142 @@ def netns_cluster(
             left = cluster.teardown()
             if left:
                 raise RuntimeError(f"netns teardown left: {left}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# stand-in ranks: something real for teardown to kill
+
+# Runs inside a node (``ip netns exec``): a node "init" that reaps (a child subreaper, as a real host's init is:
+# this machine's pid 1 reaps no orphans), forking a per-node agent (as torchrun's), which forks the ranks. Each
+# rank writes its pid record exactly where and as ``RankContext.record_pid`` does, then waits to be killed.
+# Forked, not exec'd: 16 nodes × (init + agent + ranks) cost a few MB, not a Python start-up each.
+STANDIN_PROGRAM = r"""
+import ctypes, json, os, signal, sys, time
+run_dir, attempt, node, node_rank, first_rank, nranks = sys.argv[1:7]
+attempt, node_rank, first_rank, nranks = int(attempt), int(node_rank), int(first_rank), int(nranks)
+modes = sys.argv[7].split(",")
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come to us
+
+def start_time(pid):
+    with open(f"/proc/{pid}/stat") as fh:
+        return int(fh.read().rsplit(")", 1)[1].split()[19])
+
+def rank_main(rank, local_rank, mode):
+    if mode == "ignore":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a rank stuck in a collective: needs SIGKILL
+    else:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    pid, ppid = os.getpid(), os.getppid()
+    rec = {
+        "rank": rank, "local_rank": local_rank, "node_rank": node_rank, "host": node, "hostname": os.uname().nodename,
+        "pid": pid, "start_time": start_time(pid), "ppid": ppid, "ppid_start_time": start_time(ppid),
+        "pgid": os.getpgid(0), "attempt": attempt, "time": time.time(), "env": {}, "env_keys": [],
+        "master_addr": None, "master_port": None,
+    }
+    d = os.path.join(run_dir, "ftkit", "attempts", str(attempt), "pids")
+    os.makedirs(d, exist_ok=True)
+    tmp = os.path.join(d, f".rank-{rank}.json.{pid}")
+    with open(tmp, "w") as fh:
+        json.dump(rec, fh)
+    os.replace(tmp, os.path.join(d, f"rank-{rank}.json"))
+    while True:
+        signal.pause()
+
+def agent_main():
+    kids = []
+    def forward(signum, frame):  # as torchrun's agent: pass SIGTERM on to the workers, then go
+        for k in kids:
+            try:
+                os.kill(k, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        os._exit(128 + signum)
+    signal.signal(signal.SIGTERM, forward)
+    for i in range(nranks):
+        pid = os.fork()
+        if pid == 0:
+            rank_main(first_rank + i, i, modes[i % len(modes)])
+            os._exit(0)
+        kids.append(pid)
+    while True:
+        try:
+            os.wait()
+        except ChildProcessError:
+            os._exit(0)
+
+if os.fork() == 0:
+    agent_main()
+while True:  # the node's init: reap everything below until nothing is left
+    try:
+        os.wait()
+    except ChildProcessError:
+        break
+"""
+
+
+@dataclass
+class StandIns:
+    """Stand-in ranks on every node of a cluster (:func:`start_standins`); ``inits`` are the per-node reapers."""
+
+    run_dir: Path
+    attempt: int
+    expected: int  # number of ranks
+    inits: list[subprocess.Popen] = field(default_factory=list)
+
+    def pid_files(self) -> list[Path]:
+        d = self.run_dir / "ftkit" / "attempts" / str(self.attempt) / "pids"
+        return sorted(d.glob("rank-*.json")) if d.is_dir() else []
+
+    def wait_ready(self, timeout: float = 30.0) -> list[dict]:
+        """Wait until every rank wrote its pid record; returns the records."""
+        end = time.monotonic() + timeout
+        while len(self.pid_files()) < self.expected:
+            dead = [p.args for p in self.inits if p.poll() is not None]
+            if dead or time.monotonic() > end:
+                raise RuntimeError(f"{len(self.pid_files())}/{self.expected} stand-in ranks ready; exited: {dead}")
+            time.sleep(0.05)
+        return [json.loads(p.read_text()) for p in self.pid_files()]
+
+    def wait_gone(self, timeout: float = 10.0) -> list[int]:
+        """Wait until every node's init exited (it does once all ranks and agents below it are gone); returns
+        the pids of the inits still running."""
+        end = time.monotonic() + timeout
+        for p in self.inits:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(0.0, end - time.monotonic()))
+        return [p.pid for p in self.inits if p.poll() is None]
+
+    def kill(self) -> None:
+        """Last resort for a failing test (the cluster's teardown kills whatever runs in the namespaces too)."""
+        for p in self.inits:
+            _kill(p.pid, signal.SIGKILL)
+        for rec in (json.loads(f.read_text()) for f in self.pid_files()):
+            for pid in (rec["pid"], rec["ppid"]):
+                _kill(int(pid), signal.SIGKILL)
+        self.wait_gone(5)
+
+
+def start_standins(
+    cluster: NetnsCluster,
+    run_dir: Path,
+    *,
+    attempt: int = 0,
+    ranks_per_node: int = 2,
+    modes: Sequence[str] = ("exit",),
+    nodes: Sequence[int | str | Node] | None = None,
+) -> StandIns:
+    """Start stand-in ranks on every node (or ``nodes``): per node an agent with ``ranks_per_node`` ranks, global
+    ranks numbered in node order. ``modes`` cycles over each node's local ranks: ``exit`` dies on SIGTERM,
+    ``ignore`` ignores it. Call :meth:`StandIns.wait_ready` before using the pid records."""
+    import sys
+
+    targets = cluster.nodes if nodes is None else [cluster.node(n) for n in nodes]
+    s = StandIns(run_dir, attempt, ranks_per_node * len(targets))
+    for i, n in enumerate(targets):
+        argv = [sys.executable, "-c", STANDIN_PROGRAM, str(run_dir), str(attempt), n.alias, str(i)]
+        argv += [str(i * ranks_per_node), str(ranks_per_node), ",".join(modes)]
+        s.inits.append(subprocess.Popen(cluster.exec_argv(n, argv), stdin=subprocess.DEVNULL, start_new_session=True))
+    return s
 
 
 @pytest.fixture
