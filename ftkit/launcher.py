@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from .command import LaunchInputs, UserCommand, build_launch, describe
-from .configs import load_and_plan
 from .errors import ExitCode, FtkitError, RecipeError
 from .plan import Plan, build_plan
 from .rundir import RunDir
@@ -97,13 +96,20 @@ def ssh_args_of(plan: Plan) -> list[str]:
 def launch(req: LaunchRequest, echo: Callable[[str], None] = print, warn: Callable[[str], None] | None = None) -> int:
     """Run the job; returns the exit code (README "Exit codes"). Raises FtkitError for what ends it before start.
     ``warn`` gets warnings (stderr on the command line)."""
-    plan = load_and_plan(req.recipe, req.overrides, include=req.include, exclude=req.exclude)
+    from .recipe import load_recipe
+
+    recipe = load_recipe(req.recipe, list(req.overrides))
+    # A user command loads its own model: a config.json the plan cannot read limits the plan, not the launch.
+    custom = req.command is not None or recipe.values.get("train.command") is not None
+    plan = build_plan(recipe, include=req.include, exclude=req.exclude, unknown_model_ok=custom)
     from .hub import checked_in_drift
 
     warning = checked_in_drift(plan.recipe)  # model.config (checked in) differs from the model's real config.json
     if warning:
         (warn or echo)(warning)
     command = _user_command(plan, req, echo, warn or echo)
+    for line in plan.unknown:
+        (warn or echo)(f"ftkit: warning: the plan could not estimate everything: {line}")
     echo(plan_summary(plan))
     if req.dry_run:
         echo(dry_run(plan, command, req.inject))
@@ -246,6 +252,7 @@ def _supervisor(
         stage=plan.stage,
         world_size=plan.world_size,
         max_steps=r["train.max_steps"],
+        global_batch=plan.global_batch_size,
         logging_steps=r["train.logging_steps"],
         ssh_args=ssh_args,
         echo=echo,

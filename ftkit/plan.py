@@ -48,6 +48,8 @@ class Plan:
     # the config.json read for model_config (a model directory's, the hub cache's, or model.config) and its label
     model_config_file: str = ""
     model_config_label: str = ""
+    # what the plan could not estimate (a user command's model whose config.json cannot be read): one line each
+    unknown: list[str] = field(default_factory=list)
 
     @property
     def world_size(self) -> int:
@@ -122,11 +124,14 @@ def build_plan(
     devices: dict[str, tuple[int, ...]] | None = None,
     with_memory: bool = True,
     strict: bool = True,
+    unknown_model_ok: bool = False,
 ) -> Plan:
     """Compute every derived value of the run; raises RecipeError naming the numbers when they do not fit.
 
     ``strict=False`` (``ftkit plan``) keeps going when ``auto`` finds nothing that fits: the plan then carries
-    the slowest candidate so the table and the suggestions can still be printed.
+    the slowest candidate so the table and the suggestions can still be printed. ``unknown_model_ok`` (a user
+    command, which loads its own model): a config.json that cannot be read is no error; the plan uses DeepSpeed's
+    default bucket sizes, estimates no memory, and says so in ``Plan.unknown`` (``zero.stage: auto`` still needs it).
     """
     from .hub import config_source
     from .knobs import decide_config_knobs
@@ -177,7 +182,7 @@ def build_plan(
     else:
         master_why = _src(recipe, "cluster.master_addr")
 
-    source = None
+    source, unknown_why = None, ""
     try:
         source = config_source(recipe)
         cfg = (
@@ -188,8 +193,12 @@ def build_plan(
         h = hidden_size(cfg)
     except UserError as e:  # ModelConfigError: re-anchor it at the recipe's model.path line
         key = "model.config" if recipe["model.config"] else "model.path"
-        for p in e.problems:
-            problem(key, p.message if p.file else str(p))
+        unknown_why = "; ".join(p.message for p in e.problems) or str(e)
+        if not unknown_model_ok:
+            for p in e.problems:
+                problem(key, p.message if p.file else str(p))
+        elif recipe["zero.stage"] == "auto" or recipe["zero.offload_optimizer"] == "auto":
+            problem("zero.stage", f"auto needs the model's config ({unknown_why}): set zero.stage and offload")
         cfg, h = {}, 0
     if problems:
         raise RecipeError(problems)
@@ -227,7 +236,20 @@ def build_plan(
     plan.note("train_batch_size", gbs, f"train.global_batch_size ({_src(recipe, 'train.global_batch_size')})")
     plan.note("hidden_size", h, source.label if source else f"{recipe['model.path']}/config.json")
 
+    if not cfg and unknown_model_ok:
+        plan.unknown.append(
+            f"model: {unknown_why}: memory and step time not estimated; bucket sizes are DeepSpeed's defaults"
+        )
+        with_memory = False
     _resolve_zero(plan, with_memory, strict)
+    if plan.unknown:  # no hidden size: DeepSpeed's own defaults instead of h-derived sizes
+        for knob, value in (
+            ("reduce_bucket_size", int(5e8)),
+            ("stage3_prefetch_bucket_size", int(5e7)),
+            ("stage3_param_persistence_threshold", int(1e5)),
+        ):
+            if knob != "reduce_bucket_size" or recipe["zero.reduce_bucket_size"] == "auto":
+                plan.note(knob, value, "DeepSpeed's default: the model's hidden size is unknown")
     decide_config_knobs(plan)
     return plan
 
