@@ -76,6 +76,7 @@ class DoctorReport:
     bandwidth_file: str | None = None
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    preflight: Any = None  # ftkit.preflight.PreflightReport when preflight passed
 
     @property
     def ok(self) -> bool:
@@ -302,7 +303,7 @@ def _preflight(plan: Any, rep: DoctorReport, ssh_args: list[str], python: str) -
 
     r = plan.recipe
     try:
-        run_preflight(
+        rep.preflight = run_preflight(
             hosts=plan.hosts,
             master_addr=plan.master_addr,
             master_port=plan.master_port,
@@ -466,10 +467,16 @@ def run_doctor(
 
 def cheap_checks(
     plan: Any, ssh_args: list[str], env: dict[str, str] | None = None, python: str = sys.executable
-) -> DoctorReport:
+) -> Any:
     """The part of doctor ``ftkit launch`` runs as its preflight: preflight + facts (no rendezvous, a few seconds).
-    Raises PreflightError (exit 3) with one line per failure; returns the report when all passed."""
+
+    Raises PreflightError (exit 3) with one line per failure. Returns what :func:`ftkit.preflight.run_preflight`
+    returns (a drop-in for it), with doctor's checks appended to ``checks``."""
     rep = run_doctor(plan, ssh_args=ssh_args, rendezvous=False, env=env, python=python)
-    if not rep.ok:
-        raise PreflightError("\n".join(f.line() for f in rep.failures))
-    return rep
+    if not rep.ok or rep.preflight is None:
+        raise PreflightError("\n".join(f.line() for f in rep.failures) or "preflight failed")
+    report = rep.preflight
+    report.checks.append(
+        f"doctor: versions, run-directory space, /dev/shm, clock, interface, build locks ok on {len(rep.hosts)} host(s)"
+    )
+    return report
