@@ -195,6 +195,11 @@ def start(
         if resume is None:
             resume = os.environ.get(RESUME_ENV) or None
         r = _Rank(Path(run_dir), attempt, resume)
+        if "tensorboard" in (r.spec.training_args.get("report_to") or []):
+            # transformers 5.x has no logging_dir: its TensorBoard callback reads this variable (run directory only)
+            from .spec import tensorboard_dir
+
+            os.environ.setdefault("TENSORBOARD_LOGGING_DIR", tensorboard_dir(r.spec.training_args["output_dir"]))
         if not log_to_console:
             _redirect_output(r.ctx.rd.rank_log(attempt, r.ctx.rank))
         r.ctx.record_pid()

@@ -24,7 +24,6 @@ from __future__ import annotations
 import errno
 import json
 import random
-import re
 import shutil
 import signal
 import subprocess
@@ -40,9 +39,11 @@ from .decide import Action, Decision, FailureKind, Progress, RestartPolicy, Situ
 from .errors import ExitCode
 from .fidelity import FidelityCheck
 from .hf import STOP_FILE
+from .observe import Observer, log_tail, root_cause
 from .procs import exit_meaning, group_exists, proc_start_time, remove_shm, targets_from_records, teardown
 from .rundir import NEARLY_FULL, RunDir, append_jsonl, atomic_write
 from .shrink import convert_newest, probe_hosts
+from .stragglers import hosts_to_exclude
 
 # A closed terminal (SIGHUP) is handled like SIGTERM; SIGUSR1 is Slurm's advance notice (--signal=B:USR1@T).
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
@@ -130,6 +131,7 @@ class Supervisor:
         logging_steps: int = 1,
         replan: Callable[[list[tuple[str, int]]], Any] | None = None,
         prepare: Callable[[Any, bool], Any] | None = None,
+        global_batch: int | None = None,
     ):
         self.rd = rd
         self.min_nodes = min_nodes
@@ -147,21 +149,18 @@ class Supervisor:
         self.echo = echo
         self.poll_s = poll_s
         self.grace_s = grace_s
-        self.events = Events(rd, echo)
+        self.observer = Observer(rd, self._event, max_steps=max_steps, global_batch=global_batch or world_size)
+        self.events = Events(rd, self._say)
         self.policy = RestartPolicy(
             self.res["max_restarts"], self.res["backoff_s"], self.res["backoff_max_s"], rng or random.Random()
         )
         self.interrupted: int | None = None  # a signal that ends the run now (the second one)
         self.stop_requested: int | None = None  # the first signal: save at the next step, then stop
         self._stop_sent_at: float | None = None
-        self._changes_seen: set[int] = set()
-        self._changes_listed: set[Any] = set()
         self.check_fidelity = True  # off for an attempt that resumes with changes the user allowed
-        self._metrics_pos = 0
         self._plan: Any = None
         self._universal_attempt = False
-        self._fidelity: FidelityCheck | None = None
-        self._mismatch: str | None = None
+        self._exclude: list[str] = []  # stragglers a graceful stop is leaving out (resilience.exclude_stragglers)
 
     # ------------------------------------------------------------------------------------------------ choose
 
@@ -283,16 +282,18 @@ class Supervisor:
         while True:
             if self.interrupted:
                 return Failure(FailureKind.INTERRUPTED, f"interrupted by {signal.Signals(self.interrupted).name}")
-            if self.stop_requested:
+            if self.stop_requested or self._exclude:
                 stopping = self._stopping(attempt, progress)
                 if stopping is not None:
                     return stopping
-            self._echo_args_changes(attempt)
             if self.events.write_error is not None and is_no_space(self.events.write_error):
                 return self._no_space_failure(self.events.write_error)
-            self._read_metrics(attempt)
-            if self._mismatch:
-                return Failure(FailureKind.RESUME_MISMATCH, self._mismatch, step=self._step(attempt))
+            now = time.monotonic()
+            beats = [hb for hb in self.rd.heartbeats() if hb.get("attempt") == attempt]
+            mismatch = self.observer.poll(attempt, beats, now, progress.phases)
+            if mismatch:
+                return Failure(FailureKind.RESUME_MISMATCH, mismatch, step=self._step(attempt))
+            self._exclude_stragglers()
             codes = [p.proc.poll() for p in procs]
             errors = self.rd.records("errors", attempt)
             if errors:
@@ -319,7 +320,7 @@ class Supervisor:
                     )
                 return Failure(
                     FailureKind.EXIT,
-                    f"node {p.node_rank} ({p.host}) engine ended: {exit_meaning(c)}" + _root_cause(p.log),
+                    f"node {p.node_rank} ({p.host}) engine ended: {exit_meaning(c)}" + root_cause(p.log),
                     step=self._step(attempt),
                     exit_code=c,
                 )
@@ -327,8 +328,7 @@ class Supervisor:
                 if self._stop_sent_at is not None and not self._final_committed(attempt):
                     return Failure(FailureKind.STOPPED, "every rank saved and stopped", step=self._step(attempt))
                 return None
-            now = time.monotonic()
-            progress.observe((hb for hb in self.rd.heartbeats() if hb.get("attempt") == attempt), now)
+            progress.observe(beats, now)
             found = progress.failure(now, self._step(attempt))
             if found:
                 return Failure(found[0], found[1], step=self._step(attempt))
@@ -428,6 +428,7 @@ class Supervisor:
             self.events("gave_up", f"no space left on {e.filename or self.rd.path}", kind=FailureKind.NO_SPACE.value)
             return ExitCode.NO_SPACE
         finally:
+            self.observer.finish()
             for s, h in old.items():
                 signal.signal(s, h)
             try:
@@ -447,6 +448,7 @@ class Supervisor:
                 return choice.exit_code
             if self.interrupted or self.stop_requested:
                 return self._stop_between_attempts()
+            self._exclude, self._stop_sent_at = [], None
             self._start_fidelity(attempt, choice.step)
             inputs = LaunchInputs(**{**self.inputs.__dict__, "attempt": attempt, "resume": choice.resume})
             cmd = build_launch(inputs, self.base_env)
@@ -515,6 +517,9 @@ class Supervisor:
         )
 
     def _decide(self, failure: Failure, attempt: int) -> Decision:
+        if failure.kind is FailureKind.STOPPED and self._exclude and not self.stop_requested:
+            self._lost = list(self._exclude)  # saved and stopped to leave the stragglers out: continue without them
+            return self.policy.on_failure(failure.step, self._newest_commit(), Action.SHRINK)
         for line in failure.lines:
             self.echo(f"ftkit: error: {line}")
         if failure.traceback:
@@ -525,7 +530,7 @@ class Supervisor:
             self._discard_torn()
         self._lost: list[str] = []
         if failure.kind in (FailureKind.EXIT, FailureKind.HANG, FailureKind.STARTUP) and not failure.traceback:
-            self._echo_log_tail(attempt)
+            log_tail(self.rd, attempt, self._say)
         if failure.kind in (FailureKind.EXIT, FailureKind.HANG, FailureKind.STARTUP):
             self._lost = probe_hosts(list(self.inputs.hosts), self.ssh_args)
             if self._lost:
@@ -553,19 +558,18 @@ class Supervisor:
     # ------------------------------------------------------------------------------------------------ helpers
 
     def _start_fidelity(self, attempt: int, resume_step: int | None) -> None:
-        self._mismatch = None
-        self._fidelity = None
-        if resume_step is None or not self.check_fidelity:
-            return
-        from .runstatus import read_jsonl
+        fidelity = None
+        if resume_step is not None and self.check_fidelity:
+            from .runstatus import read_jsonl
 
-        self._fidelity = FidelityCheck.from_metrics(
-            read_jsonl(self.rd.metrics),
-            attempt,
-            float(self.res.get("resume_tolerance", 0.0)),
-            self.logging_steps,
-            resume_step,
-        )
+            fidelity = FidelityCheck.from_metrics(
+                read_jsonl(self.rd.metrics),
+                attempt,
+                float(self.res.get("resume_tolerance", 0.0)),
+                self.logging_steps,
+                resume_step,
+            )
+        self.observer.start_attempt(attempt, fidelity)
 
     def _discard_torn(self) -> None:
         """After a full disk: delete uncommitted checkpoints newer than the newest committed one. They can never be
@@ -586,50 +590,6 @@ class Supervisor:
         steps = [s for s in steps if isinstance(s, int)]
         return max(steps) if steps else None
 
-    def _read_metrics(self, attempt: int) -> None:
-        """Echo new losses and commits of this attempt, and check recomputed steps against the logged ones."""
-        path = self.rd.metrics
-        if not path.exists():
-            return
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            fh.seek(self._metrics_pos)
-            chunk = fh.read()
-        end = chunk.rfind("\n")
-        if end < 0:
-            return
-        self._metrics_pos += len(chunk[: end + 1].encode())
-        for line in chunk[: end + 1].splitlines():
-            try:
-                m = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(m, dict) or m.get("attempt") != attempt:
-                continue
-            if isinstance(m.get("loss"), (int, float)):
-                total = f"/{self.max_steps}" if self.max_steps else ""
-                self.echo(f"  step {m.get('step')}{total}  loss {m['loss']:.4f}")
-                self._check_fidelity(m)
-            elif m.get("event") == "commit":
-                self.echo(f"  committed checkpoint-{m.get('step')} ({m.get('commit_s', 0):.2f}s)")
-
-    def _check_fidelity(self, m: Mapping[str, Any]) -> None:
-        if self._fidelity is None:
-            return
-        tol = self._fidelity.tolerance
-        for mm in self._fidelity.observe(m):
-            self.events(
-                "resume_mismatch",
-                "warning: " + mm.message(tol),
-                step=mm.step,
-                metric=mm.what,
-                logged=mm.logged,
-                now=mm.now,
-                relative=mm.rel,
-                stop=mm.stop,
-            )
-            if mm.stop and not self._mismatch:
-                self._mismatch = mm.message(tol)
-
     def _final_committed(self, attempt: int) -> bool:
         """final/ committed by *this* attempt: a relaunch of a finished run finds the old record still there."""
         try:
@@ -645,6 +605,16 @@ class Supervisor:
         )
         return sel.step
 
+    def _say(self, text: str) -> None:
+        """A line for the user: above the progress line on a terminal (it is rewritten in place there)."""
+        if self.observer.progress.tty:
+            self.observer.echo(text)
+        else:
+            self.echo(text)
+
+    def _event(self, event: str, message: str | None = None, **data: Any) -> None:
+        self.events(event, message, **data)
+
     def _on_signal(self, signum: int, frame: Any) -> None:  # noqa: ARG002
         if self.stop_requested is None:
             self.stop_requested = signum  # the first: save at the next step boundary, then stop
@@ -655,7 +625,7 @@ class Supervisor:
 
     def _stopping(self, attempt: int, progress: Progress) -> Failure | None:
         """Called every poll once a stop is requested: ask the ranks (once), then bound the wait."""
-        name = signal.Signals(self.stop_requested).name if self.stop_requested else "request"
+        name = signal.Signals(self.stop_requested).name if self.stop_requested else "straggler"
         now = time.monotonic()
         timeout = float(self.res.get("stop_timeout_s") or STOP_TIMEOUT_S)
         if self._stop_sent_at is None:
@@ -683,26 +653,23 @@ class Supervisor:
             )
         return None
 
-    def _echo_args_changes(self, attempt: int) -> None:
-        """A wrapped script's TrainingArguments that the recipe overrode, listed once per run (ftkit.hf)."""
-        if attempt in self._changes_seen:
+    def _exclude_stragglers(self) -> None:
+        """resilience.exclude_stragglers: a host named a straggler is left out (a graceful stop, then a shrink onto
+        the other hosts) when cluster.min_nodes allows it."""
+        if not self.res.get("exclude_stragglers") or self._exclude or self.stop_requested:
             return
-        path = self.rd.attempt_dir(attempt) / "args_changes.json"
-        try:
-            rows = json.loads(path.read_text())
-        except (OSError, ValueError):
+        report = self.observer.straggler_report
+        if report is None or not report.stragglers:
             return
-        self._changes_seen.add(attempt)
-        if not isinstance(rows, list):
-            return
-        new = [r for r in rows if isinstance(r, dict) and r.get("name") not in self._changes_listed]
-        self._changes_listed.update(r.get("name") for r in new)
-        if new:
+        hosts = [h for h, _ in self.inputs.hosts]
+        out = hosts_to_exclude(report, hosts, self.min_nodes)
+        if out:
+            self._exclude = out
             self.events(
-                "args_changed",
-                "the recipe overrides the script's TrainingArguments:\n"
-                + "\n".join(f"    {r.get('name')}: {r.get('from')!r} -> {r.get('to')!r}" for r in new),
-                changes=new,
+                "exclude_stragglers",
+                f"leaving out straggler(s) {', '.join(out)}: saving the step in flight, then continuing on "
+                f"{', '.join(h for h in hosts if h not in out)}",
+                hosts=out,
             )
 
     def _dead_ranks(self, attempt: int) -> list[int]:
@@ -715,50 +682,9 @@ class Supervisor:
                     dead.append(int(r["rank"]))
         return dead
 
-    def _echo_log_tail(self, attempt: int, lines: int = 6) -> None:
-        """Show the error of a rank that failed by itself (survivors' 'connection reset by peer' is only an echo);
-        when no rank shows one, the engine's own log: a launcher that failed before any rank started (a bad
-        argument, a missing module) says why only there."""
-        shown = False
-        log_dir = self.rd.log_dir(attempt)
-        rank_logs = sorted(log_dir.glob("rank-*.log"))
-        for log in rank_logs + ([] if rank_logs else sorted(log_dir.glob("launcher-node*.log"))):
-            try:
-                tail = [x for x in log.read_text(errors="replace").splitlines() if x.strip()][-lines:]
-            except OSError:
-                continue
-            text = "\n".join(tail)
-            if "Traceback" in text or "Error" in text or "error" in text:
-                if any(s in text for s in ("by peer", "Connection closed", "Socket Timeout", "NCCL communicator")):
-                    continue
-                self.echo(f"  last lines of {log}:")
-                for x in tail:
-                    self.echo(f"    {x[:200]}")
-                shown = True
-        if not shown and not rank_logs:
-            self.echo("  no rank started: see the engine's log")
-        self.echo(f"  logs of this attempt: {log_dir}")
-
 
 def _nearly_full(path: Path) -> bool:
     try:
         return shutil.disk_usage(path).free < NEARLY_FULL
     except OSError:
         return False
-
-
-_TORCHRUN_FAILURE = re.compile(r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", re.S)
-
-
-def _root_cause(log: Path) -> str:
-    """torchrun (and accelerate, which runs it) exits 1 whatever happened; its summary names the rank that failed
-    first and that rank's own exit code (-9: SIGKILL). Map it back so the event says what really happened."""
-    try:
-        text = log.read_text(errors="replace")[-20000:]
-    except OSError:
-        return ""
-    tail = text.split("Root Cause (first observed failure):")[-1] if "Root Cause" in text else ""
-    m = _TORCHRUN_FAILURE.search(tail)
-    if not m:
-        return ""
-    return f"; root cause: rank {m.group(1)} {exit_meaning(int(m.group(2)))}"
