@@ -252,6 +252,7 @@ def _supervisor(
         stage=plan.stage,
         world_size=plan.world_size,
         max_steps=r["train.max_steps"],
+        global_batch=plan.global_batch_size,
         logging_steps=r["train.logging_steps"],
         ssh_args=ssh_args,
         echo=echo,
