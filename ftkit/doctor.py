@@ -6,10 +6,10 @@ Steps (each host in parallel through :func:`ftkit.fanout.run_on_hosts`; the prob
 1. everything :func:`ftkit.preflight.run_preflight` checks (reused as it is: hosts reachable over ssh, run
    directory writable, master port free, same versions, master address resolves);
 2. ``facts`` on every host: ftkit/python/torch/deepspeed/transformers versions against this machine's, GPU model
-   and driver (cuda), free space in the run directory (< ``MIN_FREE_RUN_DIR`` fails), /dev/shm size and free space
-   (< ``MIN_SHM`` fails), clock skew against this machine (> ``MAX_SKEW_S`` fails), the interface the collectives
-   use (``GLOO_SOCKET_IFNAME`` on cpu, ``NCCL_SOCKET_IFNAME`` on cuda, else the route to master_addr) and whether
-   it exists there, stale torch extension build locks (:mod:`ftkit.buildlocks`; stale only if no host holds it);
+   and driver (cuda), free space in the run directory, /dev/shm size and free space, clock skew against this
+   machine, the interface the collectives use (``GLOO_SOCKET_IFNAME`` on cpu, ``NCCL_SOCKET_IFNAME`` on cuda, else
+   the route to master_addr) and whether it exists there, stale torch extension build locks
+   (:mod:`ftkit.buildlocks`; stale only if no host holds it). Thresholds and rules: :mod:`ftkit.doctor_checks`;
 3. a real rendezvous and all-reduce across all hosts with the engine's backend (gloo on cpu, nccl on cuda), one
    process per host, bounded by ``RENDEZVOUS_TIMEOUT_S``; hosts that did not join are named with their own error.
    Skipped when a host is unreachable (it cannot join).
@@ -36,107 +36,22 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from .doctor_checks import DoctorReport, check_facts, check_locks
 from .errors import PreflightError
 from .fanout import LOCAL_HOSTS, run_on_hosts
 
-MIN_FREE_RUN_DIR = 1 << 30  # bytes free in the run directory below which doctor fails (checkpoints need room)
-MIN_SHM = 512 << 20  # bytes of /dev/shm (size and free) below which doctor fails (NCCL/DeepSpeed shm buffers)
-MAX_SKEW_S = 5.0  # clock skew against this machine above which doctor fails (logs and events disagree)
 FACTS_DEADLINE_S = 15.0
 RENDEZVOUS_TIMEOUT_S = 10.0
 BANDWIDTH_BUDGET_S = 60.0
-COLUMNS = ("ssh", "versions", "gpu", "run_dir", "shm", "clock", "iface", "locks", "rendezvous")
 MARK = "FTKIT_DOCTOR "
 FORWARD = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TORCH_EXTENSIONS_DIR", "XDG_CACHE_HOME", "PYTHONPATH")
 
 
-@dataclass
-class Failure:
-    host: str  # "-" for a failure not tied to one host
-    check: str
-    message: str
-    fix: str = ""
-
-    def line(self) -> str:
-        where = f"host {self.host}: " if self.host != "-" else ""
-        return f"{where}{self.check}: {self.message}" + (f" [{self.fix}]" if self.fix else "")
-
-
-@dataclass
-class DoctorReport:
-    hosts: list[str]
-    cells: dict[str, dict[str, str]] = field(default_factory=dict)  # host -> column -> short value
-    failures: list[Failure] = field(default_factory=list)
-    bandwidth: dict[str, Any] | None = None
-    bandwidth_file: str | None = None
-    notes: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    preflight: Any = None  # ftkit.preflight.PreflightReport when preflight passed
-
-    @property
-    def ok(self) -> bool:
-        return not self.failures
-
-    def fail(self, host: str, check: str, message: str, fix: str = "") -> None:
-        self.failures.append(Failure(host, check, message, fix))
-        if host in self.cells:
-            self.cells[host][check] = "FAIL"
-
-    def set(self, host: str, check: str, value: str) -> None:
-        row = self.cells.setdefault(host, {})
-        if row.get(check) != "FAIL":
-            row[check] = value
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "hosts": {h: self.cells.get(h, {}) for h in self.hosts},
-            "failures": [f.__dict__ | {"line": f.line()} for f in self.failures],
-            "bandwidth": self.bandwidth,
-            "bandwidth_file": self.bandwidth_file,
-            "notes": self.notes,
-            "seconds": round(self.seconds, 2),
-        }
-
-
-def format_report(rep: DoctorReport) -> str:
-    """One row per host, a check per column; then one line per failure with its fix; then bandwidth."""
-    head = ["host", *COLUMNS]
-    rows = [[h, *(rep.cells.get(h, {}).get(c, "-") for c in COLUMNS)] for h in rep.hosts]
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [head, *rows]]
-    if rep.bandwidth:
-        lines.append("")
-        lines.append(f"all-reduce bus bandwidth across {len(rep.hosts)} host(s) ({rep.bandwidth.get('backend')}):")
-        for row in rep.bandwidth.get("all_reduce", []):
-            lines.append(
-                f"  {row['bytes'] / 2**20:8.1f} MiB  {row['busbw_gbs']:9.3f} GB/s  ({row['seconds'] * 1e3:.1f} ms)"
-            )
-        for row in rep.bandwidth.get("pairs", []):
-            a, b = row["hosts"]
-            lines.append(f"  pair {a} <-> {b}: {row['busbw_gbs']:.3f} GB/s at {row['bytes'] / 2**20:.0f} MiB")
-        if rep.bandwidth_file:
-            lines.append(f"bandwidth recorded in {rep.bandwidth_file} (ftkit plan reads it)")
-    lines.append("")
-    lines += rep.notes
-    if rep.failures:
-        lines.append(f"{len(rep.failures)} check(s) failed:")
-        lines += [f"  {f.line()}" for f in rep.failures]
-    else:
-        lines.append(f"all checks passed on {len(rep.hosts)} host(s) in {rep.seconds:.1f}s")
-    return "\n".join(lines)
-
-
 # ----------------------------------------------------------------------------------------------- probes
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f}G"
 
 
 def _probe_line(python: str, args: list[str], env: dict[str, str]) -> str:
@@ -157,109 +72,6 @@ def _parse(out: str) -> dict[str, Any] | None:
 
 def _probe_env(env: dict[str, str]) -> dict[str, str]:
     return {k: env[k] for k in FORWARD if env.get(k)}
-
-
-def _ifname_matches(spec: str, names: list[str], nccl: bool) -> list[str]:
-    """The interfaces ``spec`` selects: gloo takes exact names (comma list); NCCL prefixes, ``=`` exact, ``^`` not."""
-    items = [s for s in spec.split(",") if s]
-    if not nccl:
-        return [n for n in names if n in items]
-    exclude = spec.startswith("^")
-    body = spec[1:] if exclude else spec
-    exact = body.startswith("=")
-    items = [s for s in (body[1:] if exact else body).split(",") if s]
-    hit = [n for n in names if any(n == s if exact else n.startswith(s) for s in items)]
-    return [n for n in names if n not in hit and n != "lo"] if exclude else hit
-
-
-def check_facts(
-    rep: DoctorReport, host: str, f: dict[str, Any], mine: dict[str, str], received: float, accel: str
-) -> None:
-    """Turn one host's facts into cells and failures (pure: tested without any host)."""
-    theirs = f.get("versions", {})
-    diffs = [f"{k} {theirs.get(k, 'missing')} (here {v})" for k, v in mine.items() if theirs.get(k) != v]
-    if diffs:
-        rep.fail(host, "versions", "differs: " + "; ".join(diffs), "install the same versions on every host")
-    else:
-        rep.set(host, "versions", f"torch {theirs.get('torch', '?')}")
-    if accel == "cuda":
-        g = f.get("gpu") or {}
-        if g.get("error"):
-            rep.fail(host, "gpu", g["error"], "install the NVIDIA driver, or set cluster.accelerator=cpu")
-        else:
-            rep.set(
-                host, "gpu", f"{g.get('count')}x {','.join(g.get('models', []))} drv {','.join(g.get('drivers', []))}"
-            )
-    else:
-        rep.set(host, "gpu", "cpu")
-    rd = f.get("run_dir") or {}
-    if rd.get("error"):
-        rep.fail(
-            host, "run_dir", f"{rd.get('path')}: {rd['error']}", "put train.output_dir on storage every host shares"
-        )
-    elif rd.get("free", 0) < MIN_FREE_RUN_DIR:
-        rep.fail(
-            host,
-            "run_dir",
-            f"only {_gib(rd.get('free', 0))} free in {rd.get('path')}",
-            "free space or move train.output_dir",
-        )
-    else:
-        rep.set(host, "run_dir", f"{_gib(rd['free'])} free")
-    shm = f.get("shm") or {}
-    if shm.get("error"):
-        rep.fail(host, "shm", shm["error"], "mount a tmpfs on /dev/shm")
-    elif shm.get("total", 0) < MIN_SHM or shm.get("free", 0) < MIN_SHM:
-        rep.fail(
-            host,
-            "shm",
-            f"/dev/shm {_gib(shm.get('total', 0))} total, {_gib(shm.get('free', 0))} free (< {_gib(MIN_SHM)})",
-            "enlarge it (docker run --shm-size=16g; mount -o remount,size=16G /dev/shm) or remove stale buffers",
-        )
-    else:
-        rep.set(host, "shm", f"{_gib(shm['total'])}/{_gib(shm['free'])} free")
-    if isinstance(f.get("time"), (int, float)):
-        skew = float(f["time"]) - received
-        if abs(skew) > MAX_SKEW_S:
-            rep.fail(host, "clock", f"clock {skew:+.1f}s off this machine", "synchronise clocks (chrony/NTP)")
-        else:
-            rep.set(host, "clock", f"{skew:+.1f}s")
-    names = list(f.get("interfaces", []))
-    var, spec = f.get("ifname_var"), f.get("ifname")
-    route = f.get("route") or {}
-    if spec:
-        hit = _ifname_matches(spec, names, nccl=var == "NCCL_SOCKET_IFNAME")
-        first = spec.lstrip("^=").split(",")[0]
-        if not hit:
-            rep.fail(
-                host,
-                "iface",
-                f"{var}={spec} names no interface there (it has {', '.join(names) or 'none'})",
-                f"name an interface every host has, or rename it there (ip link set <dev> name {first})",
-            )
-        else:
-            rep.set(host, "iface", ",".join(hit))
-    elif route.get("error"):
-        rep.fail(host, "iface", route["error"], "fix cluster.master_addr or the routes on that host")
-    else:
-        rep.set(host, "iface", route.get("dev") or route.get("ip") or "?")
-
-
-def check_locks(rep: DoctorReport, per_host: dict[str, list[dict[str, Any]]]) -> None:
-    """A lock is stale when no host reports a holder for it (hosts may share the file system)."""
-    held = {lk["path"] for locks in per_host.values() for lk in locks if lk.get("holder")}
-    for host, locks in per_host.items():
-        stale = [lk["path"] for lk in locks if not lk.get("holder") and lk["path"] not in held]
-        for path in stale:
-            rep.fail(
-                host,
-                "locks",
-                f"stale torch extension build lock {path}: a killed build left it; "
-                "every rank that builds this op waits forever",
-                f"rm {path}",
-            )
-        if not stale:
-            rep.set(host, "locks", "building" if any(lk.get("holder") for lk in locks) else "none")
 
 
 def _facts(plan: Any, rep: DoctorReport, ssh_args: list[str], python: str, env: dict[str, str]) -> set[str]:

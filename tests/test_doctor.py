@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from ftkit import buildlocks
-from ftkit.doctor import DoctorReport, _ifname_matches, cheap_checks, check_facts, check_locks, format_report
+from ftkit.doctor import cheap_checks
+from ftkit.doctor_checks import DoctorReport, _ifname_matches, check_facts, check_locks, format_report
 from ftkit.errors import PreflightError
 
 REPO = Path(__file__).resolve().parent.parent

@@ -52,6 +52,6 @@ def command(recipe: str, overrides: tuple[str, ...], hostfile: str | None, bandw
 
 
 def _text(report) -> str:  # noqa: ANN001
-    from ..doctor import format_report
+    from ..doctor_checks import format_report
 
     return format_report(report)
