@@ -65,6 +65,16 @@ class DoctorReport:
         }
 
 
+def slow_pairs(bandwidth: dict[str, Any]) -> list[dict[str, Any]]:
+    """Pairs whose bus bandwidth is under half the median pair's: the slow link to look at."""
+    pairs = bandwidth.get("pairs") or []
+    if len(pairs) < 3:
+        return []
+    speeds = sorted(p["busbw_gbs"] for p in pairs)
+    median = speeds[len(speeds) // 2]
+    return [p for p in pairs if p["busbw_gbs"] < median / 2]
+
+
 def format_report(rep: DoctorReport) -> str:
     """One row per host, a check per column; then one line per failure with its fix; then bandwidth."""
     head = ["host", *COLUMNS]
@@ -80,7 +90,8 @@ def format_report(rep: DoctorReport) -> str:
             )
         for row in rep.bandwidth.get("pairs", []):
             a, b = row["hosts"]
-            lines.append(f"  pair {a} <-> {b}: {row['busbw_gbs']:.3f} GB/s at {row['bytes'] / 2**20:.0f} MiB")
+            slow = "  <- slow link (under half the median pair)" if row in slow_pairs(rep.bandwidth) else ""
+            lines.append(f"  pair {a} <-> {b}: {row['busbw_gbs']:.3f} GB/s at {row['bytes'] / 2**20:.0f} MiB{slow}")
         if rep.bandwidth_file:
             lines.append(f"bandwidth recorded in {rep.bandwidth_file} (ftkit plan reads it)")
     lines.append("")

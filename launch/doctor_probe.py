@@ -229,15 +229,29 @@ def rendezvous(args: argparse.Namespace) -> dict:
     th.start()
     end = t_start + args.timeout + (args.bandwidth_budget if args.bandwidth else 0)
     others: dict[int, str] = {}
+    polling = True
     while th.is_alive() and time.monotonic() < end:
         th.join(0.2)
-        for r in range(args.world):  # a peer that failed: stop waiting for it now, not at the timeout
-            if r != args.rank and r not in others and store.check([f"error/{r}"]):
-                others[r] = store.get(f"error/{r}").decode(errors="replace")
+        if not polling:
+            continue
+        try:  # a peer that failed: stop waiting for it now, not at the timeout
+            for r in range(args.world):
+                if r != args.rank and r not in others and store.check([f"error/{r}"]):
+                    others[r] = store.get(f"error/{r}").decode(errors="replace")
+        except Exception:  # noqa: BLE001 - the store's host went away: the collective will say so
+            polling = False
         if others:
             break
     if box.get("done"):
         result["ok"] = True
+        try:  # rank 0 serves the store: it leaves only when every rank is done with it (bounded)
+            store.set(f"done/{args.rank}", "1")
+            if args.rank == 0:
+                until = time.monotonic() + 10
+                while time.monotonic() < until and not store.check([f"done/{r}" for r in range(args.world)]):
+                    time.sleep(0.05)
+        except Exception:  # noqa: BLE001
+            pass
     else:
         result["stage"] = "collective"
         result["error"] = box.get("error") or (

@@ -156,6 +156,25 @@ def test_report_row_per_host_and_a_line_per_failure_with_its_fix():
     assert [f["fix"] for f in data["failures"]][-1] == "rm /c/op/lock"
 
 
+def test_bandwidth_section_names_a_slow_pair():
+    rep = DoctorReport(hosts=["a", "b", "c"], cells={h: {} for h in "abc"})
+    pair = {"bytes": 8 << 20, "seconds": 0.1}
+    rep.bandwidth = {
+        "backend": "gloo",
+        "all_reduce": [{"bytes": 32 << 20, "seconds": 0.5, "busbw_gbs": 1.25}],
+        "pairs": [
+            {"hosts": ["a", "b"], **pair, "busbw_gbs": 10.0},
+            {"hosts": ["a", "c"], **pair, "busbw_gbs": 9.0},
+            {"hosts": ["b", "c"], **pair, "busbw_gbs": 2.0},
+        ],
+    }
+    rep.bandwidth_file = "/x/bandwidth.json"
+    text = format_report(rep)
+    assert "      32.0 MiB      1.250 GB/s  (500.0 ms)" in text
+    assert "pair b <-> c: 2.000 GB/s at 8 MiB  <- slow link" in text and text.count("slow link") == 1
+    assert "bandwidth recorded in /x/bandwidth.json (ftkit plan reads it)" in text
+
+
 def test_a_lock_held_on_any_host_is_not_stale_anywhere():
     rep = DoctorReport(hosts=["a", "b"], cells={"a": {}, "b": {}})
     check_locks(
@@ -343,6 +362,7 @@ def test_misnamed_interface_names_the_host(tmp_path, pair):
         ):
             subprocess.run(["ip", "-n", ns, *argv], check=True, timeout=15)
     assert out.returncode == 3, out.stdout + out.stderr
+    print(f"doctor named the broken host in {took:.1f}s")
     assert took < DOCTOR_BUDGET_S, took
     fails = _failures(out)
     assert any(f.startswith("host node1: iface: GLOO_SOCKET_IFNAME=eth0 names no interface there") for f in fails), (
@@ -370,6 +390,7 @@ def test_blocked_port_to_the_master_names_the_host(tmp_path, pair):
     finally:
         subprocess.run(["ip", "-n", ns, "rule", "del", *rule], check=True, timeout=15)
     assert out.returncode == 3, out.stdout + out.stderr
+    print(f"doctor named the broken host in {took:.1f}s")
     assert took < DOCTOR_BUDGET_S, took
     fails = _failures(out)
     assert any(
@@ -406,6 +427,7 @@ def test_other_torch_on_one_host_names_the_host(tmp_path, pair):
         pair.stop_sshd(1)
         pair.start_sshd(1)
     assert out.returncode == 3, out.stdout + out.stderr
+    print(f"doctor named the broken host in {took:.1f}s")
     assert took < DOCTOR_BUDGET_S, took
     fails = _failures(out)
     assert any(f.startswith("host node1: versions: differs: torch 2.1.0 (here ") for f in fails), fails
