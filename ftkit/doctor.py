@@ -36,6 +36,7 @@ import os
 import shlex
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -110,12 +111,13 @@ def _facts(plan: Any, rep: DoctorReport, ssh_args: list[str], python: str, env: 
     return unreachable
 
 
-def _preflight(plan: Any, rep: DoctorReport, ssh_args: list[str], python: str) -> None:
+def _preflight(plan: Any, hosts: list[str], ssh_args: list[str], python: str) -> tuple[Any, list[tuple[str, str]]]:
+    """run_preflight as it is: (its report or None, [(host or "-", problem)])."""
     from .preflight import run_preflight
 
     r = plan.recipe
     try:
-        rep.preflight = run_preflight(
+        report = run_preflight(
             hosts=plan.hosts,
             master_addr=plan.master_addr,
             master_port=plan.master_port,
@@ -124,13 +126,16 @@ def _preflight(plan: Any, rep: DoctorReport, ssh_args: list[str], python: str) -
             ssh_args=ssh_args,
             python=python,
         )
+        return report, []
     except PreflightError as e:
+        found = []
         for text in e.lines():
             # doctor's own columns say unreachable/versions per host: keep preflight's other findings
             if " is not reachable over ssh " in text or " differs: " in text:
                 continue
-            host = next((h for h in rep.hosts if text.startswith(f"host {h}:") or text.startswith(f"host {h} ")), "-")
-            rep.fail(host, "preflight", text)
+            host = next((h for h in hosts if text.startswith((f"host {h}:", f"host {h} "))), "-")
+            found.append((host, text))
+        return None, found
 
 
 # ------------------------------------------------------------------------------------------- rendezvous
@@ -261,8 +266,15 @@ def run_doctor(
     rep = DoctorReport(hosts=[h for h, _ in plan.hosts])
     for h in rep.hosts:
         rep.cells[h] = {}
-    _preflight(plan, rep, ssh_args, python)
-    unreachable = _facts(plan, rep, ssh_args, python, env)
+    # preflight and facts fan out at the same time: an unreachable host costs one ssh timeout, not two
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="doctor-preflight") as ex:
+        pre = ex.submit(_preflight, plan, list(rep.hosts), ssh_args, python)
+        unreachable = _facts(plan, rep, ssh_args, python, env)
+        rep.preflight, pre_failures = pre.result()
+    facts_failures, rep.failures = rep.failures, []
+    for host, text in pre_failures:
+        rep.fail(host, "preflight", text)
+    rep.failures += facts_failures
     if rendezvous:
         if unreachable:
             for h in rep.hosts:

@@ -252,6 +252,21 @@ def test_cheap_checks_name_a_stale_build_lock(tmp_path):
     assert time.monotonic() - t0 < 20
 
 
+def test_unreachable_host_is_named_and_the_rendezvous_skipped(tmp_path):
+    """ssh to a closed loopback port: refused at once; no probe or rendezvous is attempted there."""
+    from runs import free_port
+
+    (tmp_path / "ssh_config").write_text(f"Host ghost\n  HostName 127.0.0.1\n  Port {free_port()}\n")
+    (tmp_path / "hosts").write_text("ghost slots=1\n")
+    recipe = _local_recipe(tmp_path, gpus_per_node=1, ssh_config=tmp_path / "ssh_config")
+    out = _run("doctor", str(recipe), "--hostfile", str(tmp_path / "hosts"), "--json")
+    assert out.returncode == 3, out.stdout + out.stderr
+    data = json.loads(out.stdout)
+    assert data["hosts"]["ghost"]["ssh"] == "FAIL" and data["hosts"]["ghost"]["rendezvous"] == "skipped"
+    assert _failures(out) == [f["line"] for f in data["failures"]]
+    assert _failures(out)[0].startswith("host ghost: ssh: not reachable (") and "Connection refused" in out.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # mostly waiting for mp_lock; the doctor runs take ~5 s each
 def test_local_doctor_passes_then_names_a_stale_lock(tmp_path):
