@@ -56,9 +56,9 @@ FORWARD = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TORCH_EXTENSIONS_DIR", "
 
 
 def _probe_line(python: str, args: list[str], env: dict[str, str]) -> str:
-    q = shlex.quote
-    assign = " ".join(q(f"{k}={v}") for k, v in env.items())
-    return f"exec env {assign} {q(python)} -m ftkit.launch.doctor_probe {shlex.join(args)}".replace("env  ", "env ")
+    """The shell line that runs the probe with ``env`` set; every word quoted once, here."""
+    words = ["exec", "env", *(f"{k}={v}" for k, v in env.items()), python, "-m", "ftkit.launch.doctor_probe", *args]
+    return shlex.join(words)
 
 
 def _parse(out: str) -> dict[str, Any] | None:

@@ -24,8 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _run(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 90):
-    e = {**os.environ, **(env or {})}
-    e.pop("PYTHONPATH", None) if env is None or "PYTHONPATH" not in env else None
+    e = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | (env or {})  # only what a test sets
     return subprocess.run(
         [sys.executable, "-m", "ftkit", *args], env=e, cwd=cwd, capture_output=True, text=True, timeout=timeout
     )
