@@ -111,8 +111,12 @@ def loading_hint(
     after_s: float = LOADING_HINT_AFTER_S,
     env: Mapping[str, str] | None = None,
 ) -> str | None:
-    """For the supervisor: one line when a rank has been in its ``loading`` phase for ``after_s`` or more while a
-    stale build lock exists on this machine, else None.
+    """For the supervisor: one line when a rank has been loading for ``after_s`` or more while a stale build lock
+    exists on this machine, else None.
+
+    "Loading" is every phase before the first step: ``starting`` (a wrapped script), ``loading`` (the built-in
+    entry; DeepSpeed's shm op builds in init_distributed) and ``train`` with no step yet (DeepSpeed builds CPU Adam
+    inside ``trainer.train()``, after that heartbeat).
 
     ``since`` is the supervisor's own record of when each rank entered its phase (``Progress.phases``: rank ->
     (phase, time on the caller's clock, the clock of ``now``)); without it the heartbeat's own ``time`` is used
@@ -120,11 +124,12 @@ def loading_hint(
     """
     waiting: list[int] = []
     for hb in heartbeats:
-        if hb.get("phase") != "loading":
+        phase = hb.get("phase")
+        if not (phase in ("starting", "loading") or (phase == "train" and hb.get("step") is None)):
             continue
         rank = hb.get("rank")
         entered = None
-        if since is not None and isinstance(rank, int) and rank in since and since[rank][0] == "loading":
+        if since is not None and isinstance(rank, int) and rank in since and since[rank][0] == phase:
             entered = since[rank][1]
         elif since is None and isinstance(hb.get("time"), (int, float)):
             entered = float(hb["time"])
@@ -138,7 +143,7 @@ def loading_hint(
     ranks = ", ".join(str(r) for r in sorted(waiting))
     rms = " && ".join(f"rm {p}" for p in stale)
     return (
-        f"rank(s) {ranks} still loading after {after_s:g}s and a stale torch extension build lock exists: "
+        f"rank(s) {ranks} still loading after {after_s:g}s while a stale torch extension build lock exists: "
         f"{', '.join(map(str, stale))} (a killed build left it; ranks wait on it forever) [{rms}]"
     )
 

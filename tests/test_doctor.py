@@ -69,6 +69,44 @@ def test_stale_lock_is_the_one_no_process_holds(tmp_path):
     assert buildlocks.stale_build_locks(env) == sorted([stale, by_fd, by_cwd])  # holders gone: all stale now
 
 
+def _baton(lock: Path, what: str) -> subprocess.Popen:
+    """torch's own FileBaton (loaded from its file, without importing torch): ``acquire`` holds the baton as a
+    building process does; ``wait`` waits for it as every other rank does."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    path = Path(spec.origin).parent / "utils" / "file_baton.py"
+    code = (
+        "import importlib.util, sys\n"
+        f"s = importlib.util.spec_from_file_location('fb', {str(path)!r}); m = importlib.util.module_from_spec(s)\n"
+        f"s.loader.exec_module(m); b = m.FileBaton({str(lock)!r})\n"
+        + (
+            "assert b.try_acquire(); print('ready', flush=True); import time; time.sleep(60)\n"
+            if what == "acquire"
+            else "print('ready', flush=True); b.wait()\n"
+        )
+    )
+    return _holder(code)
+
+
+def test_real_file_baton_holder_and_waiter(tmp_path):
+    root = tmp_path / "ext"
+    (root / "built").mkdir(parents=True)
+    held = root / "built" / "lock"
+    stale = _lock(root, "deepspeed_shm_comm")
+    holder = _baton(held, "acquire")  # creates the lock (O_CREAT|O_EXCL) and keeps it open, as a build does
+    waiter = _baton(stale, "wait")  # polls a lock nobody holds: waits forever, and does not count as a holder
+    try:
+        env = {"TORCH_EXTENSIONS_DIR": str(root)}
+        assert buildlocks.stale_build_locks(env) == [stale]
+        assert dict(buildlocks.lock_states(env))[held] == holder.pid
+        assert waiter.poll() is None
+    finally:
+        for p in (holder, waiter):
+            p.kill()
+            p.wait()
+
+
 def test_default_layout_under_the_cache_dir(tmp_path):
     stale = _lock(tmp_path / "cache" / "torch_extensions" / "py311_cpu", "cpu_adam")
     (stale.parent / "cpu_adam.so").write_text("")  # a finished build next to it changes nothing
@@ -87,6 +125,11 @@ def test_loading_hint_after_a_minute_with_a_stale_lock(tmp_path):
     hint = buildlocks.loading_hint(hbs, now, env=env)
     assert hint and "rank(s) 0" in hint and f"[rm {lock}]" in hint
     assert buildlocks.loading_hint([{"rank": 0, "phase": "loading", "time": now - 30}], now, env=env) is None
+    # DeepSpeed builds CPU Adam inside trainer.train(): after the "train" heartbeat, before the first step
+    assert "rank(s) 2" in buildlocks.loading_hint(
+        [{"rank": 2, "phase": "train", "step": None, "time": now - 90}], now, env=env
+    )
+    assert buildlocks.loading_hint([{"rank": 2, "phase": "train", "step": 3, "time": now - 90}], now, env=env) is None
     # On the supervisor's own clock (Progress.phases): the heartbeat's time is ignored.
     hb = [{"rank": 3, "phase": "loading", "time": 0.0}]
     assert buildlocks.loading_hint(hb, 500.0, since={3: ("loading", 470.0)}, env=env) is None
