@@ -16,9 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from .fanout import LOCAL_HOSTS, HostResult, is_this_machine, one_line, run_on_hosts, valid_host
-
-__all__ = ["LOCAL_HOSTS", "HostResult", "is_this_machine", "one_line", "valid_host"]  # re-exported: older imports
+from .fanout import LOCAL_HOSTS as LOCAL_HOSTS  # re-exported: callers import these from procs
+from .fanout import is_this_machine, run_on_hosts
 
 
 def exit_meaning(code: int | None) -> str:

@@ -27,6 +27,7 @@ N_HOSTS = 16
 
 @pytest.mark.slow
 @pytest.mark.multinode
+@pytest.mark.timeout(300)  # the cluster, stand-ins and teardown take ~10 s; the rest is waiting for mp_lock
 def test_teardown_of_16_hosts_leaves_nothing(tmp_path: Path) -> None:
     """Every rank and agent on every host is gone after one teardown, checked by pid on each host over ssh; the
     teardown spends the grace period once for all hosts (old code: 3 ssh sessions per host, one after another)."""
