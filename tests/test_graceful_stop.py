@@ -34,6 +34,13 @@ pytestmark = pytest.mark.slow
 
 LONG = 40  # steps: the stop lands long before the end (a step takes ~0.15 s here)
 SAVE = 10
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def _script(fx) -> list[str]:
+    """An unmodified HF Trainer script (HfArgumentParser; it never imports ftkit), wrapped by the import hook."""
+    return ["--", "python", str(SCRIPTS / "hf_trainer.py"), "--model", str(fx["model"]), "--data", str(fx["data"])]
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +63,8 @@ def _stop_commit(run: Path) -> int:
     return int(stops[0])
 
 
-def _stop_and_resume(recipe: Path, run: Path, sig: int, expected: dict[int, float]) -> None:
-    with launched(recipe, run) as proc:
+def _stop_and_resume(recipe: Path, run: Path, sig: int, expected: dict[int, float], *args: str) -> None:
+    with launched(recipe, run, *args, env=OFFLINE) as proc:
         wait_step(run, 0, 13)
         t0 = time.monotonic()
         proc.send_signal(sig)
@@ -75,7 +82,7 @@ def _stop_and_resume(recipe: Path, run: Path, sig: int, expected: dict[int, floa
     assert_no_process_left(run)
     # The relaunch resumes from the stop's checkpoint: 0 steps recomputed, the same losses as a run never stopped.
     with mp_lock():
-        r = ftkit("launch", str(recipe), env=ENV, timeout=RUN_S)
+        r = ftkit("launch", str(recipe), *args, env={**ENV, **OFFLINE}, timeout=RUN_S)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     chosen = named(run, "checkpoint_chosen")
     assert chosen and chosen[-1]["step"] == step, chosen
@@ -167,3 +174,17 @@ def test_ftkit_stop_force_tears_a_live_run_down_without_saving(fx, tmp_path):
         assert finish(proc, 30) == ExitCode.SIGTERM, output(recipe)[-3000:]
     assert named(run, "interrupted") and not named(run, "stopped")
     assert_no_process_left(run)
+
+
+@pytest.mark.timeout(900)
+def test_a_wrapped_script_stops_the_same_way(fx, tmp_path_factory, tmp_path):
+    """The save request rides on the per-rank hook every wrapped script gets: same promise, same exit 8."""
+    base = tmp_path_factory.mktemp("wrapped-baseline")
+    b_recipe, b_run = _recipe(base, fx, train__max_steps=LONG, train__save_steps=SAVE)
+    with mp_lock():
+        r = ftkit("launch", str(b_recipe), *_script(fx), env={**ENV, **OFFLINE}, timeout=RUN_S)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    expected = losses(b_run)
+    assert sorted(expected) == list(range(1, LONG + 1))
+    recipe, run = _recipe(tmp_path, fx, train__max_steps=LONG, train__save_steps=SAVE)
+    _stop_and_resume(recipe, run, signal.SIGTERM, expected, *_script(fx))
