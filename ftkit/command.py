@@ -498,9 +498,10 @@ def _torchrun(inp: LaunchInputs, base_env: Mapping[str, str]) -> LaunchCommand:
             "--max-restarts",
             "0",
         ]
-        if n > 1:
+        if n > 1 or not _is_local(host):
             # Hosts may share a hostname (containers, namespaces): say explicitly which agent hosts the store, and
-            # advertise the node by its hostfile name (which every node resolves) instead of its own FQDN.
+            # advertise the node by its hostfile name (which every node resolves) instead of its own FQDN. A single
+            # remote node too (left after a shrink): torchrun's own guess compares the endpoint with its hostname.
             argv += ["--rdzv-conf", f"is_host={1 if i == 0 else 0}", "--local-addr", host]
         flags, program = program_argv(inp, "torchrun")
         argv += [*flags, *program]

@@ -54,7 +54,7 @@ class Observer:
         self._attempt: int | None = None
         self._hosts: dict[int, str] = {}
         self._changes_listed: set[Any] = set()
-        self._changes_seen: set[int] = set()
+        self._changes_seen: set[tuple[int, int, int]] = set()
         self._hint_given = False
 
     def echo(self, text: str) -> None:
@@ -132,14 +132,16 @@ class Observer:
 
     def _args_changes(self, attempt: int) -> None:
         """A wrapped script's TrainingArguments that the recipe overrode (ftkit.hf), each name listed once per run."""
-        if attempt in self._changes_seen:
-            return
         path = self.rd.attempt_dir(attempt) / "args_changes.json"
         try:
+            st = path.stat()
+            key = (attempt, st.st_size, st.st_mtime_ns)
+            if key in self._changes_seen:  # rank 0 adds to it later too (train(resume_from_checkpoint=...))
+                return
             rows = json.loads(path.read_text())
         except (OSError, ValueError):
             return
-        self._changes_seen.add(attempt)
+        self._changes_seen.add(key)
         if not isinstance(rows, list):
             return
         new = [r for r in rows if isinstance(r, dict) and r.get("name") not in self._changes_listed]
