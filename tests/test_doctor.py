@@ -491,3 +491,35 @@ def test_other_torch_on_one_host_names_the_host(tmp_path, pair):
     assert any(f.startswith("host node1: rendezvous: ") and "this torch is broken" in f for f in fails), fails
     assert not any(f.startswith("host node0") for f in fails), fails
     _assert_clean(pair)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # mostly waiting for mp_lock; the probes take ~10 s
+def test_probe_measures_every_pair_of_three_ranks():
+    """The rank-side probe on its own, three ranks on loopback: all-reduce sizes across all and every pair once."""
+    from runs import free_port, mp_lock
+
+    port = free_port()
+    argv = [sys.executable, "-m", "ftkit.launch.doctor_probe", "rendezvous", "--world", "3", "--master-addr"]
+    argv += [
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--bandwidth",
+        "--sizes-mib",
+        "1,2",
+        "--pair-mib",
+        "1",
+        "--timeout",
+        "60",
+    ]
+    with mp_lock():
+        procs = [subprocess.Popen([*argv, "--rank", str(r)], stdout=subprocess.PIPE, text=True) for r in range(3)]
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    res = [json.loads(next(ln for ln in o.splitlines() if ln.startswith("FTKIT_DOCTOR "))[13:]) for o in outs]
+    assert all(r["ok"] for r in res), res
+    assert [row["bytes"] for row in res[0]["all"]] == [2**20, 2**21] and all(
+        row["busbw_gbs"] > 0 for row in res[0]["all"]
+    )
+    pairs = sorted(tuple(p["ranks"]) for r in res for p in r["pairs"])
+    assert pairs == [(0, 1), (0, 2), (1, 2)] and res[0]["missing"] == []
