@@ -311,21 +311,7 @@ def test_rank_failing_at_the_same_step_every_time_gives_up_and_keeps_checkpoints
 # ------------------------------------------------------------------------------------------------- 6. signals
 
 
-@pytest.mark.timeout(600)
-def test_a_second_signal_tears_the_run_down_at_once(fx, tmp_path):
-    """The first signal asks for a graceful stop (tests/test_graceful_stop.py); a second one is the old Ctrl-C:
-    teardown now, exit 128+N, nothing left."""
-    recipe, run = _recipe(tmp_path, fx, train__max_steps=120)
-    with launched(recipe, run) as proc:
-        wait_step(run, 0, 2)
-        proc.send_signal(signal.SIGTERM)  # like Ctrl-C (the engines run in their own sessions, so only ftkit gets it)
-        proc.send_signal(signal.SIGHUP)  # a closed terminal right after
-        code = finish(proc, 60)
-    assert code == 129, output(recipe)[-3000:]
-    assert named(run, "interrupted") and not named(run, "restart") and not named(run, "stopped")
-    (td,) = named(run, "teardown")
-    assert td["clean"], td
-    assert_no_process_left(run)
+# The first signal asks for a graceful stop, a second one tears the run down at once: tests/test_graceful_stop.py.
 
 
 # ------------------------------------------------------------------------------------------------- 7. preflight

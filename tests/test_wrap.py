@@ -172,9 +172,9 @@ def test_trl_console_command_runs_trls_own_sft_script(fx, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("engine", ["accelerate"])
+@pytest.mark.parametrize("engine", ["deepspeed", "accelerate", "torchrun"])
 def test_unmodified_hf_trainer_script_survives_a_killed_rank(engine, fx, hf_baseline, tmp_path):
-    """The HfArgumentParser script on deepspeed (the baseline) and, killed mid-run, on accelerate: same losses."""
+    """The HfArgumentParser script, killed mid-run, on each engine: one restart, the uninterrupted run's losses."""
     recipe, run = _recipe(tmp_path, fx, cluster__engine=engine)
     r = launch(recipe, "--", *hf_script(fx, "--logging_steps", "1", "--report_to", "none"), env=KILL)
     assert_recovered(r, run, hf_baseline)
