@@ -75,7 +75,9 @@ def _probe_env(env: dict[str, str]) -> dict[str, str]:
     return {k: env[k] for k in FORWARD if env.get(k)}
 
 
-def _facts(plan: Any, rep: DoctorReport, ssh_args: list[str], python: str, env: dict[str, str]) -> set[str]:
+def _facts(
+    plan: Any, rep: DoctorReport, ssh_args: list[str], python: str, env: dict[str, str], transport: Any = None
+) -> set[str]:
     """Run the facts probe everywhere; returns the hosts that could not be reached."""
     from .preflight import local_versions
 
@@ -84,7 +86,9 @@ def _facts(plan: Any, rep: DoctorReport, ssh_args: list[str], python: str, env: 
     args = ["facts", "--run-dir", str(Path(r["train.output_dir"]).resolve()), "--master-addr", plan.master_addr]
     args += ["--accelerator", r["cluster.accelerator"]]
     line = _probe_line(python, args, _probe_env(env))
-    results = run_on_hosts(hosts, line, ssh_args, deadline_s=FACTS_DEADLINE_S, connect_timeout_s=FACTS_DEADLINE_S - 2)
+    results = run_on_hosts(
+        hosts, line, ssh_args, deadline_s=FACTS_DEADLINE_S, connect_timeout_s=FACTS_DEADLINE_S - 2, transport=transport
+    )
     mine = local_versions()
     unreachable: set[str] = set()
     locks: dict[str, list[dict[str, Any]]] = {}
@@ -142,7 +146,13 @@ def _preflight(plan: Any, hosts: list[str], ssh_args: list[str], python: str) ->
 
 
 def _rendezvous(
-    plan: Any, rep: DoctorReport, ssh_args: list[str], python: str, env: dict[str, str], bandwidth: bool
+    plan: Any,
+    rep: DoctorReport,
+    ssh_args: list[str],
+    python: str,
+    env: dict[str, str],
+    bandwidth: bool,
+    transport: Any = None,
 ) -> None:
     r = plan.recipe
     hosts = rep.hosts
@@ -166,7 +176,7 @@ def _rendezvous(
         return _probe_line(python, args, penv)
 
     deadline = RENDEZVOUS_TIMEOUT_S + 20 + (BANDWIDTH_BUDGET_S if bandwidth else 0)
-    results = run_on_hosts(hosts, line, ssh_args, deadline_s=deadline, connect_timeout_s=10)
+    results = run_on_hosts(hosts, line, ssh_args, deadline_s=deadline, connect_timeout_s=10, transport=transport)
     outs: dict[str, dict[str, Any]] = {}
     for host in hosts:
         res = results[host]
@@ -259,8 +269,12 @@ def run_doctor(
     rendezvous: bool = True,
     env: dict[str, str] | None = None,
     python: str = sys.executable,
+    transport: Any = None,
 ) -> DoctorReport:
-    """All of doctor's checks for ``plan``'s hosts; the report carries every failure (nothing raised for them)."""
+    """All of doctor's checks for ``plan``'s hosts; the report carries every failure (nothing raised for them).
+
+    ``transport``: how the probes reach the hosts (:class:`ftkit.fanout.Transport`; default ssh with ``ssh_args``),
+    e.g. srun inside a Slurm allocation. run_preflight picks its own."""
     t0 = time.monotonic()
     env = dict(os.environ if env is None else env)
     rep = DoctorReport(hosts=[h for h, _ in plan.hosts])
@@ -269,7 +283,7 @@ def run_doctor(
     # preflight and facts fan out at the same time: an unreachable host costs one ssh timeout, not two
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="doctor-preflight") as ex:
         pre = ex.submit(_preflight, plan, list(rep.hosts), ssh_args, python)
-        unreachable = _facts(plan, rep, ssh_args, python, env)
+        unreachable = _facts(plan, rep, ssh_args, python, env, transport)
         rep.preflight, pre_failures = pre.result()
     facts_failures, rep.failures = rep.failures, []
     for host, text in pre_failures:
@@ -280,7 +294,7 @@ def run_doctor(
             for h in rep.hosts:
                 rep.set(h, "rendezvous", "skipped")
         else:
-            _rendezvous(plan, rep, ssh_args, python, env, bandwidth)
+            _rendezvous(plan, rep, ssh_args, python, env, bandwidth, transport)
     if rep.bandwidth and rep.bandwidth.get("inter_node_gbs"):
         rep.bandwidth_file = str(write_bandwidth(rep.bandwidth))
     elif bandwidth and len(rep.hosts) < 2:
@@ -290,13 +304,17 @@ def run_doctor(
 
 
 def cheap_checks(
-    plan: Any, ssh_args: list[str], env: dict[str, str] | None = None, python: str = sys.executable
+    plan: Any,
+    ssh_args: list[str],
+    env: dict[str, str] | None = None,
+    python: str = sys.executable,
+    transport: Any = None,
 ) -> Any:
     """The part of doctor ``ftkit launch`` runs as its preflight: preflight + facts (no rendezvous, a few seconds).
 
     Raises PreflightError (exit 3) with one line per failure. Returns what :func:`ftkit.preflight.run_preflight`
     returns (a drop-in for it), with doctor's checks appended to ``checks``."""
-    rep = run_doctor(plan, ssh_args=ssh_args, rendezvous=False, env=env, python=python)
+    rep = run_doctor(plan, ssh_args=ssh_args, rendezvous=False, env=env, python=python, transport=transport)
     if not rep.ok or rep.preflight is None:
         raise PreflightError("\n".join(f.line() for f in rep.failures) or "preflight failed")
     report = rep.preflight
