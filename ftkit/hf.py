@@ -317,6 +317,28 @@ def save_final(trainer: Any, output_dir: str | None = None) -> str:
     return _save_final(trainer, output_dir)
 
 
+def commit_final(step: int) -> None:
+    """After every rank saved ``RUN/final`` (``save_model``): rank 0 writes its commit record, the sign the run
+    finished; every rank says so in its heartbeat."""
+    from .checkpoints import manifest_part, write_commit
+
+    r = _state()
+    ctx, spec = r.ctx, r.spec
+    if ctx.rank == 0:
+        final = ctx.rd.final
+        write_commit(
+            final,
+            [manifest_part(final, 0, 1, checksum=spec.checksum)],
+            step=step,
+            world_size=ctx.world_size,
+            stage=spec.stage,
+            kind="model",
+            recipe_hash=spec.recipe_hash,
+            extra={"final": True, "attempt": ctx.attempt, "fingerprint": spec.fingerprint},
+        )
+    ctx.heartbeat("finished", step)
+
+
 # ------------------------------------------------------------------------------------------------ graceful stop
 
 

@@ -214,12 +214,11 @@ def save_final(trainer: Any, output_dir: str | None = None, save: Callable[..., 
     from pathlib import Path
 
     import ftkit.hf as hf
-    from ftkit.checkpoints import manifest_part, write_commit
 
     if save is None:
         save = type(trainer).save_model
         save = getattr(save, "__wrapped__", save) if getattr(save, "_ftkit", False) else save  # not the hook again
-    ctx, spec = hf.context(), hf.spec()
+    ctx = hf.context()
     final = ctx.rd.final
     asked = Path(output_dir or trainer.args.output_dir).resolve()
     if asked != ctx.rd.path.resolve() and asked != final.resolve():
@@ -228,19 +227,7 @@ def save_final(trainer: Any, output_dir: str | None = None, save: Callable[..., 
         print(f"ftkit: save_model({str(asked)!r}) -> {str(final)!r} (the run's final model)", flush=True)
     ctx.heartbeat("saving", trainer.state.global_step)
     save(trainer, str(final))
-    if ctx.rank == 0:
-        part = manifest_part(final, 0, 1, checksum=spec.checksum)
-        write_commit(
-            final,
-            [part],
-            step=trainer.state.global_step,
-            world_size=ctx.world_size,
-            stage=spec.stage,
-            kind="model",
-            recipe_hash=spec.recipe_hash,
-            extra={"final": True, "attempt": ctx.attempt, "fingerprint": spec.fingerprint},
-        )
-    ctx.heartbeat("finished", trainer.state.global_step)
+    hf.commit_final(trainer.state.global_step)
     return str(final)
 
 

@@ -108,8 +108,6 @@ def train(ctx: RankContext, resume: str | None) -> int | None:
 
     from transformers import AutoTokenizer, Trainer, TrainingArguments, set_seed
 
-    from ftkit.checkpoints import manifest_part, write_commit
-
     from .data import collate, prepare
 
     set_seed(spec.training_args["seed"])
@@ -149,18 +147,7 @@ def train(ctx: RankContext, resume: str | None) -> int | None:
     _probe(trainer, rows[0], ctx)
     if ctx.rank == 0:
         tokenizer.save_pretrained(str(final))
-        part = manifest_part(final, 0, 1, checksum=spec.checksum)
-        write_commit(
-            final,
-            [part],
-            step=trainer.state.global_step,
-            world_size=ctx.world_size,
-            stage=spec.stage,
-            kind="model",
-            recipe_hash=spec.recipe_hash,
-            extra={"final": True, "attempt": ctx.attempt, "fingerprint": spec.fingerprint},
-        )
-    ctx.heartbeat("finished", trainer.state.global_step)
+    hf.commit_final(trainer.state.global_step)
     return None
 
 
