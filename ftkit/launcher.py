@@ -162,8 +162,8 @@ def _user_command(
 def _owned_launch(
     plan: Plan, req: LaunchRequest, echo: Callable[[str], None], command: UserCommand | None = None
 ) -> int:
+    from .doctor import cheap_checks
     from .owner import Ownership, stop_leftovers
-    from .preflight import run_preflight
 
     r = plan.recipe
     rd = RunDir(r["train.output_dir"])
@@ -171,14 +171,9 @@ def _owned_launch(
     ownership = Ownership(rd, ssh_args)
     ownership.acquire(takeover=req.takeover, teardown=lambda left: stop_leftovers(left, ssh_args, echo))
     try:
-        report = run_preflight(
-            hosts=plan.hosts,
-            master_addr=plan.master_addr,
-            master_port=plan.master_port,
-            run_dir=rd.path,
-            engine=r["cluster.engine"],
-            ssh_args=ssh_args,
-        )
+        # preflight plus doctor's cheap checks on every host at once (versions, space, /dev/shm, clock, interface,
+        # stale build locks); `ftkit doctor` adds the rendezvous and all-reduce
+        report = cheap_checks(plan, ssh_args)
         sup = _supervisor(plan, rd, ssh_args, echo, command, req.inject)
         choice = sup.select()
         if choice.exit_code is not None:
