@@ -36,7 +36,7 @@ def test_readme_opens_with_the_two_commands():
 
 def test_readme_commands_are_covered():
     cmds = readme_commands()
-    for verb in ("init", "plan", "render", "check", "explain", "launch", "status", "stop", "schema"):
+    for verb in ("init", "plan", "render", "check", "explain", "doctor", "launch", "status", "stop", "schema"):
         assert any(c.startswith(f"ftkit {verb}") for c in cmds), verb
 
 
