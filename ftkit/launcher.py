@@ -99,6 +99,10 @@ def launch(req: LaunchRequest, echo: Callable[[str], None] = print, warn: Callab
     from .recipe import load_recipe
 
     recipe = load_recipe(req.recipe, list(req.overrides))
+    if recipe["cluster.engine"] == "slurm":  # hosts, ranks and teardown come from the allocation: none, none here
+        from .slurm import require_allocation
+
+        require_allocation(os.environ)
     # A user command loads its own model: a config.json the plan cannot read limits the plan, not the launch.
     custom = req.command is not None or recipe.values.get("train.command") is not None
     plan = build_plan(recipe, include=req.include, exclude=req.exclude, unknown_model_ok=custom)

@@ -96,6 +96,16 @@ def resolve_cluster(
     its selection); without one the dict is empty and the ranks use devices ``0..n-1`` (of what is visible).
     """
     hostfile = recipe["cluster.hostfile"]
+    if recipe["cluster.engine"] == "slurm":  # the allocation's nodes (ftkit launch refuses outside one)
+        import os
+
+        from .slurm import allocation_hosts, in_allocation
+
+        if include or exclude:
+            raise RecipeError(Problem("--include/--exclude do not apply to engine slurm (use sbatch -w/-x)", file=CLI))
+        if in_allocation(os.environ):
+            return allocation_hosts(os.environ, recipe["cluster.gpus_per_node"]), {}
+        return [(f"node{i}", recipe["cluster.gpus_per_node"]) for i in range(recipe["cluster.num_nodes"])], {}
     if hostfile is None:
         if include or exclude:
             raise RecipeError(Problem("--include/--exclude need a hostfile (cluster.hostfile or --hostfile)", file=CLI))
@@ -113,6 +123,18 @@ def resolve_cluster(
     hosts = [("localhost" if local else h.name, h.slots) for h in hf.hosts]
     devices = {name: h.slot_indices for (name, _), h in zip(hosts, hf.hosts, strict=True)} if include or exclude else {}
     return hosts, devices
+
+
+def _master_port(recipe: Recipe) -> int:
+    """The recipe's port; under Slurm with the default port, one of the job's own (two jobs may share a node)."""
+    import os
+
+    port = recipe["cluster.master_port"]
+    if recipe["cluster.engine"] == "slurm" and recipe.sources.get("cluster.master_port", DEFAULT) == DEFAULT:
+        from .slurm import job_port
+
+        return job_port(os.environ, port)
+    return port
 
 
 def build_plan(
@@ -171,6 +193,8 @@ def build_plan(
         first = hosts[0][0]
         if len(hosts) == 1 and first in LOCAL_HOSTS:
             master, master_why = "127.0.0.1", "single local node"
+        elif engine == "slurm":
+            master, master_why = first, "first node of the Slurm allocation"
         elif recipe["cluster.hostfile"] is None:
             problem(
                 "cluster.master_addr",
@@ -207,7 +231,7 @@ def build_plan(
         recipe=recipe,
         hosts=hosts,
         master_addr=master,
-        master_port=recipe["cluster.master_port"],
+        master_port=_master_port(recipe),
         micro_batch_size=micro,
         grad_accum=gbs // per_step,
         global_batch_size=gbs,

@@ -5,6 +5,7 @@ and key package versions everywhere. Every failure is collected and raised once 
 from __future__ import annotations
 
 import errno
+import os
 import shlex
 import socket
 import sys
@@ -166,7 +167,10 @@ def run_preflight(
         return f"{version_line}; {port_line}" if host == port_host else version_line
 
     fan = [*remote, *([port_host] if port_host and port_host not in remote else [])]
-    results = run_on_hosts(fan, line, ssh_args, deadline_s=17, connect_timeout_s=15)
+    from .slurm import transport_for  # inside a Slurm allocation the other nodes are reached by srun, not ssh
+
+    transport = transport_for(engine, os.environ)
+    results = run_on_hosts(fan, line, ssh_args, deadline_s=17, connect_timeout_s=15, transport=transport)
     for host in remote:
         r = results[host]
         if not r.reachable:

@@ -597,6 +597,14 @@ def _cross_checks(r: Recipe, add: Any) -> None:
             f"{v['cluster.min_nodes']} is more than cluster.num_nodes {v['cluster.num_nodes']}",
             src("cluster.min_nodes"),
         )
+    if v["cluster.engine"] == "auto":  # resolved once, here, so every reader sees the engine that will run
+        v["cluster.engine"] = "slurm" if os.environ.get("SLURM_JOB_ID") else "deepspeed"
+    if v["cluster.engine"] == "slurm" and v["cluster.hostfile"] is not None:
+        add(
+            "cluster.hostfile",
+            "not used with engine slurm: the Slurm allocation gives the hosts; remove cluster.hostfile",
+            src("cluster.hostfile"),
+        )
     if v["cluster.accelerator"] == "cpu" and v["train.precision"] == "fp16":
         add("train.precision", "fp16 is not supported on the cpu accelerator; use bf16 or fp32", src("train.precision"))
     if v["model.revision"] is not None and v["model.path"] and os.path.isabs(v["model.path"]):

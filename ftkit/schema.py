@@ -322,8 +322,10 @@ SECTIONS: tuple[Section, ...] = (
                 "engine",
                 "choice",
                 "deepspeed",
-                "Launcher: the deepspeed runner (pdsh/ssh), accelerate launch, or torchrun (c10d).",
-                choices=("deepspeed", "accelerate", "torchrun"),
+                "Launcher: the deepspeed runner (pdsh/ssh), accelerate launch, torchrun (c10d), or slurm (srun "
+                "inside an allocation: hosts from it, no ssh, no hostfile; start it with ftkit submit); auto: slurm "
+                "when SLURM_JOB_ID is set, else deepspeed (the plan prints which).",
+                choices=("deepspeed", "accelerate", "torchrun", "slurm", "auto"),
             ),
             _f(
                 "master_addr",
@@ -406,6 +408,14 @@ SECTIONS: tuple[Section, ...] = (
                 "boundary before tearing down; one optimizer step plus one checkpoint save must fit (120 covers a "
                 "multi-GB sharded save on local NVMe).",
                 exclusive_minimum=0,
+            ),
+            _f(
+                "max_requeues",
+                "int",
+                3,
+                "Slurm requeues after a time-limit or preemption notice (ftkit submit; counted from "
+                "SLURM_RESTART_COUNT): each saves the step in flight and resumes from it; spent: exit 8, the job ends.",
+                minimum=0,
             ),
             _f(
                 "exclude_stragglers",
