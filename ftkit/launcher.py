@@ -177,7 +177,9 @@ def _owned_launch(
     try:
         # preflight plus doctor's cheap checks on every host at once (versions, space, /dev/shm, clock, interface,
         # stale build locks); `ftkit doctor` adds the rendezvous and all-reduce
-        report = cheap_checks(plan, ssh_args)
+        from .slurm import transport_for  # inside a Slurm allocation the other nodes are reached by srun
+
+        report = cheap_checks(plan, ssh_args, transport=transport_for(r["cluster.engine"], os.environ))
         sup = _supervisor(plan, rd, ssh_args, echo, command, req.inject)
         choice = sup.select()
         if choice.exit_code is not None:

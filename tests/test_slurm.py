@@ -1,0 +1,354 @@
+"""Issue 12, items 2-4: the Slurm engine, ``ftkit submit``, save-on-notice and requeue, on a real Slurm.
+
+Quick tests (no marks) build commands and batch scripts only. The ``slurm`` tests stand up munged + slurmctld +
+two slurmd in network namespaces (tests/slurmcluster.py, ~1 s) and run 2 CPU ranks of the tiny fixtures model
+across n1 and n2 through srun; sshd runs nowhere in that cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ftkit.errors import ExitCode
+from ftkit.rundir import RunDir
+from ftkit.runstatus import read_jsonl
+from tests.runs import heartbeat_step, losses, mp_lock, processes_left, wait_for
+from tests.runs import write_recipe as recipe_for
+from tests.slurmcluster import SlurmCluster, require_slurm, slurm2  # noqa: F401 - slurm2 is a fixture
+
+LONG = 100  # steps (~0.1 s each here): a preemption after step 13 lands well before the end
+SAVE = 10
+JOB_S = 240  # an upper bound for one job of LONG steps, start-up included (~35 s seen)
+ENV = {"DS_ACCELERATOR": "cpu", "GLOO_SOCKET_IFNAME": "eth0", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY")
+
+
+def _ftkit(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ftkit", *args], capture_output=True, text=True, env=env, timeout=120, cwd=cwd
+    )
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    return {**env, **extra}
+
+
+# ------------------------------------------------------------------------------------------- quick: commands
+
+
+@pytest.fixture
+def slurm_recipe(write_recipe) -> Path:
+    return write_recipe(
+        """\
+        model: {path: ./model}
+        data: {train: ./data.jsonl}
+        train: {output_dir: ./runs/s, micro_batch_size: 1, global_batch_size: 4, max_steps: 5}
+        cluster: {engine: slurm, num_nodes: 2, gpus_per_node: 2, accelerator: cpu}
+        resilience: {stop_timeout_s: 90}
+        """
+    )
+
+
+def test_srun_engine_command_inside_an_allocation(slurm_recipe: Path) -> None:
+    """Hosts from SLURM_JOB_NODELIST, master = first host, a per-job port and rendezvous id, srun and no ssh."""
+    env = _clean_env(SLURM_JOB_ID="77", SLURM_JOB_NODELIST="gpu[09-10]", SLURM_CONF="/x/slurm.conf")
+    r = _ftkit("launch", str(slurm_recipe), "--dry-run", env=env, cwd=slurm_recipe.parent)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "plan: slurm on 2 node(s): gpu09 (2), gpu10 (2); world size 4" in out
+    assert "engine: slurm" in out and "node 0 (gpu09):" in out and "over ssh" not in out
+    argv = out.strip().splitlines()[-1].split()
+    assert argv[:2] == ["srun", "--jobid=77"] and "--nodelist=gpu09,gpu10" in argv and "--ntasks-per-node=1" in argv
+    assert "ssh" not in argv
+    assert argv[argv.index("--rdzv-endpoint") + 1] == "gpu09:29577"  # master_port 29500 + job id
+    assert argv[argv.index("--rdzv-id") + 1].endswith("-slurm77-0")
+    assert argv[argv.index("--nproc-per-node") + 1] == "2"
+    assert "SLURM_CONF=/x/slurm.conf" in out  # srun finds its cluster and allocation
+
+
+def test_launch_outside_an_allocation_says_to_submit(slurm_recipe: Path) -> None:
+    r = _ftkit("launch", str(slurm_recipe), env=_clean_env(), cwd=slurm_recipe.parent)
+    assert r.returncode == ExitCode.USAGE
+    assert r.stderr.count("\n") == 1 and "ftkit: error:" in r.stderr and "ftkit submit" in r.stderr, r.stderr
+
+
+def test_engine_auto_is_slurm_only_inside_an_allocation(write_recipe) -> None:
+    recipe = write_recipe(
+        """\
+        model: {path: ./model}
+        data: {train: ./data.jsonl}
+        train: {output_dir: ./runs/a, micro_batch_size: 1, global_batch_size: 2, max_steps: 5}
+        cluster: {engine: auto, gpus_per_node: 2, accelerator: cpu}
+        """
+    )
+    inside = _ftkit(
+        "launch", str(recipe), "--dry-run", env=_clean_env(SLURM_JOB_ID="5", SLURM_JOB_NODELIST="c1"), cwd=recipe.parent
+    )
+    assert inside.returncode == 0, inside.stderr
+    assert "plan: slurm on 1 node(s): c1 (2)" in inside.stdout
+    outside = _ftkit("launch", str(recipe), "--dry-run", env=_clean_env(), cwd=recipe.parent)
+    assert outside.returncode == 0, outside.stderr
+    assert "plan: deepspeed on 1 node(s): localhost (2)" in outside.stdout
+
+
+def test_slurm_engine_with_a_hostfile_is_a_recipe_error(slurm_recipe: Path) -> None:
+    (slurm_recipe.parent / "hostfile").write_text("a slots=2\nb slots=2\n")
+    r = _ftkit("plan", str(slurm_recipe), "cluster.hostfile=hostfile", env=_clean_env(), cwd=slurm_recipe.parent)
+    assert r.returncode == ExitCode.USAGE and "cluster.hostfile" in r.stderr and "allocation" in r.stderr, r.stderr
+
+
+def test_submit_dry_run_shows_the_batch_script(slurm_recipe: Path) -> None:
+    """--requeue, output appended, USR1 to the batch process with a lead from the measured saves, Python payload."""
+    cwd = slurm_recipe.parent
+    args = ("submit", str(slurm_recipe), "--dry-run", "--nodes", "2", "--time", "1:00:00", "--partition", "gpu")
+    r = _ftkit(*args, "--", "--qos=high", env=_clean_env(), cwd=cwd)
+    assert r.returncode == 0, r.stderr
+    s = r.stdout
+    for line in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --requeue",
+        "#SBATCH --signal=B:USR1@90",  # nothing measured yet: resilience.stop_timeout_s
+        "#SBATCH --open-mode=append",
+        "#SBATCH --time=1:00:00",
+        "#SBATCH --partition=gpu",
+    ):
+        assert line in s.splitlines(), (line, s)
+    assert f"exec {sys.executable} -m ftkit.submit batch {slurm_recipe}" in s
+    assert "--qos=high" in s.splitlines()[-1]
+    assert not (cwd / "runs" / "s" / "slurm" / "submit.sbatch").exists()  # --dry-run writes nothing
+    # Measured saves: 2 x the slowest (7.5 s) + 30 s, still under stop_timeout_s.
+    run = cwd / "runs" / "s"
+    run.mkdir(parents=True)
+    commits = [{"event": "commit", "step": 10, "commit_s": 2.0}, {"event": "commit", "step": 20, "commit_s": 7.5}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(c) + "\n" for c in commits))
+    r = _ftkit("submit", str(slurm_recipe), "--dry-run", env=_clean_env(), cwd=cwd)
+    assert "#SBATCH --signal=B:USR1@45" in r.stdout.splitlines(), r.stdout
+
+
+def test_submit_without_sbatch_is_one_line(slurm_recipe: Path, tmp_path: Path) -> None:
+    env = _clean_env(PATH=str(tmp_path / "nothing-here"))
+    r = _ftkit("submit", str(slurm_recipe), env=env, cwd=slurm_recipe.parent)
+    assert r.returncode == ExitCode.USAGE and r.stderr.count("\n") == 1 and "sbatch: not found" in r.stderr, r.stderr
+
+
+# ------------------------------------------------------------------------------------------- hostlists
+
+
+# Lists scontrol (Slurm 22.05) accepts: ranges, zero padding, several bracket groups, comma lists, prefixes with
+# digits, duplicates and order kept as given; and one it refuses. (22.05 also refuses text after the last bracket,
+# "gpu[1-2]x", which python-hostlist expands: Slurm never puts such a list in SLURM_JOB_NODELIST.)
+HOSTLISTS = [
+    "n1",
+    "n[1-3]",
+    "n[001-003]",
+    "n[001-3]",
+    "n[8-12]",
+    "n[098-101]",
+    "n[1,3,5-6]",
+    "a[01-03,7],b[8-10]",
+    "x[1-2]y[3-4]",
+    "c1-[1-2]-[3-4]",
+    "rack1-n[1-2]",
+    "rack12n[07-09]",
+    "a[1-2],b",
+    "n1,n1",
+    "n2,n1",
+    "n[1-2],n[2-3]",
+    "node-[1-3],login1",
+    "a[9-11]b[1-2]",
+    "login1,n[3-4],n[1-2]",
+    "z[0-0]",
+    "h[0-1]",
+    "dgx-a100-[01-02],dgx-h100-[1-2]",
+    "cn[00998-01001]",
+    "x[1]",
+    "q[5-5],r[10-9]",  # an inverted range: both refuse it
+]
+
+
+@pytest.mark.slurm
+def test_hostlist_expansion_agrees_with_scontrol(tmp_path: Path) -> None:
+    from ftkit.errors import UserError
+    from ftkit.slurm import expand_hostlist
+
+    require_slurm()
+    conf = tmp_path / "slurm.conf"  # scontrol needs a configuration, not a running cluster, to expand a list
+    conf.write_text("ClusterName=x\nSlurmctldHost=localhost\nNodeName=localhost CPUs=1\nPartitionName=p Nodes=ALL\n")
+    env = {**_clean_env(), "SLURM_CONF": str(conf)}
+    checked = 0
+    for spec in HOSTLISTS:
+        r = subprocess.run(["scontrol", "show", "hostnames", spec], capture_output=True, text=True, env=env, timeout=10)
+        theirs = r.stdout.split()
+        if "Invalid" in r.stdout + r.stderr:
+            with pytest.raises(UserError):
+                expand_hostlist(spec)
+        else:
+            assert expand_hostlist(spec) == theirs, spec
+            checked += 1
+    assert checked >= 20
+
+
+# ------------------------------------------------------------------------------------------- real Slurm
+
+
+def _write(d: Path, fx: dict[str, Path], **kw: Any) -> Path:
+    values: dict[str, Any] = {
+        "cluster__engine": "slurm",
+        "cluster__num_nodes": 2,
+        "cluster__gpus_per_node": 1,
+        "train__global_batch_size": 8,
+        "train__max_steps": LONG,
+        "train__save_steps": SAVE,
+        "train__save_total_limit": 3,
+        "resilience__stop_timeout_s": 30,
+        **kw,
+    }
+    return recipe_for(d, fx, **values)
+
+
+def _submit(c: SlurmCluster, recipe: Path, *args: str) -> str:
+    r = _ftkit("submit", str(recipe), *args, env={**c.env, **ENV}, cwd=recipe.parent)
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = re.search(r"submitted job (\d+)", r.stdout)
+    assert m, r.stdout
+    return m.group(1)
+
+
+def _output(run: Path) -> str:
+    return "\n".join(p.read_text()[-4000:] for p in sorted((run / "slurm").glob("job-*.out")))
+
+
+def _slurm_events(run: Path) -> list[dict[str, Any]]:
+    return [e for e in read_jsonl(run / "events.jsonl") if e.get("event") == "slurm"]
+
+
+def _recomputed(run: Path) -> list[int]:
+    """Steps whose loss was logged by more than one attempt."""
+    seen: dict[int, int] = {}
+    for m in read_jsonl(run / "metrics.jsonl"):
+        if "loss" in m:
+            seen[m["step"]] = seen.get(m["step"], 0) + 1
+    return sorted(s for s, n in seen.items() if n > 1)
+
+
+def _stop_commits(run: Path) -> list[int]:
+    return [int(m["step"]) for m in read_jsonl(run / "metrics.jsonl") if m.get("event") == "commit" and m.get("stop")]
+
+
+def _nothing_left(c: SlurmCluster, run: Path) -> None:
+    wait_for(lambda: not processes_left(run), 20, f"no process of {run} left")
+    # every step's processes on the nodes are gone too (slurmstepd and what it started)
+    for node in ("n1", "n2"):
+        pids = subprocess.run(["ip", "netns", "pids", c.ns(node)], capture_output=True, text=True).stdout.split()
+        daemons = {str(c.pids.get(f"slurmd-{node}"))}
+        assert set(pids) <= daemons, f"{node}: processes left {set(pids) - daemons}"
+
+
+@pytest.fixture(scope="module")
+def slurm_baseline(slurm2: SlurmCluster, fx, tmp_path_factory) -> dict[str, Any]:  # noqa: F811
+    """ftkit submit, uninterrupted: LONG steps on n1 and n2 through srun."""
+    d = tmp_path_factory.mktemp("slurm-baseline")
+    recipe = _write(d, fx)
+    run = d / "run"
+    t0 = time.monotonic()
+    with mp_lock():
+        job = _submit(slurm2, recipe)
+        info = slurm2.wait_state(job, ENDED, JOB_S)
+    return {"run": run, "job": job, "info": info, "seconds": time.monotonic() - t0}
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_submit_trains_two_ranks_across_two_nodes_through_srun(slurm2: SlurmCluster, slurm_baseline) -> None:  # noqa: F811
+    run, info = slurm_baseline["run"], slurm_baseline["info"]
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, _output(run))
+    assert sorted(losses(run)) == list(range(1, LONG + 1))
+    assert (run / "final").is_dir()
+    ranks = RunDir(run).records("pids", 0)
+    assert sorted(r["host"] for r in ranks) == ["n1", "n2"], ranks  # one rank on each node
+    spawns = [e for e in read_jsonl(run / "events.jsonl") if e.get("event") == "spawn"]
+    assert len(spawns) == 1 and spawns[0]["argv"][0] == "srun" and not spawns[0]["remote"]
+    assert all("ssh" not in a for a in spawns[0]["argv"])
+    pre = [e for e in read_jsonl(run / "events.jsonl") if e.get("event") == "preflight"]
+    assert "host n2 reachable" in pre[0]["message"]  # through srun: no sshd runs anywhere in this cluster
+    (ev,) = _slurm_events(run)[-1:]
+    assert ev["job_id"] == slurm_baseline["job"] and ev["reason"] == "finished"
+    status = _ftkit("status", str(run))
+    assert f"slurm: job {slurm_baseline['job']}, requeued 0 times" in status.stdout
+    _nothing_left(slurm2, run)
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_preemption_saves_the_step_in_flight_requeues_and_resumes(
+    slurm2: SlurmCluster,  # noqa: F811
+    slurm_baseline,
+    fx,
+    tmp_path: Path,
+) -> None:
+    """A job on the high partition preempts ours: USR1 at once, the step in flight committed, requeued, resumed
+    from it: 0 steps recomputed and the losses of the uninterrupted run."""
+    recipe = _write(tmp_path, fx)
+    run = tmp_path / "run"
+    with mp_lock():
+        job = _submit(slurm2, recipe)
+        wait_for(lambda: heartbeat_step(run, 0) >= 13, JOB_S, "rank 0 at step 13", poll=0.05)
+        hi = slurm2.run("sbatch", "--parsable", "-p", "high", "-N2", "-c2", "--wrap", "sleep 1").stdout.strip()
+        # our batch side requeues itself after the save; the job restarts once the preemptor is done
+        wait_for(lambda: slurm2.job(job).get("Restarts") == "1", 90, "the job requeued")
+        info = slurm2.wait_state(job, ENDED, JOB_S + 60)
+    out = _output(run)
+    assert slurm2.job(hi).get("JobState") == "COMPLETED"
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, out)
+    (step,) = _stop_commits(run)
+    assert 13 <= step < LONG, out
+    evs = _slurm_events(run)
+    assert any(e["restart_count"] == 0 and f"saved step {step}; requeue 1 of 3" in e["reason"] for e in evs), evs
+    assert any(e["restart_count"] == 1 and e["reason"].startswith("restarted") for e in evs), evs
+    chosen = [e for e in read_jsonl(run / "events.jsonl") if e.get("event") == "checkpoint_chosen"]
+    assert chosen and chosen[-1]["step"] == step, chosen
+    assert _recomputed(run) == []
+    assert losses(run) == losses(slurm_baseline["run"])
+    _nothing_left(slurm2, run)
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_time_limit_saves_requeues_then_budget_spent_ends_the_job(
+    slurm2: SlurmCluster,  # noqa: F811
+    fx,
+    tmp_path: Path,
+) -> None:
+    """--time=1 with USR1 30 s before the limit: saved and requeued (1 of 1); the restarted job resumes from that
+    step, gets USR1 again, saves, and with the budget spent ends with exit 8 (not requeued, not TIMEOUT)."""
+    recipe = _write(tmp_path, fx, train__max_steps=20000, train__save_steps=5000, resilience__max_requeues=1)
+    run = tmp_path / "run"
+    with mp_lock():
+        job = _submit(slurm2, recipe, "--time", "1")
+        info = slurm2.wait_state(job, ENDED, 200)
+    out = _output(run)
+    assert "#SBATCH --signal=B:USR1@30" in (run / "slurm" / "submit.sbatch").read_text()
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "8:0" and info["Restarts"] == "1", (info, out)
+    evs = _slurm_events(run)
+    first = [e for e in evs if e["restart_count"] == 0 and "USR1" in e["reason"]]
+    assert first and "requeue 1 of 1" in first[0]["reason"], evs
+    last = [e for e in evs if e["restart_count"] == 1 and "USR1" in e["reason"]]
+    assert last and "requeue budget spent" in last[0]["reason"], evs
+    stops = _stop_commits(run)
+    assert stops, out  # the first notice saved the step in flight (the second may come before a step)
+    chosen = [e for e in read_jsonl(run / "events.jsonl") if e.get("event") == "checkpoint_chosen"]
+    assert chosen and chosen[-1]["step"] == stops[0], chosen
+    assert _recomputed(run) == []
+    _nothing_left(slurm2, run)
