@@ -256,6 +256,44 @@ def _nothing_left(c: SlurmCluster, run: Path) -> None:
         assert set(pids) <= daemons, f"{node}: processes left {set(pids) - daemons}"
 
 
+PROBE = """
+import json
+from ftkit.fanout import run_on_hosts
+from ftkit.slurm import SrunTransport, srun_run
+out = {"n2": srun_run("n2", "hostname; echo $FTKIT_PROBE", 20), "n9": srun_run("n9", "hostname", 20)}
+res = run_on_hosts(["n1", "n2", "n9"], "hostname; exit 1", [], deadline_s=20, transport=SrunTransport())
+out["fan"] = {h: [r.reachable, r.out.strip(), r.rc] for h, r in res.items()}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slurm
+def test_srun_reaches_the_other_node_without_ssh(slurm2: SlurmCluster, tmp_path: Path) -> None:  # noqa: F811
+    """srun_run and the fan-out's SrunTransport run a line on another node of the job; a node outside the job is
+    unreachable, and a line's own exit 1 is not mistaken for that."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    out = tmp_path / "probe.out"
+    job = slurm2.run(
+        "sbatch",
+        "--parsable",
+        "-N2",
+        "-o",
+        str(out),
+        "--export=ALL,FTKIT_PROBE=hello",
+        "--wrap",
+        f"{sys.executable} {tmp_path / 'probe.py'}",
+    ).stdout.strip()
+    info = slurm2.wait_state(job, ENDED, 60)
+    text = out.read_text()
+    assert info["JobState"] == "COMPLETED", text
+    got = json.loads(text.strip().splitlines()[-1])
+    assert got["n2"] == [True, "n2\nhello\n"]
+    assert got["n9"][0] is False and "Unable to create step" in got["n9"][1], got  # srun's own words, one line
+    assert got["fan"]["n1"] == [True, "n1", 1]  # this node: run locally, its own status
+    assert got["fan"]["n2"] == [True, "n2", 125]  # through srun: exit 1 reported as 125
+    assert got["fan"]["n9"][0] is False, got
+
+
 @pytest.fixture(scope="module")
 def slurm_baseline(slurm2: SlurmCluster, fx, tmp_path_factory) -> dict[str, Any]:  # noqa: F811
     """ftkit submit, uninterrupted: LONG steps on n1 and n2 through srun."""
@@ -305,7 +343,9 @@ def test_preemption_saves_the_step_in_flight_requeues_and_resumes(
     with mp_lock():
         job = _submit(slurm2, recipe)
         wait_for(lambda: heartbeat_step(run, 0) >= 13, JOB_S, "rank 0 at step 13", poll=0.05)
-        hi = slurm2.run("sbatch", "--parsable", "-p", "high", "-N2", "-c2", "--wrap", "sleep 1").stdout.strip()
+        hi = slurm2.run(
+            "sbatch", "--parsable", "-p", "high", "-N2", "-c2", "-o", "/dev/null", "--wrap", "sleep 1"
+        ).stdout.strip()
         # our batch side requeues itself after the save; the job restarts once the preemptor is done
         wait_for(lambda: slurm2.job(job).get("Restarts") == "1", 90, "the job requeued")
         info = slurm2.wait_state(job, ENDED, JOB_S + 60)
