@@ -233,6 +233,7 @@ def teardown(
     grace_s: float,
     ssh_args: list[str],
     ssh_timeout: float = 10.0,
+    transport: Any = None,
     sleep=time.sleep,
     clock=time.monotonic,
 ) -> TeardownResult:
@@ -267,6 +268,7 @@ def teardown(
             ssh_args,
             deadline_s=ssh_timeout + grace_s + 10,  # connect, grace, 5 s to verify, slack
             connect_timeout_s=ssh_timeout,
+            transport=transport,  # srun inside a Slurm allocation (ftkit.slurm.transport_for); None: ssh
         )
         # SIGTERM, then SIGCONT: a stopped process (SIGSTOP, a debugger, a frozen rank) keeps SIGTERM pending until
         # it is continued, so without SIGCONT it would use up the whole grace period and need SIGKILL.
@@ -349,7 +351,9 @@ def remove_shm_script(keys: Iterable[str]) -> str:
     return "rm -f " + " ".join(f"{SHM_DIR}/{SHM_PREFIX}*{shlex.quote(k)}*" for k in sorted(keys))
 
 
-def remove_shm(records: Iterable[Mapping[str, Any]], ssh_args: list[str], timeout: float = 10.0) -> list[str]:
+def remove_shm(
+    records: Iterable[Mapping[str, Any]], ssh_args: list[str], timeout: float = 10.0, transport: Any = None
+) -> list[str]:
     """Delete the run's shared-memory buffers on every host once its ranks are gone. DeepSpeed never removes
     them, so without this every attempt leaks ~70 MB of RAM per rank (hundreds of runs filled a 24 GB machine).
     Remote hosts are cleaned all at once. Returns the hosts that could not be reached."""
@@ -373,6 +377,11 @@ def remove_shm(records: Iterable[Mapping[str, Any]], ssh_args: list[str], timeou
                 except OSError:
                     pass
     res = run_on_hosts(
-        remote, lambda h: remove_shm_script(keys[h]), ssh_args, deadline_s=timeout + 2, connect_timeout_s=timeout
+        remote,
+        lambda h: remove_shm_script(keys[h]),
+        ssh_args,
+        deadline_s=timeout + 2,
+        connect_timeout_s=timeout,
+        transport=transport,  # srun inside a Slurm allocation (ftkit.slurm.transport_for); None: ssh
     )
     return [h for h, r in res.items() if not r.reachable]

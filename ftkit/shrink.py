@@ -18,10 +18,13 @@ from .errors import ExitCode
 from .fanout import LOCAL_HOSTS, run_on_hosts
 
 
-def probe_hosts(hosts: list[tuple[str, int]], ssh_args: list[str], timeout: float = 10) -> list[str]:
-    """Remote hosts that ssh cannot reach now (ssh ``true``), all probed at once: one ``timeout`` in total."""
+def probe_hosts(
+    hosts: list[tuple[str, int]], ssh_args: list[str], timeout: float = 10, transport: Any = None
+) -> list[str]:
+    """Remote hosts that ssh (or ``transport``: srun inside a Slurm allocation) cannot reach now (``true``), all
+    probed at once: one ``timeout`` in total."""
     remote = [host for host, _ in hosts if host not in LOCAL_HOSTS]
-    res = run_on_hosts(remote, "true", ssh_args, deadline_s=timeout + 2, connect_timeout_s=timeout)
+    res = run_on_hosts(remote, "true", ssh_args, deadline_s=timeout + 2, connect_timeout_s=timeout, transport=transport)
     return [host for host, r in res.items() if not r.reachable]
 
 

@@ -146,6 +146,9 @@ class Supervisor:
         self.max_steps = max_steps
         self.logging_steps = logging_steps
         self.ssh_args = ssh_args
+        from .slurm import transport_for  # srun reaches the allocation's other nodes (no ssh there); else None
+
+        self.transport = transport_for(inputs.engine, base_env)
         self.echo = echo
         self.poll_s = poll_s
         self.grace_s = grace_s
@@ -363,7 +366,13 @@ class Supervisor:
     def teardown(self, procs: list[Spawned], attempt: int) -> None:
         groups = [p.proc.pid for p in procs]  # the group may outlive its leader
         records = self.rd.records("pids", attempt)
-        res = teardown(sorted(set(groups)), targets_from_records(records), grace_s=self.grace_s, ssh_args=self.ssh_args)
+        res = teardown(
+            sorted(set(groups)),
+            targets_from_records(records),
+            grace_s=self.grace_s,
+            ssh_args=self.ssh_args,
+            transport=self.transport,
+        )
         for p in procs:
             try:
                 p.proc.wait(timeout=5)
@@ -375,7 +384,9 @@ class Supervisor:
         while time.monotonic() < end and any(group_exists(p.proc.pid) for p in procs):
             time.sleep(0.05)
         # Only now (no rank left) is it safe to remove the run's /dev/shm buffers; unreachable hosts are skipped.
-        remove_shm([r for r in records if r["host"] not in set(res.unreachable)], self.ssh_args)
+        remove_shm(
+            [r for r in records if r["host"] not in set(res.unreachable)], self.ssh_args, transport=self.transport
+        )
         msg = None
         if res.unreachable:
             msg = f"teardown could not reach host(s) {', '.join(sorted(set(res.unreachable)))}"
@@ -532,7 +543,7 @@ class Supervisor:
         if failure.kind in (FailureKind.EXIT, FailureKind.HANG, FailureKind.STARTUP) and not failure.traceback:
             log_tail(self.rd, attempt, self._say)
         if failure.kind in (FailureKind.EXIT, FailureKind.HANG, FailureKind.STARTUP):
-            self._lost = probe_hosts(list(self.inputs.hosts), self.ssh_args)
+            self._lost = probe_hosts(list(self.inputs.hosts), self.ssh_args, transport=self.transport)
             if self._lost:
                 self.events(
                     "host_lost", f"lost host(s) {', '.join(self._lost)}: not reachable over ssh", hosts=self._lost

@@ -319,6 +319,8 @@ def test_submit_trains_two_ranks_across_two_nodes_through_srun(slurm2: SlurmClus
     spawns = [e for e in read_jsonl(run / "events.jsonl") if e.get("event") == "spawn"]
     assert len(spawns) == 1 and spawns[0]["argv"][0] == "srun" and not spawns[0]["remote"]
     assert all("ssh" not in a for a in spawns[0]["argv"])
+    (down,) = [e for e in read_jsonl(run / "events.jsonl") if e.get("event") == "teardown"]
+    assert down["unreachable"] == [] and down["left"] == [], down  # the by-pid check reached n2 through srun
     pre = [e for e in read_jsonl(run / "events.jsonl") if e.get("event") == "preflight"]
     assert "host n2 reachable" in pre[0]["message"]  # through srun: no sshd runs anywhere in this cluster
     (ev,) = _slurm_events(run)[-1:]
@@ -391,4 +393,35 @@ def test_time_limit_saves_requeues_then_budget_spent_ends_the_job(
     chosen = [e for e in read_jsonl(run / "events.jsonl") if e.get("event") == "checkpoint_chosen"]
     assert chosen and chosen[-1]["step"] == stops[0], chosen
     assert _recomputed(run) == []
+    _nothing_left(slurm2, run)
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_a_killed_rank_on_the_other_node_is_restarted_not_a_lost_host(
+    slurm2: SlurmCluster,  # noqa: F811
+    slurm_baseline,
+    fx,
+    tmp_path: Path,
+) -> None:
+    """SIGKILL of the rank on n2: srun ends the step, the lost-host probe reaches n2 through srun (it is not lost),
+    ftkit restarts from the newest checkpoint inside the same allocation and finishes with the baseline's losses."""
+    import os
+    import signal
+
+    recipe = _write(tmp_path, fx)
+    run = tmp_path / "run"
+    with mp_lock():
+        job = _submit(slurm2, recipe)
+        wait_for(lambda: heartbeat_step(run, 1) >= 12, JOB_S, "rank 1 at step 12", poll=0.05)
+        (rec,) = [r for r in RunDir(run).records("pids", 0) if r["host"] == "n2"]
+        os.kill(int(rec["pid"]), signal.SIGKILL)
+        info = slurm2.wait_state(job, ENDED, JOB_S)
+    out = _output(run)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", (info, out)
+    evs = read_jsonl(run / "events.jsonl")
+    assert not [e for e in evs if e.get("event") in ("host_lost", "shrink")], out
+    assert [e for e in evs if e.get("event") == "failure"], out
+    assert all(not e["unreachable"] for e in evs if e.get("event") == "teardown"), out
+    assert losses(run) == losses(slurm_baseline["run"])
     _nothing_left(slurm2, run)
