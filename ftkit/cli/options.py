@@ -31,7 +31,7 @@ exclude_option = click.option(
 )
 engine_option = click.option(
     "--engine",
-    type=click.Choice(["deepspeed", "accelerate", "torchrun"]),
+    type=click.Choice(["deepspeed", "accelerate", "torchrun", "slurm", "auto"]),
     default=None,
     help="Launcher to use; same as cluster.engine=NAME.",
 )
