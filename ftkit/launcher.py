@@ -190,7 +190,8 @@ def _owned_launch(
 
         fingerprint = compute(plan)  # hashes the data file: once per launch
         overrides, changes = _check_changes(fingerprint, choice, req.allow_changes, echo)
-        prepare_run(plan, resume_overrides=overrides, fingerprint=fingerprint)
+        argv = command.display() if command else None  # what the ranks run, `-- CMD` included
+        prepare_run(plan, resume_overrides=overrides, fingerprint=fingerprint, command=argv)
         sup.events.attempt = sup.rd.next_attempt()
         if ownership.taken_over:
             sup.events("takeover", f"took the run over: stopped {len(ownership.taken_over)} orphaned rank(s)")
@@ -259,7 +260,9 @@ def _supervisor(
         echo=echo,
         min_nodes=r["cluster.min_nodes"],
         replan=lambda hosts: build_plan(r, hosts=hosts),
-        prepare=lambda p, universal: prepare_run(p, load_universal=universal),
+        prepare=lambda p, universal: prepare_run(
+            p, load_universal=universal, command=command.display() if command else None
+        ),
     )
 
 

@@ -17,6 +17,7 @@ def prepare_run(
     load_universal: bool = False,
     resume_overrides: dict[str, Any] | None = None,
     fingerprint: dict[str, Any] | None = None,
+    command: list[str] | None = None,
 ) -> RunDir:
     """Write ``ftkit/ds_config.json``, ``ftkit/accelerate.yaml`` and ``ftkit/spec.json`` into the run directory.
 
@@ -41,7 +42,12 @@ def prepare_run(
         except (OSError, ValueError, AttributeError):
             resume_overrides = None
     spec = build_spec(
-        plan, rd.path.resolve(), rd.ds_config.resolve(), fingerprint=fingerprint, resume_overrides=resume_overrides
+        plan,
+        rd.path.resolve(),
+        rd.ds_config.resolve(),
+        fingerprint=fingerprint,
+        resume_overrides=resume_overrides,
+        command=command,
     )
     atomic_write(rd.spec, spec.to_json())
     return rd

@@ -125,6 +125,7 @@ def build_spec(
     *,
     fingerprint: dict[str, Any] | None = None,
     resume_overrides: dict[str, Any] | None = None,
+    command: list[str] | None = None,
 ) -> RunSpec:
     """The spec for ``plan``. ``fingerprint`` (computed here when not given: pass it to hash the data only once
     per launch) is what rank 0 records in every commit; ``resume_overrides`` (dotted recipe key → new value) are
@@ -133,7 +134,7 @@ def build_spec(
     targs = training_arguments(plan, str(run_dir), str(ds_config_path))
     if "max_steps" not in targs:
         targs["max_steps"] = -1
-    command = r.get("train.command")
+    command = command if command is not None else r.get("train.command")
     return RunSpec(
         ftkit_version=__version__,
         name=r["name"],

@@ -79,6 +79,8 @@ def hf_baseline(fx: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
     # the script asked HF for get_last_checkpoint (resume_from_checkpoint=True): ftkit's choice (none) won, listed
     rows = json.loads((run / "ftkit" / "attempts" / "0" / "args_changes.json").read_text())
     assert {"name": "resume_from_checkpoint", "from": True, "to": None} in rows, rows
+    spec = json.loads((run / "ftkit" / "spec.json").read_text())  # the command given after `--` is recorded
+    assert spec["command"][:2] == ["python", str(SCRIPTS / "hf_trainer.py")], spec["command"]
     assert not named(run, "restart")
     assert_no_process_left(run)
     got = losses(run)
