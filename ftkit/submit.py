@@ -281,7 +281,10 @@ def batch(recipe: str, overrides: Sequence[str], echo: Callable[[str], None] = p
     )
     started = time.time()
     try:
-        code = launch(LaunchRequest(recipe, tuple(overrides)), echo=echo, warn=lambda m: print(m, file=sys.stderr))
+        if signal.SIGUSR1 in early:  # the notice came before anything started: nothing to save, go straight on
+            code = ExitCode.STOPPED
+        else:
+            code = launch(LaunchRequest(recipe, tuple(overrides)), echo=echo, warn=lambda m: print(m, file=sys.stderr))
     except FtkitError as e:
         for line in e.lines():
             echo(f"ftkit: error: {line}")
@@ -292,7 +295,8 @@ def batch(recipe: str, overrides: Sequence[str], echo: Callable[[str], None] = p
     # After ftkit's graceful stop: a TERM now is Slurm ending the job (our requeue, or the grace period's end).
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     usr1 = signal.SIGUSR1 in seen
-    if code == ExitCode.STOPPED and usr1:
+    # stopped by the notice: after a graceful stop (8), or during preflight, before anything started (128+USR1)
+    if usr1 and code in (ExitCode.STOPPED, 128 + signal.SIGUSR1):
         step = _stop_step(run_dir, started)
         saved = f"saved step {step}" if step is not None else "nothing new to save"
         if restarts >= budget:

@@ -373,25 +373,28 @@ def test_time_limit_saves_requeues_then_budget_spent_ends_the_job(
     fx,
     tmp_path: Path,
 ) -> None:
-    """--time=1 with USR1 30 s before the limit: saved and requeued (1 of 1); the restarted job resumes from that
-    step, gets USR1 again, saves, and with the budget spent ends with exit 8 (not requeued, not TIMEOUT)."""
+    """A time limit with USR1 30 s ahead: saved and requeued (1 of 1); the restarted job, its limit cut to 1 minute,
+    gets USR1 again (Slurm signals when the time left is under lead + 30 s: at once) and, with the budget spent,
+    ends with exit 8 (not requeued, not TIMEOUT). It resumes from the saved step if it gets that far."""
     recipe = _write(tmp_path, fx, train__max_steps=20000, train__save_steps=5000, resilience__max_requeues=1)
     run = tmp_path / "run"
     with mp_lock():
-        job = _submit(slurm2, recipe, "--time", "1")
-        info = slurm2.wait_state(job, ENDED, 200)
+        job = _submit(slurm2, recipe, "--time", "2")  # USR1 at 60-90 s: after the start-up (~30 s)
+        wait_for(lambda: slurm2.job(job).get("Restarts") == "1", 150, "the job requeued")
+        slurm2.run("scontrol", "update", f"JobId={job}", "TimeLimit=1")
+        info = slurm2.wait_state(job, ENDED, 150)
     out = _output(run)
     assert "#SBATCH --signal=B:USR1@30" in (run / "slurm" / "submit.sbatch").read_text()
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "8:0" and info["Restarts"] == "1", (info, out)
     evs = _slurm_events(run)
+    stops = _stop_commits(run)
+    assert stops, out  # the first notice saved the step in flight
     first = [e for e in evs if e["restart_count"] == 0 and "USR1" in e["reason"]]
-    assert first and "requeue 1 of 1" in first[0]["reason"], evs
+    assert first and f"saved step {stops[0]}; requeue 1 of 1" in first[0]["reason"], evs
     last = [e for e in evs if e["restart_count"] == 1 and "USR1" in e["reason"]]
     assert last and "requeue budget spent" in last[0]["reason"], evs
-    stops = _stop_commits(run)
-    assert stops, out  # the first notice saved the step in flight (the second may come before a step)
     chosen = [e for e in read_jsonl(run / "events.jsonl") if e.get("event") == "checkpoint_chosen"]
-    assert chosen and chosen[-1]["step"] == stops[0], chosen
+    assert all(e["step"] == stops[0] for e in chosen), chosen
     assert _recomputed(run) == []
     _nothing_left(slurm2, run)
 
