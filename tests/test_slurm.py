@@ -248,7 +248,18 @@ def _stop_commits(run: Path) -> list[int]:
 
 
 def _nothing_left(c: SlurmCluster, run: Path) -> None:
+    import fnmatch
+    import os
+
+    from ftkit.procs import SHM_DIR, shm_patterns
+
     wait_for(lambda: not processes_left(run), 20, f"no process of {run} left")
+    # no shared-memory buffer of any attempt on any node (the namespaces share this machine's /dev/shm)
+    rd = RunDir(run)
+    records = [r for a in sorted((rd.meta / "attempts").glob("*")) for r in rd.records("pids", int(a.name))]
+    patterns = {p for ps in shm_patterns(records).values() for p in ps}
+    leaked = [n for n in os.listdir(SHM_DIR) if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+    assert not leaked, f"/dev/shm buffers left: {leaked}"
     # every step's processes on the nodes are gone too (slurmstepd and what it started)
     for node in ("n1", "n2"):
         pids = subprocess.run(["ip", "netns", "pids", c.ns(node)], capture_output=True, text=True).stdout.split()
