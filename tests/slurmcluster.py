@@ -364,6 +364,7 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
             c.start()
         except BaseException:
             c.stop()
+            shutil.rmtree(base, ignore_errors=True)
             raise
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
