@@ -234,7 +234,7 @@ def save_final(trainer: Any, output_dir: str | None = None, save: Callable[..., 
 def _add_callbacks(trainer: Any) -> None:
     import ftkit.hf as hf
 
-    ours = hf._callback_class()
+    ours = hf.callback_class()
     if not any(isinstance(cb, ours) for cb in trainer.callback_handler.callbacks):
         for cb in hf.callbacks():
             trainer.add_callback(cb)

@@ -1,11 +1,11 @@
 """Supervision as a fixed script: choose checkpoint → spawn → monitor → tear down → decide → (back off, again).
 
-* **choose** (:meth:`Supervisor.select`, read-only) walks the checkpoints newest first and takes the first whose
+* **choose** (:func:`ftkit.choose.select`, read-only) walks the checkpoints newest first and takes the first whose
   commit record verifies, every byte checked; :meth:`Supervisor.apply` then logs the rejected ones and sets newer
   torn ones aside, so the resumed run can write that step again.
-* **spawn** starts the engine's processes; **monitor** watches their exits, every rank's heartbeat
-  (:class:`ftkit.decide.Progress`), error records and, for a resumed attempt, whether recomputed steps reproduce
-  the logged ones (:mod:`ftkit.fidelity`).
+* **spawn** starts the engine's processes (:mod:`ftkit.attempt`); **monitor** watches their exits, every rank's
+  heartbeat (:class:`ftkit.decide.Progress`), error records, and what :mod:`ftkit.observe` reads (metrics, resume
+  fidelity, stragglers).
 * **graceful stop**: the first SIGTERM/SIGINT/SIGHUP/SIGUSR1 (``ftkit stop``, Ctrl-C, Slurm's notice) writes
   ``ftkit/stop.json``; every rank sees it at the same optimizer step (:mod:`ftkit.hf`), saves and commits that
   step and ends; then teardown, and exit 8. Bounded by ``resilience.stop_timeout_s``; past it, or on a second
@@ -26,21 +26,22 @@ import json
 import random
 import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checkpoints import Selection, list_checkpoints, read_commit, select_resume, set_aside_newer, verify
+from .attempt import Spawned, spawn, teardown_attempt
+from .checkpoints import list_checkpoints, read_commit, select_resume, set_aside_newer, verify
+from .choose import Choice, select
 from .command import LaunchCommand, LaunchInputs, build_launch
 from .decide import Action, Decision, FailureKind, Progress, RestartPolicy, Situation, decide
 from .errors import ExitCode
 from .fidelity import FidelityCheck
-from .hf import STOP_FILE
 from .observe import Observer, log_tail, root_cause
-from .procs import exit_meaning, group_exists, proc_start_time, remove_shm, targets_from_records, teardown
+from .procs import exit_meaning
+from .rank import STOP_FILE
 from .rundir import NEARLY_FULL, RunDir, append_jsonl, atomic_write
 from .shrink import convert_newest, probe_hosts
 from .stragglers import hosts_to_exclude
@@ -88,27 +89,6 @@ class Failure:
     def with_traceback(self, tb: list[str]) -> Failure:
         self.traceback = tb
         return self
-
-
-@dataclass
-class Choice:
-    """The outcome of :meth:`Supervisor.select`: where to resume from (None: fresh), or why the run cannot go on."""
-
-    selection: Selection | None
-    resume: str | None = None
-    step: int | None = None
-    record: dict[str, Any] | None = None
-    exit_code: int | None = None
-    refusal: str | None = None  # one line: why exit_code
-    convert: bool = False  # resume needs a universal conversion of an incompatible checkpoint (after a shrink)
-
-
-@dataclass
-class Spawned:
-    node_rank: int
-    host: str
-    proc: subprocess.Popen
-    log: Path
 
 
 class Supervisor:
@@ -169,44 +149,14 @@ class Supervisor:
 
     def select(self) -> Choice:
         """Read-only: the checkpoint to resume from, or why the run cannot continue. Writes nothing."""
-        sel = select_resume(
-            self.rd.path,
+        return select(
+            self.rd,
             checksums=bool(self.res.get("verify_checksums", True)),
-            require_commit=True,
             world_size=self.world_size,
             stage=self.stage,
+            max_steps=self.max_steps,
+            convert_from_world=self._convert_from_world,
         )
-        incompatible = sel.incompatible
-        if incompatible and self._convert_from_world is not None:
-            newest = max(v.step or -1 for v in incompatible)
-            if sel.step is None or newest > sel.step:
-                return Choice(sel, convert=True)
-            incompatible = []
-        if incompatible:
-            v = incompatible[0]
-            return Choice(
-                sel,
-                exit_code=ExitCode.NO_CHECKPOINT,
-                refusal=f"{v.reason}; ftkit converts a checkpoint to DeepSpeed's universal format only when it "
-                "continues a running job on fewer hosts itself (cluster.min_nodes): launch with the original "
-                "cluster, or use a new train.output_dir",
-            )
-        if sel.chosen is None and any(v.kind != "no_commit" for v in sel.rejected):
-            return Choice(
-                sel,
-                exit_code=ExitCode.NO_CHECKPOINT,
-                refusal="no checkpoint verifies (reasons above) and some were complete once: refusing to start over "
-                "and overwrite them; move them away or use a new train.output_dir",
-            )
-        if sel.chosen is not None and self.max_steps is not None and (sel.step or 0) > self.max_steps:
-            return Choice(
-                sel,
-                exit_code=ExitCode.USAGE,
-                refusal=f"{sel.chosen.name} is past train.max_steps={self.max_steps}: the run already went further; "
-                f"raise train.max_steps above {sel.step}, or use a new train.output_dir",
-            )
-        record = sel.verdict.record if sel.verdict is not None else None
-        return Choice(sel, str(sel.chosen) if sel.chosen else None, sel.step, record)
 
     def apply(self, choice: Choice) -> Choice:
         """Carry a choice out: log the rejected checkpoints, set newer torn ones aside, convert after a shrink."""
@@ -251,33 +201,7 @@ class Supervisor:
     def spawn(self, cmd: LaunchCommand, attempt: int, out: list[Spawned]) -> None:
         """Start every node's process; each is appended to ``out`` as it starts (teardown needs even a partial
         list)."""
-        for path, text in cmd.files.items():
-            atomic_write(Path(path), text)
-        log_dir = self.rd.log_dir(attempt)
-        log_dir.mkdir(parents=True, exist_ok=True)
-        for node in cmd.nodes:
-            log = log_dir / f"launcher-node{node.node_rank}.log"
-            with open(log, "ab") as fh:  # the child keeps its own copy of the descriptor
-                proc = subprocess.Popen(
-                    list(node.argv),
-                    env=dict(node.env) if node.env else None,
-                    stdout=fh,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                    cwd=str(self.rd.path.parent),
-                )
-            out.append(Spawned(node.node_rank, node.host, proc, log))
-            self.events(
-                "spawn",
-                None,
-                node=node.node_rank,
-                host=node.host,
-                pid=proc.pid,
-                start_time=proc_start_time(proc.pid),  # ftkit stop --force and --takeover find the launcher by it
-                remote=node.remote,
-                argv=list(node.argv),
-            )
+        spawn(cmd, attempt, self.rd, self.events, out)
 
     def monitor(self, procs: list[Spawned], attempt: int, started: float) -> Failure | None:
         """Until success (None) or the first failure. Heartbeat changes are timed by this clock (no skew)."""
@@ -364,35 +288,10 @@ class Supervisor:
         return Failure(FailureKind.NO_SPACE, "ftkit ran out of disk space", lines=[f"no space left on {e.filename}"])
 
     def teardown(self, procs: list[Spawned], attempt: int) -> None:
-        groups = [p.proc.pid for p in procs]  # the group may outlive its leader
-        records = self.rd.records("pids", attempt)
-        res = teardown(
-            sorted(set(groups)),
-            targets_from_records(records),
-            grace_s=self.grace_s,
-            ssh_args=self.ssh_args,
-            transport=self.transport,
+        """Everything of the attempt stops, on every host: by process group and recorded pid, then /dev/shm."""
+        teardown_attempt(
+            procs, attempt, self.rd, self.events, grace_s=self.grace_s, ssh_args=self.ssh_args, transport=self.transport
         )
-        for p in procs:
-            try:
-                p.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-        # Ranks orphaned by their agent's death are zombies until init reaps them, a moment later; until then
-        # killpg(group, 0) still finds them. Wait for that, so that when ftkit returns nothing of the run is left.
-        end = time.monotonic() + 5.0
-        while time.monotonic() < end and any(group_exists(p.proc.pid) for p in procs):
-            time.sleep(0.05)
-        # Only now (no rank left) is it safe to remove the run's /dev/shm buffers; unreachable hosts are skipped.
-        remove_shm(
-            [r for r in records if r["host"] not in set(res.unreachable)], self.ssh_args, transport=self.transport
-        )
-        msg = None
-        if res.unreachable:
-            msg = f"teardown could not reach host(s) {', '.join(sorted(set(res.unreachable)))}"
-        elif res.left:
-            msg = f"teardown left processes: {', '.join(res.left)}"
-        self.events("teardown", msg, **res.as_dict())
 
     def shrink(self, lost: list[str]) -> int | None:
         """Replan on the hosts that are left (keeping the global batch); an exit code when that is impossible."""

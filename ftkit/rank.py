@@ -1,0 +1,226 @@
+"""One rank of a run: who it is, what it writes for the supervisor, and the requests it answers (:mod:`ftkit.hf`).
+
+* :class:`RankContext`: rank, local rank, node, and the records the supervisor reads: heartbeat
+  (``ftkit/heartbeat/rank-R.json``), pid record (teardown by pid), error record (a failure a restart cannot fix);
+* :class:`StopRequest`: the graceful stop, agreed by every rank at the same optimizer step;
+* :class:`Fault`: test-only fault injection at a chosen step.
+
+Standard library only at import time (torch inside the functions that need it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from .errors import FtkitError
+from .rundir import RunDir, atomic_write
+from .runspec import RunSpec
+
+FAULT_ENV = "FTKIT_FAULT_INJECT"  # test-only fault injection, see Fault
+STOP_FILE = "stop.json"  # in RUN/ftkit/: the supervisor's save-and-stop request
+
+
+def _env_int(*names: str, default: int = 0) -> int:
+    for n in names:
+        if os.environ.get(n, "") != "":
+            return int(os.environ[n])
+    return default
+
+
+class RankContext:
+    """Who this rank is and where its run lives; writes its heartbeat, pid and error records."""
+
+    def __init__(self, run_dir: Path, attempt: int, spec: RunSpec | None = None):
+        self.rd = RunDir(run_dir)
+        self.attempt = attempt
+        self.rank = _env_int("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+        self.local_rank = _env_int("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+        self.world_size = _env_int("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS", default=1)
+        self.host = socket.gethostname()
+        # The node's name as the hostfile (and so ssh) knows it: teardown reaches this rank through that name.
+        # ftkit sets FTKIT_NODE per node for torchrun/accelerate (c10d numbers nodes by arrival, not hostfile
+        # order); DeepSpeed's launcher passes the hostfile index as CROSS_RANK.
+        self.node_rank = _env_int("CROSS_RANK", "GROUP_RANK", "NODE_RANK", "SLURM_NODEID")
+        self.node_host = os.environ.get("FTKIT_NODE", "")
+        if not self.node_host:
+            self.node_host = "localhost"
+            hosts = spec.hosts if spec is not None else []
+            if 0 <= self.node_rank < len(hosts):
+                self.node_host = hosts[self.node_rank][0]
+        self.last_loss: float | None = None
+        self.compute_ewma_s: float | None = None
+        self.compute_n = 0
+
+    def heartbeat(self, phase: str, step: int | None = None, **extra: Any) -> None:
+        rec = {
+            "rank": self.rank,
+            "attempt": self.attempt,
+            "phase": phase,
+            "step": step,
+            "loss": self.last_loss,
+            "time": time.time(),
+            "pid": os.getpid(),
+            "host": self.host,
+            "node": self.node_host,
+            "compute_ewma_s": self.compute_ewma_s,
+            "compute_n": self.compute_n,
+            **extra,
+        }
+        atomic_write(self.rd.heartbeat(self.rank), json.dumps(rec), fsync=False)
+
+    def record_pid(self) -> None:
+        """pid, start time, parent (the per-node agent) and the node's hostfile name: teardown works from this.
+        The allow-listed environment (secrets left out) shows what really reached this rank."""
+        import fnmatch
+
+        from .command import ENV_ALLOW, SECRET
+        from .procs import proc_start_time
+
+        pid, ppid = os.getpid(), os.getppid()
+        env = {
+            k: v
+            for k, v in sorted(os.environ.items())
+            if any(fnmatch.fnmatchcase(k, pat) for pat in ENV_ALLOW) and not SECRET.search(k) and k != "PATH"
+        }
+        rec = {
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "node_rank": self.node_rank,
+            "host": self.node_host,
+            "hostname": self.host,
+            "pid": pid,
+            "start_time": proc_start_time(pid),
+            "ppid": ppid,
+            "ppid_start_time": proc_start_time(ppid),
+            "pgid": os.getpgid(0),
+            "attempt": self.attempt,
+            "time": time.time(),
+            "env": env,
+            "env_keys": sorted(os.environ),
+            # DeepSpeed's CPU collectives name their /dev/shm buffers after these; teardown removes them.
+            "master_addr": os.environ.get("MASTER_ADDR"),
+            "master_port": os.environ.get("MASTER_PORT"),
+        }
+        atomic_write(self.rd.pid_file(self.attempt, self.rank), json.dumps(rec), fsync=False)
+
+    def record_error(self, err: FtkitError, **extra: Any) -> None:
+        rec = {
+            "rank": self.rank,
+            "host": self.host,
+            "kind": type(err).__name__,
+            "lines": err.lines(),
+            "exit_code": err.exit_code,
+            **extra,
+        }
+        atomic_write(self.rd.error_file(self.attempt, self.rank), json.dumps(rec))
+
+
+class StopRequest:
+    """Save-and-stop: requested by the supervisor (``ftkit/stop.json`` of this attempt) or by this rank's watchdog
+    (its supervisor is gone). :meth:`agreed` is called by every rank at every optimizer-step end and all-reduces the
+    local answer (max), so every rank sees the request at the same step, or none does."""
+
+    def __init__(self, rd: RunDir, attempt: int):
+        self.path = rd.meta / STOP_FILE
+        self.attempt = attempt
+        self.local = threading.Event()
+        self.stopped_at: int | None = None
+        self.finished = threading.Event()
+
+    def requested_here(self) -> bool:
+        if self.local.is_set():
+            return True
+        if not self.path.exists():  # one stat per step in the common case
+            return False
+        try:
+            rec = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return False
+        return isinstance(rec, dict) and rec.get("attempt") == self.attempt
+
+    def agreed(self, device: Any = None) -> bool:
+        flag = 1 if self.requested_here() else 0
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            import torch
+
+            t = torch.tensor([flag], dtype=torch.int32, device=device if dist.get_backend() == "nccl" else "cpu")
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flag = int(t.item())
+        return bool(flag)
+
+
+def _redirect_output(path: Path) -> None:
+    """Send this process's stdout/stderr (including C-level writes from torch/deepspeed) to its own log file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+
+
+class Fault:
+    """Test-only fault injection, from ``FTKIT_FAULT_INJECT=ACTION:RANK:STEP[:ATTEMPT]`` (ATTEMPT: a number or
+    ``every``; default 0, so a restarted attempt runs clean).
+
+    ACTION is ``exit`` (exit 13 after that step), ``kill`` (SIGKILL itself after that step), ``stop`` (SIGSTOP
+    itself: a hang), ``raise`` (an exception after that step) or ``kill_in_save`` (SIGKILL itself in the middle of
+    saving checkpoint STEP, after DeepSpeed wrote its shards and before the RNG state and trainer_state.json: a torn
+    checkpoint). The processes are real and really die; only the moment is chosen, so tests are not races against a
+    millisecond-long save. Works for the built-in entry and any wrapped script (it rides on ftkit.hf.callbacks).
+    """
+
+    def __init__(self, spec: str | None, ctx: RankContext):
+        self.action = None
+        if not spec:
+            return
+        parts = spec.split(":")
+        action, rank, step = parts[0], int(parts[1]), int(parts[2])
+        attempt = parts[3] if len(parts) > 3 else "0"
+        if rank == ctx.rank and (attempt == "every" or int(attempt) == ctx.attempt):
+            self.action, self.step = action, step
+
+    def after_step(self, step: int) -> None:
+        if self.action is None or step != self.step:
+            return
+        print(f"ftkit fault injection: {self.action} at step {step}", flush=True)
+        if self.action == "exit":
+            os._exit(13)
+        if self.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if self.action == "raise":
+            raise RuntimeError(f"fault injection: an exception at step {step}")
+
+    def install_save_kill(self) -> None:
+        if self.action != "kill_in_save":
+            return
+        from transformers import Trainer
+
+        if getattr(Trainer._save_rng_state, "_ftkit_fault", False):
+            return
+        original = Trainer._save_rng_state
+        fault = self
+
+        def _save_rng_state(trainer: Any, output_dir: str) -> None:
+            if trainer.state.global_step == fault.step:
+                print(f"ftkit fault injection: SIGKILL while saving {output_dir}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(trainer, output_dir)
+
+        _save_rng_state._ftkit_fault = True  # type: ignore[attr-defined]
+        Trainer._save_rng_state = _save_rng_state

@@ -1,0 +1,233 @@
+"""The HF ``TrainerCallback`` that carries ftkit's per-rank services (:func:`ftkit.hf.callbacks` builds it).
+
+Heartbeats and metrics on HF Trainer's own events, commit records after every save, the graceful stop (one
+all-reduce per optimizer step, so every rank saves the same step), each rank's own compute time per step (for
+straggler detection), and after a resume the changes the user allowed (:func:`apply_resume_overrides`).
+Importing this module does not import transformers: the class is built on first use (:func:`callback_class`).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from .rundir import append_jsonl
+
+COMPUTE_EWMA = 0.2  # weight of the newest step in the per-rank compute-time average
+
+
+_CALLBACK: Any = None
+
+
+def callback_class() -> Any:
+    global _CALLBACK
+    if _CALLBACK is not None:
+        return _CALLBACK
+    from transformers import TrainerCallback
+
+    from .checkpoints import manifest_part, rotate, write_commit
+
+    class FtkitCallback(TrainerCallback):
+        """Heartbeat, metrics, commit records, graceful stop and resume overrides, on HF Trainer's own events."""
+
+        def __init__(self, r: Any, fault: Any, exit_after_stop: bool = True):
+            self.r, self.ctx, self.spec, self.fault = r, r.ctx, r.spec, fault
+            self.exit_after_stop = exit_after_stop
+            self._t0: float | None = None
+            self._compute = 0.0
+            self._hooked = False
+
+        # ------------------------------------------------------------------ lifecycle
+
+        def on_train_begin(self, args, state, control, **kw):  # noqa: ANN001
+            overrides = self.spec.resume_overrides
+            if self.r.resume and overrides:  # after the checkpoint's optimizer and scheduler state were loaded
+                for line in apply_resume_overrides(overrides, kw.get("optimizer"), kw.get("lr_scheduler")):
+                    print(f"ftkit: resume override {line}", flush=True)
+            self._hook_forward(kw.get("model"))
+            self.ctx.heartbeat("train", state.global_step, started_at_step=state.global_step)
+            # DeepSpeed has built its ops by now: back to dying at once on SIGTERM, so a rank blocked in a
+            # collective (a dead peer) does not hold teardown for its whole grace period.
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+        def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001
+            self._compute = 0.0
+
+        def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
+            if self._hooked and self._compute > 0:
+                c = self._compute
+                e = self.ctx.compute_ewma_s
+                self.ctx.compute_ewma_s = c if e is None else (1 - COMPUTE_EWMA) * e + COMPUTE_EWMA * c
+                self.ctx.compute_n += 1
+            self.ctx.heartbeat("train", state.global_step)
+            self.fault.after_step(state.global_step)
+            if self.r.stop.stopped_at is None and self.r.stop.agreed(getattr(args, "device", None)):
+                self.r.stop.stopped_at = state.global_step
+                control.should_save = True  # this step, on every rank: then the loop ends
+                control.should_training_stop = True
+                print(f"ftkit: stop requested: saving step {state.global_step}, then stopping", flush=True)
+
+        def on_log(self, args, state, control, logs=None, **kw):  # noqa: ANN001
+            logs = logs or {}
+            rec: dict[str, Any] | None = None
+            if "loss" in logs:
+                self.ctx.last_loss = float(logs["loss"])
+                rec = {
+                    "step": state.global_step,
+                    "loss": self.ctx.last_loss,
+                    "lr": logs.get("learning_rate"),
+                    "grad_norm": logs.get("grad_norm"),
+                    "tokens_seen": getattr(state, "num_input_tokens_seen", None) or None,
+                }
+            elif "eval_loss" in logs:
+                rec = {"step": state.global_step, "eval_loss": float(logs["eval_loss"])}
+            if rec is not None and self.ctx.rank == 0:
+                append_jsonl(self.ctx.rd.metrics, {**rec, "attempt": self.ctx.attempt, "time": time.time()})
+            self.ctx.heartbeat("train", state.global_step)
+
+        def on_save(self, args, state, control, **kw):  # noqa: ANN001
+            import torch.distributed as dist
+
+            ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            t0 = time.time()
+            part = manifest_part(ckpt, self.ctx.rank, self.ctx.world_size, checksum=self.spec.checksum)
+            parts: list[Any] = [None] * self.ctx.world_size
+            if dist.is_available() and dist.is_initialized():
+                dist.all_gather_object(parts, part)  # every rank has finished writing: this is the barrier
+            else:
+                parts = [part]
+            if self.ctx.rank == 0:
+                write_commit(
+                    ckpt,
+                    parts,
+                    step=state.global_step,
+                    world_size=self.ctx.world_size,
+                    stage=self.spec.stage,
+                    recipe_hash=self.spec.recipe_hash,
+                    extra={"attempt": self.ctx.attempt, "fingerprint": self.spec.fingerprint},
+                )
+                removed = rotate(args.output_dir, self.spec.save_total_limit)
+                append_jsonl(
+                    self.ctx.rd.metrics,
+                    {
+                        "event": "commit",
+                        "step": state.global_step,
+                        "commit_s": round(time.time() - t0, 3),
+                        "attempt": self.ctx.attempt,
+                        "rotated": [str(p) for p in removed],
+                        "stop": self.r.stop.stopped_at == state.global_step or None,
+                        "time": time.time(),
+                    },
+                )
+            if dist.is_available() and dist.is_initialized():
+                dist.barrier()  # nobody trains on (or dies) before the commit is on disk
+            self.ctx.heartbeat("train", state.global_step, committed=state.global_step)
+
+        def on_train_end(self, args, state, control, **kw):  # noqa: ANN001
+            if self.r.stop.stopped_at is None:
+                return
+            self.ctx.heartbeat("stopped", state.global_step, committed=self.r.stop.stopped_at)
+            self.r.stop.finished.set()
+            print(f"ftkit: stopped on request after committing step {self.r.stop.stopped_at}", flush=True)
+            if self.exit_after_stop:
+                sys.stdout.flush()
+                raise SystemExit(0)
+
+        # ------------------------------------------------------------------ compute time (stragglers)
+
+        def _hook_forward(self, model: Any) -> None:
+            """Time the model's forward passes on this rank's own clock. Under DDP and ZeRO-1/2 a forward holds no
+            collective, so a slow host shows up here and not in the (lock-step) step time; under ZeRO-3 the
+            forward also waits for parameter gathers."""
+            if model is None or self._hooked:
+                return
+
+            def pre(module: Any, inputs: Any) -> None:
+                self._t0 = time.perf_counter()
+
+            def post(module: Any, inputs: Any, output: Any) -> None:
+                if self._t0 is not None:
+                    self._compute += time.perf_counter() - self._t0
+                    self._t0 = None
+
+            model.register_forward_pre_hook(pre)
+            model.register_forward_hook(post)
+            self._hooked = True
+
+    _CALLBACK = FtkitCallback
+    return _CALLBACK
+
+
+def _lr_scheduler_of(lr_scheduler: Any) -> Any:
+    """The torch LR scheduler inside Accelerate's/DeepSpeed's wrappers (the object with ``base_lrs``)."""
+    seen = 0
+    while lr_scheduler is not None and not hasattr(lr_scheduler, "base_lrs") and seen < 4:
+        lr_scheduler = getattr(lr_scheduler, "scheduler", None) or getattr(lr_scheduler, "lr_scheduler", None)
+        seen += 1
+    return lr_scheduler if hasattr(lr_scheduler, "base_lrs") else None
+
+
+def apply_resume_overrides(overrides: dict[str, Any], optimizer: Any, lr_scheduler: Any) -> list[str]:
+    """Apply allowed changes of optimizer hyperparameters to a resumed run; return one line per change.
+
+    Called after the checkpoint is loaded (HF Trainer's ``on_train_begin`` follows DeepSpeed's ``load_checkpoint``
+    and ``_load_optimizer_and_scheduler`` in ``_inner_training_loop``): loading restores the *old* values into the
+    optimizer's param groups (``lr``, ``initial_lr``, ``betas``, ``eps``, ``weight_decay``) and the scheduler's
+    ``base_lrs``, so the new TrainingArguments alone are ignored. The schedule's shape (type, warm-up, horizon) is
+    rebuilt from the current arguments by HF (LambdaLR keeps its lambdas, restores only its step and base lrs), so
+    a new peak lr is applied by replacing ``base_lrs`` and recomputing the current lr at the restored step.
+    Keys this function does not know took effect through the new spec (TrainingArguments, ds_config.json).
+    """
+    from .fingerprint import RANK_APPLIED
+
+    sched = _lr_scheduler_of(lr_scheduler)
+    groups = sched.optimizer.param_groups if sched is not None else optimizer.param_groups
+    lines: list[str] = []
+    if "train.learning_rate" in overrides:
+        new = float(overrides["train.learning_rate"])
+        if sched is None:
+            raise RuntimeError("resume override train.learning_rate: no LR scheduler with base_lrs to update")
+        old = list(sched.base_lrs)
+        sched.base_lrs = [new for _ in sched.base_lrs]  # HF gives every param group the same peak lr
+        for g in groups:
+            g["initial_lr"] = new
+        lambdas = getattr(sched, "lr_lambdas", None)
+        if lambdas is not None:  # every schedule ftkit offers is a LambdaLR: lr = peak x lambda(step)
+            lrs = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, lambdas, strict=True)]
+        else:  # any other scheduler: scale the current lr by the ratio of the peaks
+            lrs = [g["lr"] * new / o if o else new for g, o in zip(groups, old, strict=True)]
+        for g, lr in zip(groups, lrs, strict=True):
+            g["lr"] = lr
+        sched._last_lr = list(lrs)  # what HF logs as learning_rate until the next scheduler step
+        lines.append(f"train.learning_rate: peak {old[0]} -> {new}; lr at step {sched.last_epoch} now {lrs[0]}")
+    if "train.weight_decay" in overrides:
+        new = float(overrides["train.weight_decay"])
+        old_values = [g.get("weight_decay", 0.0) for g in groups]
+        # A group with 0 beside groups that decay is a no-decay group (biases, norms): it stays at 0.
+        decaying = [g for g, v in zip(groups, old_values, strict=True) if v != 0] or list(groups)
+        for g in decaying:
+            g["weight_decay"] = new
+        lines.append(f"train.weight_decay: {old_values[0]} -> {new} ({len(decaying)}/{len(groups)} param groups)")
+    if "train.adam_beta1" in overrides or "train.adam_beta2" in overrides:
+        old_betas = tuple(groups[0]["betas"])
+        for g in groups:
+            b1, b2 = g["betas"]
+            g["betas"] = (
+                float(overrides.get("train.adam_beta1", b1)),
+                float(overrides.get("train.adam_beta2", b2)),
+            )
+        lines.append(f"train.adam_beta1/2: {old_betas} -> {tuple(groups[0]['betas'])}")
+    if "train.adam_epsilon" in overrides:
+        new = float(overrides["train.adam_epsilon"])
+        old_eps = groups[0].get("eps")
+        for g in groups:
+            g["eps"] = new
+        lines.append(f"train.adam_epsilon: {old_eps} -> {new}")
+    for key in sorted(set(overrides) - set(RANK_APPLIED)):
+        lines.append(f"{key}: {overrides[key]!r} (applied through the new spec)")
+    return lines
