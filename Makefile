@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ftkit-installed
 PYTEST := DS_ACCELERATOR=cpu $(PY) -m pytest
 
-.PHONY: install test test-fast test-slow test-multinode demo bench lint format templates docs clean
+.PHONY: install test test-fast test-slow test-multinode test-slurm demo bench lint format templates docs clean
 
 # pip can sit on one package for minutes (building deepspeed): a ticker keeps the output moving.
 TICK = ( while sleep 20; do echo "    ... still installing ($$(date +%T))"; done ) & tick=$$!;
@@ -32,15 +32,21 @@ test: install
 	$(PYTEST) -q tests
 
 # The inner loop: parsing, planning, rendering, command building, every CLI error path; under a minute on 2 cores
-# (one worker per core: these tests start no multi-process jobs, so they may share the machine).
+# (these tests start no multi-process jobs, so they may share the machine; a third worker fills the time the
+# fan-out tests spend waiting on ssh timeouts). Left to make test:
+# multi-process runs (slow), namespace hosts (multinode), Slurm daemons (slurm) and the checks against the real
+# libraries that import transformers/peft in-process (heavy, ~40 CPU-seconds).
 test-fast: install
-	$(PYTEST) -q -n 2 -m "not slow and not multinode" tests
+	$(PYTEST) -q -n 3 -m "not slow and not multinode and not slurm and not heavy" tests
 
 test-slow: install
 	$(PYTEST) -q -m "slow" tests
 
 test-multinode: install
 	$(PYTEST) -q -m "multinode" tests
+
+test-slurm: install
+	$(PYTEST) -q -m "slurm" tests
 
 demo: install
 	$(PY) -m ftkit.demo

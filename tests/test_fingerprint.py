@@ -250,6 +250,7 @@ def _train(w, opt, sched, n: int) -> None:
         opt.zero_grad()
 
 
+@pytest.mark.slow  # seconds of CPU: kept out of make test-fast (under a minute on 2 cores)
 def test_rank_applies_new_optimizer_values_after_the_checkpoint_is_loaded():
     pytest.importorskip("torch")
     import math

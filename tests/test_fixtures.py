@@ -51,6 +51,7 @@ def test_import_is_light() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, env=_env(), timeout=60)
 
 
+@pytest.mark.slow  # seconds of CPU: kept out of make test-fast (under a minute on 2 cores)
 def test_cli_build_is_byte_identical(built: dict[str, Path], tmp_path: Path) -> None:
     """A second build in another process (fresh hash seeds, fresh RNG) writes the very same bytes."""
     out = subprocess.run(

@@ -50,6 +50,7 @@ def _hidden_size(plan_json: str) -> int:
     return int(data["model"]["hidden_size"])
 
 
+@pytest.mark.slow  # seconds of CPU: kept out of make test-fast (under a minute on 2 cores)
 def test_plan_render_check_with_a_cached_hub_id(tmp_path, hf_home, model_dir):
     env = hub_env(hf_home)
     (tmp_path / "hub").mkdir()

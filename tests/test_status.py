@@ -242,6 +242,7 @@ def test_set_aside_checkpoints_do_not_fail_verify(tmp_path: Path) -> None:
     assert "(set aside by a restart)" in out.stdout
 
 
+@pytest.mark.slow  # seconds of CPU: kept out of make test-fast (under a minute on 2 cores)
 def test_plot_to_a_bad_path_is_one_line_exit_2(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     run = make_run(tmp_path)
