@@ -209,14 +209,14 @@ class Supervisor:
         while True:
             if self.interrupted:
                 return Failure(FailureKind.INTERRUPTED, f"interrupted by {signal.Signals(self.interrupted).name}")
-            if self.stop_requested or self._exclude:
-                stopping = self._stopping(attempt, progress)
-                if stopping is not None:
-                    return stopping
             if self.events.write_error is not None and is_no_space(self.events.write_error):
                 return self._no_space_failure(self.events.write_error)
             now = time.monotonic()
             beats = [hb for hb in self.rd.heartbeats() if hb.get("attempt") == attempt]
+            if self.stop_requested or self._exclude:  # decided on this poll's heartbeats, never an older poll's
+                stopping = self._stopping(attempt, beats)
+                if stopping is not None:
+                    return stopping
             mismatch = self.observer.poll(attempt, beats, now, progress.phases)
             if mismatch:
                 return Failure(FailureKind.RESUME_MISMATCH, mismatch, step=self._step(attempt))
@@ -533,14 +533,15 @@ class Supervisor:
 
     # ------------------------------------------------------------------------------------------------ graceful stop
 
-    def _stopping(self, attempt: int, progress: Progress) -> Failure | None:
-        """Called every poll once a stop is requested: ask the ranks (once), then bound the wait."""
+    def _stopping(self, attempt: int, beats: list[dict[str, Any]]) -> Failure | None:
+        """Called every poll once a stop is requested: ask the ranks (once), then bound the wait. Only when no rank
+        has begun training (still starting or loading: no step can have completed) does it stop at once."""
         name = signal.Signals(self.stop_requested).name if self.stop_requested else "straggler"
         now = time.monotonic()
         timeout = float(self.res.get("stop_timeout_s") or STOP_TIMEOUT_S)
         if self._stop_sent_at is None:
-            if not progress.first_step_seen:  # no step computed in this attempt: nothing to save, stop now
-                return Failure(FailureKind.STOPPED, f"{name} before the first step: nothing new to save")
+            if not any(hb.get("phase") in ("train", "saving") for hb in beats):
+                return Failure(FailureKind.STOPPED, f"{name} before training began: nothing new to save")
             atomic_write(
                 self.rd.meta / STOP_FILE,
                 json.dumps({"attempt": attempt, "signal": name, "time": time.time(), "timeout_s": timeout}),

@@ -205,3 +205,40 @@ def test_an_exception_between_spawn_and_teardown_still_tears_the_run_down(tmp_pa
         sup.run(first=sup.select())
     assert started and not group_exists(started[0]), "the engine's process group outlived the exception"
     assert subprocess.run(["pgrep", "-g", str(started[0])], capture_output=True).returncode == 1
+
+
+@pytest.mark.parametrize(
+    ("phases", "at_once"),
+    [(["starting", "loading"], True), (["train", "loading"], False), (["train", "train"], False)],
+    ids=["nobody-training", "one-training", "all-training"],
+)
+def test_a_stop_is_immediate_only_when_no_rank_has_begun_training(tmp_path, phases, at_once):
+    """The defect: the decision used the previous poll's view, so a stop right after the first steps ended at once
+    and lost them. It is taken on this poll's heartbeats; a rank in training gets the save request."""
+    from ftkit import supervise
+    from ftkit.command import LaunchInputs
+    from ftkit.rundir import RunDir
+
+    rd = RunDir(tmp_path / "run")
+    rd.meta.mkdir(parents=True)
+    inputs = LaunchInputs("deepspeed", (("localhost", 2),), "127.0.0.1", 29500, str(rd.path), 0, None, "cpu", "py", "t")
+    sup = supervise.Supervisor(
+        rd=rd,
+        inputs=inputs,
+        base_env={},
+        resilience={"max_restarts": 1, "backoff_s": 0, "backoff_max_s": 0, "startup_timeout_s": 5, "hang_timeout_s": 5},
+        stage=2,
+        world_size=2,
+        max_steps=4,
+        ssh_args=[],
+        echo=lambda s: None,
+    )
+    sup.stop_requested = signal.SIGUSR1
+    beats = [{"rank": r, "attempt": 0, "phase": p, "step": 3 if p == "train" else None} for r, p in enumerate(phases)]
+    failure = sup._stopping(0, beats)
+    if at_once:
+        assert failure is not None and failure.kind is FailureKind.STOPPED
+        assert not (rd.meta / "stop.json").exists()
+    else:
+        assert failure is None
+        assert '"attempt": 0' in (rd.meta / "stop.json").read_text()
