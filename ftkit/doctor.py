@@ -315,10 +315,24 @@ def cheap_checks(
     Raises PreflightError (exit 3) with one line per failure. Returns what :func:`ftkit.preflight.run_preflight`
     returns (a drop-in for it), with doctor's checks appended to ``checks``."""
     rep = run_doctor(plan, ssh_args=ssh_args, rendezvous=False, env=env, python=python, transport=transport)
-    if not rep.ok or rep.preflight is None:
-        raise PreflightError("\n".join(f.line() for f in rep.failures) or "preflight failed")
+    # doctor's thresholds on space, /dev/shm and clock are advice: a launch goes on with a warning (a disk that
+    # fills ends the run with exit 12, committed checkpoints intact; ftkit times heartbeats on its own clock)
+    advisory = [f for f in rep.failures if _advisory(f)]
+    blocking = [f for f in rep.failures if not _advisory(f)]
+    if blocking or rep.preflight is None:
+        raise PreflightError("\n".join(f.line() for f in blocking) or "preflight failed")
     report = rep.preflight
+    report.checks.extend(f"warning: {f.line()}" for f in advisory)
     report.checks.append(
         f"doctor: versions, run-directory space, /dev/shm, clock, interface, build locks ok on {len(rep.hosts)} host(s)"
     )
     return report
+
+
+def _advisory(f: Any) -> bool:
+    """A finding that is advice for ``ftkit launch`` (under doctor's thresholds), not a reason to refuse."""
+    return (
+        f.check == "clock"
+        or (f.check == "run_dir" and f.message.startswith("only "))
+        or (f.check == "shm" and " total, " in f.message)
+    )
