@@ -86,6 +86,16 @@ def throttled(pid: int, stopped_s: float = 0.04, running_s: float = 0.02) -> Ite
             os.kill(pid, signal.SIGCONT)  # never leave a rank stopped
 
 
+def _end(proc) -> None:
+    """After a failed test: a second signal tears the run down at once (no graceful save), then kill what is left."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGINT)
+        with contextlib.suppress(Exception):
+            proc.wait(60)
+    kill_tree(proc)
+
+
 @pytest.mark.timeout(600)
 def test_ftkit_status_names_a_throttled_host_within_20_steps(tmp_path, fixtures, netns2):
     recipe = _recipe(tmp_path, fixtures, netns2)
@@ -108,12 +118,7 @@ def test_ftkit_status_names_a_throttled_host_within_20_steps(tmp_path, fixtures,
                     time.sleep(1)
             code = proc.wait(400)
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-                proc.send_signal(signal.SIGINT)
-                with contextlib.suppress(Exception):
-                    proc.wait(60)
-            kill_tree(proc)
+            _end(proc)
     log = (tmp_path / "launch.log").read_text()
     assert code == 0, log[-3000:]
     assert named is not None, log[-3000:]
@@ -143,12 +148,7 @@ def test_exclude_stragglers_saves_then_continues_without_the_slow_host(tmp_path,
                 )
             code = proc.wait(600)
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-                proc.send_signal(signal.SIGINT)
-                with contextlib.suppress(Exception):
-                    proc.wait(60)
-            kill_tree(proc)
+            _end(proc)
     log = (tmp_path / "launch.log").read_text()
     assert code == 0, log[-4000:]
     ev = events(run)

@@ -170,7 +170,7 @@ def test_an_exception_between_spawn_and_teardown_still_tears_the_run_down(tmp_pa
     import sys
 
     from ftkit import supervise
-    from ftkit.command import LaunchCommand, LaunchInputs, NodeCommand
+    from ftkit.command import LaunchCommand, NodeCommand
     from ftkit.procs import group_exists
     from ftkit.rundir import RunDir
 
@@ -188,19 +188,7 @@ def test_an_exception_between_spawn_and_teardown_still_tears_the_run_down(tmp_pa
     monkeypatch.setattr(supervise.Supervisor, "monitor", broken_monitor)
     rd = RunDir(tmp_path / "run")
     rd.path.mkdir()
-    inputs = LaunchInputs("deepspeed", (("localhost", 1),), "127.0.0.1", 29500, str(rd.path), 0, None, "cpu", "py", "t")
-    sup = supervise.Supervisor(
-        rd=rd,
-        inputs=inputs,
-        base_env={},
-        resilience={"max_restarts": 1, "backoff_s": 0, "backoff_max_s": 0, "startup_timeout_s": 5, "hang_timeout_s": 5},
-        stage=2,
-        world_size=1,
-        max_steps=4,
-        ssh_args=[],
-        echo=lambda s: None,
-        grace_s=2.0,
-    )
+    sup = _supervisor(rd, world_size=1, grace_s=2.0)
     with pytest.raises(RuntimeError, match="a bug in monitoring"):
         sup.run(first=sup.select())
     assert started and not group_exists(started[0]), "the engine's process group outlived the exception"
@@ -215,24 +203,11 @@ def test_an_exception_between_spawn_and_teardown_still_tears_the_run_down(tmp_pa
 def test_a_stop_is_immediate_only_when_no_rank_has_begun_training(tmp_path, phases, at_once):
     """The defect: the decision used the previous poll's view, so a stop right after the first steps ended at once
     and lost them. It is taken on this poll's heartbeats; a rank in training gets the save request."""
-    from ftkit import supervise
-    from ftkit.command import LaunchInputs
     from ftkit.rundir import RunDir
 
     rd = RunDir(tmp_path / "run")
     rd.meta.mkdir(parents=True)
-    inputs = LaunchInputs("deepspeed", (("localhost", 2),), "127.0.0.1", 29500, str(rd.path), 0, None, "cpu", "py", "t")
-    sup = supervise.Supervisor(
-        rd=rd,
-        inputs=inputs,
-        base_env={},
-        resilience={"max_restarts": 1, "backoff_s": 0, "backoff_max_s": 0, "startup_timeout_s": 5, "hang_timeout_s": 5},
-        stage=2,
-        world_size=2,
-        max_steps=4,
-        ssh_args=[],
-        echo=lambda s: None,
-    )
+    sup = _supervisor(rd, world_size=2)
     sup.stop_requested = signal.SIGUSR1
     beats = [{"rank": r, "attempt": 0, "phase": p, "step": 3 if p == "train" else None} for r, p in enumerate(phases)]
     failure = sup._stopping(0, beats)
@@ -242,3 +217,24 @@ def test_a_stop_is_immediate_only_when_no_rank_has_begun_training(tmp_path, phas
     else:
         assert failure is None
         assert '"attempt": 0' in (rd.meta / "stop.json").read_text()
+
+
+def _supervisor(rd, world_size: int, **kw):
+    """A real Supervisor on one local host (nothing spawned until run())."""
+    from ftkit import supervise
+    from ftkit.command import LaunchInputs
+
+    hosts = (("localhost", world_size),)
+    inputs = LaunchInputs("deepspeed", hosts, "127.0.0.1", 29500, str(rd.path), 0, None, "cpu", "py", "t")
+    return supervise.Supervisor(
+        rd=rd,
+        inputs=inputs,
+        base_env={},
+        resilience={"max_restarts": 1, "backoff_s": 0, "backoff_max_s": 0, "startup_timeout_s": 5, "hang_timeout_s": 5},
+        stage=2,
+        world_size=world_size,
+        max_steps=4,
+        ssh_args=[],
+        echo=lambda s: None,
+        **kw,
+    )
