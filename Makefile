@@ -29,7 +29,7 @@ install: $(STAMP)
 
 # Everything: quick tier, real multi-process runs (slow) and the two-host namespace tests (multinode).
 test: install
-	$(PYTEST) -q tests
+	$(PYTEST) -q --durations=30 tests
 
 # The inner loop: parsing, planning, rendering, command building, every CLI error path; under a minute on 2 cores
 # (these tests start no multi-process jobs, so they may share the machine; a third worker fills the time the

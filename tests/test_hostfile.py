@@ -516,7 +516,7 @@ def test_slot_selection_shows_in_dry_run(tmp_path: Path, write_recipe) -> None:
 
 @pytest.mark.slow
 def test_deepspeed_runner_puts_the_selected_ranks_on_the_selected_devices(tmp_path: Path, write_recipe) -> None:
-    """The real DeepSpeed runner, fed ftkit's argv (the training module swapped for a stub that prints what it
+    """The real DeepSpeed runner, fed ftkit's argv (the training module swapped for a stub that writes down what it
     sees): `--include localhost:1,3` on `localhost slots=4` starts 2 ranks with CUDA_VISIBLE_DEVICES=1,3."""
     try:
         from ftkit.launcher import launch_inputs
@@ -527,7 +527,9 @@ def test_deepspeed_runner_puts_the_selected_ranks_on_the_selected_devices(tmp_pa
 
     (tmp_path / "stub").mkdir()
     (tmp_path / "stub" / "showdev.py").write_text(
-        "import os\nprint('SEEN', os.environ['RANK'], os.environ['LOCAL_RANK'], os.environ['CUDA_VISIBLE_DEVICES'])\n"
+        "import os, pathlib\n"
+        "e = os.environ\n"
+        "pathlib.Path(f\"seen.{e['RANK']}\").write_text(' '.join((e['RANK'], e['LOCAL_RANK'], e['CUDA_VISIBLE_DEVICES'])))\n"
     )
     (tmp_path / "hostfile").write_text("localhost slots=4\n")
     overrides = [f"cluster.hostfile={tmp_path / 'hostfile'}", "cluster.engine=deepspeed", "cluster.master_port=29617"]
@@ -542,5 +544,6 @@ def test_deepspeed_runner_puts_the_selected_ranks_on_the_selected_devices(tmp_pa
     env = {**node.env, "PYTHONPATH": str(tmp_path / "stub")}
     out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    seen = sorted(line.split()[1:] for line in out.stdout.splitlines() if line.startswith("SEEN"))
+    # One file per rank: two ranks printing to the runner's shared stdout interleave (seen in CI: "SEEN 0 0SEEN  1,3").
+    seen = sorted(f.read_text().split() for f in tmp_path.glob("seen.*"))
     assert seen == [["0", "0", "1,3"], ["1", "1", "1,3"]], out.stdout[-3000:]
