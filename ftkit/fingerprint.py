@@ -88,12 +88,12 @@ import os
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from . import __version__
 from .errors import Problem, UserError
+from .pkgversions import versions as installed_versions
 from .schema import FIELD_BY_KEY
 
 FORMAT = 1
@@ -361,13 +361,8 @@ def _tokenizer_part(path: str | None) -> dict[str, Any]:
 
 
 def versions() -> dict[str, str | None]:
-    out: dict[str, str | None] = {"ftkit": __version__}
-    for name in LIBRARIES:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
+    found = installed_versions(LIBRARIES)
+    return {"ftkit": __version__, **{n: None if found[n] == "missing" else found[n] for n in LIBRARIES}}
 
 
 def _jsonable(value: Any) -> Any:

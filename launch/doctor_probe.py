@@ -24,25 +24,15 @@ import subprocess
 import sys
 import threading
 import time
-from importlib import metadata
+
+from ftkit.pkgversions import versions
 
 MARK = "FTKIT_DOCTOR "
-PACKAGES = ("torch", "deepspeed", "transformers", "accelerate", "peft", "ftkit")
 
 
 def _emit(obj: dict) -> None:
     sys.stdout.write(MARK + json.dumps(obj) + "\n")
     sys.stdout.flush()
-
-
-def _versions() -> dict[str, str]:
-    out = {"python": ".".join(map(str, sys.version_info[:3]))}
-    for p in PACKAGES:
-        try:
-            out[p] = metadata.version(p)
-        except metadata.PackageNotFoundError:
-            out[p] = "missing"
-    return out
 
 
 def _disk(path: str) -> dict:
@@ -109,7 +99,7 @@ def facts(args: argparse.Namespace) -> dict:
     out = {
         "hostname": socket.gethostname(),
         "python_exe": sys.executable,
-        "versions": _versions(),
+        "versions": versions(),
         "run_dir": _disk(args.run_dir),
         "shm": shm,
         "interfaces": names,
