@@ -34,7 +34,21 @@ sys.path.insert(0, str(REPO))
 
 
 def _worker(job_path: str) -> None:
-    job = json.loads(Path(job_path).read_text())
+    """Every case of the job file, one after another in this rank process: a fresh TrainingArguments, model,
+    Trainer and DeepSpeed engine each (accelerate's process-wide state reset between them), on one process group.
+    The libraries' import (~7 s per rank on the dev machine) is paid once, not once per case."""
+    for job in json.loads(Path(job_path).read_text())["jobs"]:
+        _case(job)
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state()  # the next Trainer's Accelerator takes its own DeepSpeed plugin
+        GradientState._reset_state()
+        import gc
+
+        gc.collect()
+
+
+def _case(job: dict[str, Any]) -> None:
     rank = int(os.environ["RANK"])
     import functools
 
@@ -89,6 +103,7 @@ def _worker(job_path: str) -> None:
         callbacks=[Probe()],
     )
     trainer.train()
+    trainer.accelerator.free_memory()
     out = []
     for s in steps:
         delta: dict[str, dict[int, int]] = {}
@@ -111,8 +126,8 @@ def bytes_by_op(calls: dict[str, dict[str, int]]) -> dict[str, int]:
     return {op: sum(int(size) * n for size, n in sizes.items()) for op, sizes in calls.items()}
 
 
-def measure(recipe: str, overrides: list[str], workdir: Path, timeout: float = 900) -> dict[str, Any]:
-    """Run the recipe on 2 CPU ranks with the comms logger; return the plan's prediction and each rank's steps."""
+def _job(recipe: str, overrides: list[str], workdir: Path) -> tuple[Any, dict[str, Any]]:
+    """The plan and the rank-side job of one case (its DeepSpeed config, with the comms logger, in ``workdir``)."""
     from ftkit.configs import load_and_plan
     from ftkit.render.deepspeed import render_deepspeed
     from ftkit.spec import training_arguments
@@ -138,8 +153,21 @@ def measure(recipe: str, overrides: list[str], workdir: Path, timeout: float = 9
         "peft": peft,
         "out": str(workdir / "rank{rank}.json"),
     }
-    job_path = workdir / "job.json"
-    job_path.write_text(json.dumps(job))
+    return plan, job
+
+
+def measure_many(recipe: str, cases: dict[str, list[str]], root: Path, timeout: float = 900) -> dict[str, Any]:
+    """Run each case (name -> overrides; its files in ``root/name``) on the same 2 CPU ranks, one after another,
+    with the comms logger; return name -> the plan's prediction and each rank's steps."""
+    from ftkit.comm import predict_plan
+
+    plans, jobs = {}, []
+    for name, overrides in cases.items():
+        plans[name], job = _job(recipe, overrides, root / name)
+        jobs.append(job)
+    root.mkdir(parents=True, exist_ok=True)
+    job_path = root / "jobs.json"
+    job_path.write_text(json.dumps({"jobs": jobs}))
     from socket import socket
 
     with socket() as s:
@@ -159,7 +187,7 @@ def measure(recipe: str, overrides: list[str], workdir: Path, timeout: float = 9
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": str(REPO),
         }
-        log = open(workdir / f"rank{rank}.log", "w")  # noqa: SIM115
+        log = open(root / f"rank{rank}.log", "w")  # noqa: SIM115
         procs.append(
             subprocess.Popen(
                 [sys.executable, __file__, "--worker", str(job_path)], env=env, stdout=log, stderr=subprocess.STDOUT
@@ -175,12 +203,21 @@ def measure(recipe: str, overrides: list[str], workdir: Path, timeout: float = 9
                 p.kill()
                 p.wait()
     if any(p.returncode for p in procs):
-        tail = (workdir / "rank0.log").read_text()[-3000:]
+        tail = (root / "rank0.log").read_text()[-3000:]
         raise RuntimeError(f"rank failed ({[p.returncode for p in procs]}):\n{tail}")
-    ranks = [json.loads((workdir / f"rank{i}.json").read_text()) for i in range(2)]
-    from ftkit.comm import predict_plan
+    return {
+        name: {
+            "plan": plan,
+            "prediction": predict_plan(plan),
+            "ranks": [json.loads((root / name / f"rank{i}.json").read_text()) for i in range(2)],
+        }
+        for name, plan in plans.items()
+    }
 
-    return {"plan": plan, "prediction": predict_plan(plan), "ranks": ranks}
+
+def measure(recipe: str, overrides: list[str], workdir: Path, timeout: float = 900) -> dict[str, Any]:
+    """One case: :func:`measure_many` with its files in ``workdir``."""
+    return measure_many(recipe, {workdir.name: overrides}, workdir.parent, timeout)[workdir.name]
 
 
 CASES = [(stage, ga, peft) for peft in (False, True) for stage in (1, 2, 3) for ga in (1, 4)]
@@ -216,9 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.only:
             st, ga, kind = args.only.split(",")
             cases = [(int(st), int(ga), kind == "lora")]
-        for stage, ga, peft in cases:
-            name = f"zero{stage}-ga{ga}-{'lora' if peft else 'full'}"
-            res = measure(str(recipe), case_overrides(stage, ga, peft, args.steps), root / name)
+        named = {f"zero{st}-ga{ga}-{'lora' if lora else 'full'}": (st, ga, lora) for st, ga, lora in cases}
+        results = measure_many(str(recipe), {n: case_overrides(*c, args.steps) for n, c in named.items()}, root)
+        for name, res in results.items():
             pred = res["prediction"]
             steps = res["ranks"][0][1:] or res["ranks"][0]
             measured = bytes_by_op(steps[-1]["calls"])
