@@ -87,21 +87,22 @@ def run_ftkit(*args: str, cwd: Path | None = None, env: dict | None = None, time
     )
 
 
-# Real 2-rank runs (tests marked slow): the fixtures model and one uninterrupted reference run per test module.
+# Real 2-rank runs (tests marked slow): the fixtures model and one uninterrupted reference run, made once per session
+# (tests read them and copy what they change: each costs a model build or a 2-rank launch).
 RUN_ENV = {"DS_ACCELERATOR": "cpu"}
 RUN_STEPS = 12  # tests.runs.write_recipe's default: checkpoints every 4 steps, the newest 2 kept
 RUN_TIMEOUT_S = 240  # an upper bound for one whole `ftkit launch` with a restart or two (a clean run takes ~15 s)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fx(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The tiny model, tokenizer and learnable data, made once per module."""
+    """The tiny model, tokenizer and learnable data, made once per session (read-only for tests)."""
     from tests.runs import make_fixtures
 
     return make_fixtures(tmp_path_factory.mktemp("fixtures"))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def baseline(fx: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One uninterrupted run: its losses are what every recovered run must reproduce; its run directory is
     copied by the corruption tests (checkpoint-8 and checkpoint-12 committed)."""

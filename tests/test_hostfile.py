@@ -529,7 +529,8 @@ def test_deepspeed_runner_puts_the_selected_ranks_on_the_selected_devices(tmp_pa
     (tmp_path / "stub" / "showdev.py").write_text(
         "import os, pathlib\n"
         "e = os.environ\n"
-        "pathlib.Path(f\"seen.{e['RANK']}\").write_text(' '.join((e['RANK'], e['LOCAL_RANK'], e['CUDA_VISIBLE_DEVICES'])))\n"
+        "seen = ' '.join((e['RANK'], e['LOCAL_RANK'], e['CUDA_VISIBLE_DEVICES']))\n"
+        "pathlib.Path(f\"seen.{e['RANK']}\").write_text(seen)\n"
     )
     (tmp_path / "hostfile").write_text("localhost slots=4\n")
     overrides = [f"cluster.hostfile={tmp_path / 'hostfile'}", "cluster.engine=deepspeed", "cluster.master_port=29617"]

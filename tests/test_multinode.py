@@ -22,7 +22,6 @@ from runs import (
     ftkit,
     heartbeat_step,
     losses,
-    make_fixtures,
     mp_lock,
     start_ftkit,
     wait_for,
@@ -35,8 +34,8 @@ ENV = {"GLOO_SOCKET_IFNAME": "eth0", "FTKIT_TEST_MARKER": "forwarded", "LEAKY_VA
 
 
 @pytest.fixture(scope="module")
-def fixtures(tmp_path_factory):
-    return make_fixtures(tmp_path_factory.mktemp("fx"))
+def fixtures(fx):
+    return fx  # conftest's, made once per session
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +113,7 @@ def test_every_process_on_a_host_killed_recovers(tmp_path, fixtures, netns2):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("min_nodes", [1, 2])
 def test_partition_detected_by_heartbeat_then_shrink_or_stop(tmp_path, fixtures, netns2, min_nodes):
-    hang = 20
+    hang = 12  # a step takes ~0.2 s across the two namespace hosts, a save ~1-2 s
     recipe = _recipe(
         tmp_path,
         fixtures,

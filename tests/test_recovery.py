@@ -158,6 +158,7 @@ def test_sigkilled_rank_recovers_with_identical_losses(engine, fx, baseline, tmp
         signal_rank(run, 1, signal.SIGKILL)
         code = finish(proc)
         assert code == ExitCode.OK, output(recipe)[-3000:]
+    assert [e["engine"] for e in named(run, "launch")] == [engine, engine]  # the engine asked for, both attempts
     restarts = named(run, "restart")
     assert len(restarts) == 1, restarts
     (failure,) = named(run, "failure")
@@ -265,7 +266,7 @@ def test_corrupted_newest_checkpoint_resumes_from_older_valid_one(corrupt, why, 
 
 @pytest.mark.timeout(600)
 def test_stopped_rank_is_detected_as_hang_and_killed(fx, baseline, tmp_path):
-    hang = 15
+    hang = 10  # steps take ~0.15 s and a save ~1 s here: 10 s of no progress is a hang
     recipe, run = _recipe(tmp_path, fx, resilience__hang_timeout_s=hang)
     with launched(recipe, run) as proc:
         wait_step(run, 1, 5)

@@ -16,12 +16,12 @@ from ftkit.configs import load_and_plan
 from ftkit.prepare import prepare_run
 from ftkit.rundir import RunDir
 
-from runs import free_port, ftkit, losses, make_fixtures, mp_lock, write_recipe
+from runs import free_port, ftkit, losses, mp_lock, write_recipe
 
 
 @pytest.fixture(scope="module")
-def fixtures(tmp_path_factory):
-    return make_fixtures(tmp_path_factory.mktemp("fx"))
+def fixtures(fx):
+    return fx  # conftest's, made once per session
 
 
 def _prepare(tmp_path: Path, fixtures, stage: int) -> tuple[Path, RunDir]:

@@ -23,7 +23,7 @@ import pytest
 from ftkit.checkpoints import read_commit
 from ftkit.fingerprint import compare
 from ftkit.rundir import RunDir
-from tests.runs import assert_no_process_left, events, free_port, ftkit, make_fixtures, mp_lock
+from tests.runs import assert_no_process_left, events, free_port, ftkit, mp_lock
 from tests.runs import write_recipe as _write_recipe  # conftest has a fixture of the same name
 
 pytestmark = pytest.mark.slow
@@ -32,11 +32,6 @@ ENV = {"DS_ACCELERATOR": "cpu"}
 OLD_LR, NEW_LR = 1e-3, 5e-4
 WARMUP = 2
 RUN_S = 300
-
-
-@pytest.fixture(scope="module")
-def fx(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return make_fixtures(tmp_path_factory.mktemp("fixtures"))
 
 
 def cosine(step: int, total: int, warmup: int = WARMUP) -> float:

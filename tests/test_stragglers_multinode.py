@@ -25,7 +25,6 @@ from runs import (
     ftkit,
     heartbeat_step,
     kill_tree,
-    make_fixtures,
     mp_lock,
     rank_pid,
     start_ftkit,
@@ -39,8 +38,8 @@ ENV = {"GLOO_SOCKET_IFNAME": "eth0"}
 
 
 @pytest.fixture(scope="module")
-def fixtures(tmp_path_factory):
-    return make_fixtures(tmp_path_factory.mktemp("fx"))
+def fixtures(fx):
+    return fx  # conftest's, made once per session
 
 
 def _recipe(tmp_path: Path, fixtures, cluster: NetnsCluster, **kw) -> Path:
