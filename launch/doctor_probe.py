@@ -206,6 +206,13 @@ def rendezvous(args: argparse.Namespace) -> dict:
         result["error"] = f"cannot {where} the rendezvous at {args.master_addr}:{args.port}: {_short(e)}"
         return result
     store.set(f"joined/{args.rank}", socket.gethostname())
+    # The collective's thread blocks in store gets (gloo's address exchange, up to the timeout) and a store client
+    # serves one request at a time: this thread watches for peers' errors on a connection of its own, or it would
+    # learn of a failed peer only when the collective times out (and then report its own timeout as a cause).
+    try:
+        watch = dist.TCPStore(args.master_addr, args.port, args.world, is_master=False, timeout=timeout)
+    except Exception:  # noqa: BLE001 - the store's host went away already: the collective will say so
+        watch = store
     box: dict = {}
 
     def work() -> None:
@@ -226,8 +233,8 @@ def rendezvous(args: argparse.Namespace) -> dict:
             continue
         try:  # a peer that failed: stop waiting for it now, not at the timeout
             for r in range(args.world):
-                if r != args.rank and r not in others and store.check([f"error/{r}"]):
-                    others[r] = store.get(f"error/{r}").decode(errors="replace")
+                if r != args.rank and r not in others and watch.check([f"error/{r}"]):
+                    others[r] = watch.get(f"error/{r}").decode(errors="replace")
         except Exception:  # noqa: BLE001 - the store's host went away: the collective will say so
             polling = False
         if others:
@@ -235,10 +242,10 @@ def rendezvous(args: argparse.Namespace) -> dict:
     if box.get("done"):
         result["ok"] = True
         try:  # rank 0 serves the store: it leaves only when every rank is done with it (bounded)
-            store.set(f"done/{args.rank}", "1")
+            watch.set(f"done/{args.rank}", "1")
             if args.rank == 0:
                 until = time.monotonic() + 10
-                while time.monotonic() < until and not store.check([f"done/{r}" for r in range(args.world)]):
+                while time.monotonic() < until and not watch.check([f"done/{r}" for r in range(args.world)]):
                     time.sleep(0.05)
         except Exception:  # noqa: BLE001
             pass
@@ -248,14 +255,14 @@ def rendezvous(args: argparse.Namespace) -> dict:
             "peer(s) failed first" if others else f"timed out after {args.timeout:g}s in the collective"
         )
         try:
-            store.set(f"error/{args.rank}", result["error"])
+            watch.set(f"error/{args.rank}", result["error"])
         except Exception:  # noqa: BLE001
             pass
     if args.rank == 0 or others:
         missing = []
         for r in range(args.world):
             try:
-                if not store.check([f"joined/{r}"]):
+                if not watch.check([f"joined/{r}"]):
                     missing.append(r)
             except Exception:  # noqa: BLE001
                 break
