@@ -330,6 +330,69 @@ def test_local_doctor_passes_then_names_a_stale_lock(tmp_path):
     )
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_launch_whose_ranks_wait_on_a_stale_lock_says_so(fx, tmp_path):
+    """The acceptance's launch half, with real ranks and DeepSpeed's own op loading (torch's FileBaton).
+
+    A lock there at launch is refused by the preflight: exit 3 naming it and the fix, no rank started. One that
+    appears after the preflight (a build killed meanwhile) leaves the ranks waiting in ``FileBaton.wait()`` on the
+    shared-memory op every CPU run loads: ``ftkit launch`` names it within 90 s; removed, the run goes on and ends.
+    """
+    import shutil
+
+    from ftkit.rundir import RunDir
+
+    from conftest import RUN_ENV, RUN_TIMEOUT_S
+    from runs import (
+        assert_no_process_left,
+        events,
+        ftkit,
+        kill_tree,
+        losses,
+        mp_lock,
+        start_ftkit,
+        wait_for,
+        write_recipe,
+    )
+
+    default_env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    built = [r for r in buildlocks.extension_roots(default_env) if (r / "deepspeed_shm_comm").is_dir()]
+    assert built, "make install builds DeepSpeed's ops once (ftkit.launch.warmup)"
+    ext = tmp_path / "ext"  # a copy of this machine's built ops: a lock here blocks only this test's ranks
+    shutil.copytree(built[0], ext, symlinks=True)
+    env = {**RUN_ENV, "TORCH_EXTENSIONS_DIR": str(ext)}
+    recipe, run, log = write_recipe(tmp_path, fx), tmp_path / "run", tmp_path / "launch.log"
+    lock = ext / "deepspeed_shm_comm" / "lock"
+    lock.write_text("")
+
+    refused = ftkit("launch", str(recipe), env=env, timeout=120)
+    assert refused.returncode == 3, refused.stdout[-2000:] + refused.stderr[-2000:]
+    assert f"stale torch extension build lock {lock}" in refused.stderr and f"[rm {lock}]" in refused.stderr
+    assert not [e for e in events(run) if e.get("event") == "spawn"]
+
+    lock.unlink()
+    with mp_lock():
+        proc = start_ftkit("launch", str(recipe), env=env, log=log)
+        try:
+            wait_for(lambda: [e for e in events(run) if e.get("event") == "spawn"], 120, "the ranks to be spawned")
+            lock.write_text("")  # before any rank reaches the op: importing torch and deepspeed takes seconds
+            t0 = time.monotonic()
+            wait_for(lambda: "stale torch extension build lock" in log.read_text(), 90, "the launch to name the lock")
+            took = time.monotonic() - t0
+            assert not (RunDir(run).metrics.exists() and losses(run))  # the ranks really waited: no step yet
+            lock.unlink()
+            rc = proc.wait(timeout=RUN_TIMEOUT_S)
+        finally:
+            kill_tree(proc)
+    out = log.read_text()
+    assert rc == 0, out[-3000:]
+    assert 55 <= took <= 90, took  # the hint comes once a rank has waited a minute, not before
+    hint = [e for e in events(run) if e.get("event") == "build_lock"]
+    assert len(hint) == 1 and f"rm {lock}" in hint[0]["message"], hint
+    assert_no_process_left(run)
+
+
 # ------------------------------------------------------------------------------------------- two namespace hosts
 
 DOCTOR_BUDGET_S = 30  # the issue's acceptance: a broken host is named within 30 s
