@@ -6,8 +6,9 @@ Remote hosts run this file's source as ``python -S -c SOURCE``: no ``site`` proc
 ~90 ms (measured on the dev machine: ``/usr/bin/time python -S -c "$(cat ftkit/pkgversions.py)"``), paid once per
 host on every launch (benchmarks/fanout.py).
 
-What it reads: the directories Python would search (``sys.path``, then the user's site directory when Python
-would add it, then the site-packages of the installation), first match wins as with ``importlib.metadata``.
+What it reads: the directories Python would search (``sys.path``, then a virtual environment's site-packages, then
+the user's site directory and the installation's site-packages when Python would add them), first match wins as
+with ``importlib.metadata``.
 A name not found that way is looked up with ``importlib.metadata`` after ``site.main()``, so an unusual layout
 (``.pth`` paths, eggs) costs time, never a wrong "missing". Standard library only: the source runs on hosts that
 may not have ftkit.
