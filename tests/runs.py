@@ -161,6 +161,11 @@ def events(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
 
 
+def named(run_dir: Path, name: str) -> list[dict[str, Any]]:
+    """The events.jsonl records of one kind (``spawn``, ``restart``, ...), in order."""
+    return [e for e in events(run_dir) if e.get("event") == name]
+
+
 def processes_left(run_dir: Path) -> list[str]:
     """Every rank (and per-node agent) any attempt recorded, and every launcher group ftkit spawned, still running."""
     rd = RunDir(run_dir)

@@ -346,11 +346,11 @@ def test_a_launch_whose_ranks_wait_on_a_stale_lock_says_so(fx, tmp_path):
     from conftest import RUN_ENV, RUN_TIMEOUT_S
     from runs import (
         assert_no_process_left,
-        events,
         ftkit,
         kill_tree,
         losses,
         mp_lock,
+        named,
         start_ftkit,
         wait_for,
         write_recipe,
@@ -369,13 +369,13 @@ def test_a_launch_whose_ranks_wait_on_a_stale_lock_says_so(fx, tmp_path):
     refused = ftkit("launch", str(recipe), env=env, timeout=120)
     assert refused.returncode == 3, refused.stdout[-2000:] + refused.stderr[-2000:]
     assert f"stale torch extension build lock {lock}" in refused.stderr and f"[rm {lock}]" in refused.stderr
-    assert not [e for e in events(run) if e.get("event") == "spawn"]
+    assert not named(run, "spawn")
 
     lock.unlink()
     with mp_lock():
         proc = start_ftkit("launch", str(recipe), env=env, log=log)
         try:
-            wait_for(lambda: [e for e in events(run) if e.get("event") == "spawn"], 120, "the ranks to be spawned")
+            wait_for(lambda: named(run, "spawn"), 120, "the ranks to be spawned")
             lock.write_text("")  # before any rank reaches the op: importing torch and deepspeed takes seconds
             t0 = time.monotonic()
             wait_for(lambda: "stale torch extension build lock" in log.read_text(), 90, "the launch to name the lock")
@@ -388,7 +388,7 @@ def test_a_launch_whose_ranks_wait_on_a_stale_lock_says_so(fx, tmp_path):
     out = log.read_text()
     assert rc == 0, out[-3000:]
     assert 55 <= took <= 90, took  # the hint comes once a rank has waited a minute, not before
-    hint = [e for e in events(run) if e.get("event") == "build_lock"]
+    hint = named(run, "build_lock")
     assert len(hint) == 1 and f"rm {lock}" in hint[0]["message"], hint
     assert_no_process_left(run)
 

@@ -16,7 +16,7 @@ import pytest
 
 from ftkit.errors import ExitCode
 from ftkit.runstatus import read_jsonl as read_jsonl_lines
-from tests.runs import assert_no_process_left, ftkit, losses, mp_lock
+from tests.runs import assert_no_process_left, ftkit, losses, mp_lock, named
 from tests.test_recovery import (
     ENV,
     RUN_S,
@@ -24,7 +24,6 @@ from tests.test_recovery import (
     committed_ok,
     finish,
     launched,
-    named,
     output,
     signal_rank,
     wait_step,

@@ -21,7 +21,17 @@ import pytest
 from ftkit.errors import ExitCode
 from ftkit.procs import is_alive
 from ftkit.rundir import RunDir
-from tests.runs import assert_no_process_left, events, free_port, ftkit, losses, mp_lock, processes_left, wait_for
+from tests.runs import (
+    assert_no_process_left,
+    events,
+    free_port,
+    ftkit,
+    losses,
+    mp_lock,
+    named,
+    processes_left,
+    wait_for,
+)
 from tests.test_recovery import (  # fx and baseline: conftest's module fixtures
     ENV,
     STEPS,
@@ -30,7 +40,6 @@ from tests.test_recovery import (  # fx and baseline: conftest's module fixtures
     committed_ok,
     finish,
     launched,
-    named,
     output,
     wait_step,
 )

@@ -36,6 +36,7 @@ from tests.runs import (
     kill_tree,
     losses,
     mp_lock,
+    named,
     rank_pid,
     start_ftkit,
     wait_for,
@@ -107,10 +108,6 @@ def finish(proc: subprocess.Popen, timeout: float = RUN_S) -> int:
 def output(recipe: Path) -> str:
     p = recipe.parent / "ftkit.log"
     return p.read_text(errors="replace") if p.exists() else ""
-
-
-def named(run: Path, name: str) -> list[dict[str, Any]]:
-    return [e for e in events(run) if e["event"] == name]
 
 
 def wait_step(run: Path, rank: int, step: int, attempt: int = 0, timeout: float = 180) -> None:

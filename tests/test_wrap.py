@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from ftkit.errors import ExitCode
-from tests.runs import REPO, assert_no_process_left, events, losses, mp_lock, write_recipe
+from tests.runs import REPO, assert_no_process_left, losses, mp_lock, named, write_recipe
 
 SCRIPTS = REPO / "tests" / "scripts"
 STEPS = 8
@@ -45,10 +45,6 @@ def launch(recipe: Path, *args: str, env: dict[str, str] | None = None, cwd: Pat
             cwd=cwd or recipe.parent,
         )
     return r
-
-
-def named(run: Path, name: str) -> list[dict[str, Any]]:
-    return [e for e in events(run) if e["event"] == name]
 
 
 def hf_script(fx: dict[str, Path], *extra: str) -> list[str]:
