@@ -115,11 +115,24 @@ class Hostfile:
         return "".join(f"{h.name} slots={h.slots}\n" for h in self.hosts)
 
 
+MAX_HOSTFILE_BYTES = 1 << 20  # 1 MiB: ~30,000 hosts of long names
+
+
 def parse_hostfile(path: str | Path) -> Hostfile:
     """Read and strictly parse the hostfile at ``path``; raises HostfileError listing every problem."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        with open(p, "rb") as fh:  # at most the cap (+1 to notice more): never /dev/zero or a pipe without end
+            blob = fh.read(MAX_HOSTFILE_BYTES + 1)
+        if len(blob) > MAX_HOSTFILE_BYTES:
+            raise HostfileError(
+                Problem(
+                    f"larger than {MAX_HOSTFILE_BYTES >> 20} MiB: a hostfile is one 'HOST slots=N' line per host; "
+                    "is this the right file?",
+                    file=str(path),
+                )
+            )
+        text = blob.decode("utf-8")
     except FileNotFoundError:
         raise HostfileError(Problem("hostfile not found", file=str(path))) from None
     except IsADirectoryError:
@@ -192,6 +205,13 @@ def parse_hostfile_text(text: str, path: str = "<hostfile>") -> Hostfile:
         if earlier is not None:
             as_written = "" if earlier.name == name else f" as {earlier.name!r}"
             bad(f"duplicate host {name!r} (already listed on line {earlier.line}{as_written})")
+            continue
+        here = next((h for h in hosts if is_local_host(h.name)), None) if is_local_host(name) else None
+        if here is not None:
+            bad(
+                f"{name!r} and {here.name!r} (line {here.line}) are both this machine: one line per machine, with "
+                "all its slots"
+            )
             continue
         host = Host(name=name, slots=slots, line=lineno)
         seen[name.lower()] = host

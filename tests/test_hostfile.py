@@ -329,7 +329,7 @@ def test_is_local_host(fake_host_identity: None, name: str, local: bool) -> None
 
 
 def test_is_local_only(fake_host_identity: None) -> None:
-    assert parse_hostfile_text("localhost slots=1\nbox7 slots=1\n").is_local_only
+    assert parse_hostfile_text("box7 slots=2\n").is_local_only
     assert not parse_hostfile_text("localhost slots=1\nnode1 slots=1\n").is_local_only
 
 
@@ -548,3 +548,33 @@ def test_deepspeed_runner_puts_the_selected_ranks_on_the_selected_devices(tmp_pa
     # One file per rank: two ranks printing to the runner's shared stdout interleave (seen in CI: "SEEN 0 0SEEN  1,3").
     seen = sorted(f.read_text().split() for f in tmp_path.glob("seen.*"))
     assert seen == [["0", "0", "1,3"], ["1", "1", "1,3"]], out.stdout[-3000:]
+
+
+def test_endless_hostfile_is_refused_in_one_line(tmp_path: Path) -> None:
+    """`--hostfile /dev/zero` used to read until memory ran out (MemoryError traceback, exit 1)."""
+    with pytest.raises(HostfileError, match="larger than 1 MiB"):
+        parse_hostfile("/dev/zero")
+    big = tmp_path / "big"
+    big.write_text("w0 slots=1\n" * 100_000)
+    with pytest.raises(HostfileError, match="larger than 1 MiB"):
+        parse_hostfile(big)
+
+
+def test_endless_hostfile_on_the_command_line(write_recipe, tmp_path: Path) -> None:
+    from conftest import run_ftkit
+
+    r = run_ftkit("launch", str(write_recipe()), "--hostfile", "/dev/zero", "--dry-run", cwd=tmp_path, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and "larger than 1 MiB" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("second", ["127.0.0.1", "127.0.1.1", "LOCALHOST.", "::1"])
+def test_this_machine_twice_is_a_duplicate(second: str) -> None:
+    """localhost and 127.0.0.1 used to be accepted as two nodes (two node ranks on one machine, one port)."""
+    text = f"localhost slots=1\n{second} slots=1\n"
+    if second == "::1":  # not a hostfile name at all (':'), refused before this check
+        with pytest.raises(HostfileError, match="contains ':'"):
+            parse_hostfile_text(text)
+        return
+    with pytest.raises(HostfileError, match=r"\(line 1\) are both this machine"):
+        parse_hostfile_text(text)
