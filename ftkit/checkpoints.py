@@ -40,7 +40,7 @@ import re
 import secrets
 import shutil
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -79,6 +79,10 @@ _OFFLOAD_RANK_RE = re.compile(r"^rank(\d+)$")  # global_stepN/offloaded_tensors/
 _TAG_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 _MANIFEST_THREADS = 4  # per rank; several ranks share a node's cores
+# A record per save ftkit began, written by every rank before the Trainer writes a byte of checkpoint-N: an
+# uncommitted checkpoint with one is ftkit's own torn save (set aside, rotated away); without one it was written
+# by something else (a plain HF Trainer run, a copy) and ftkit never resumes from it, moves it or deletes it.
+SAVES_DIR = "ftkit/saves"  # relative to the output (run) directory
 
 
 class CommitError(FtkitError):
@@ -389,6 +393,45 @@ def read_commit(ckpt_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     if not isinstance(record, dict):
         raise ValueError("not a JSON object")
     return record
+
+
+# --------------------------------------------------------------------------------------------------- ownership
+
+
+def _save_record(output_dir: str | os.PathLike[str], step: int) -> Path:
+    return Path(output_dir) / SAVES_DIR / f"checkpoint-{step}.json"
+
+
+def record_save_begun(output_dir: str | os.PathLike[str], step: int, attempt: int) -> None:
+    """Every rank, before the Trainer writes ``checkpoint-<step>``: this save is ftkit's (see :data:`SAVES_DIR`).
+    Written atomically and durably; several ranks writing the same record is harmless (the same content)."""
+    target = _save_record(output_dir, step)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    data = json.dumps({"step": step, "attempt": attempt}).encode()
+    tmp = target.with_name(f".{target.name}.{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, target)
+    _fsync_path(target.parent, directory=True)
+
+
+def written_by_ftkit(path: str | os.PathLike[str]) -> bool:
+    """Whether the checkpoint directory ``path`` is ftkit's: it has a commit record (intact or not), or ftkit
+    recorded beginning its save. Anything else ftkit did not write and must leave alone."""
+    ckpt = Path(path)
+    step = _checkpoint_step(ckpt)
+    if os.path.lexists(ckpt / COMMIT_FILE):
+        return True
+    return step is not None and _save_record(ckpt.parent, step).is_file()
+
+
+def foreign_checkpoints(output_dir: str | os.PathLike[str]) -> list[Path]:
+    """``checkpoint-<int>`` directories in ``output_dir`` that ftkit did not write, oldest first."""
+    return sorted((p for _, p in list_checkpoints(output_dir) if not written_by_ftkit(p)), key=_checkpoint_step)
 
 
 # --------------------------------------------------------------------------------------------------- verify
@@ -741,7 +784,11 @@ def _safe_rmtree(path: Path) -> None:
 
 
 def rotate(
-    output_dir: str | os.PathLike[str], keep: int, *, protect: Iterable[str | os.PathLike[str]] = ()
+    output_dir: str | os.PathLike[str],
+    keep: int,
+    *,
+    protect: Iterable[str | os.PathLike[str]] = (),
+    note: Callable[[str], None] = lambda line: None,
 ) -> list[Path]:
     """Delete old checkpoints, keeping the ``keep`` newest *committed* (and verifying) ones; returns what went.
 
@@ -750,7 +797,9 @@ def rotate(
     one are garbage and are deleted, newer ones are left alone (nothing newer should exist right after a commit;
     if something does, it is not rotation's business). Without any committed checkpoint nothing is deleted.
     ``protect`` paths (e.g. the best model) are never deleted. Leftover ``.deleting-*`` trees from a crash
-    during an earlier rotation are removed too.
+    during an earlier rotation are removed too. Only ftkit's own checkpoints are ever deleted
+    (:func:`written_by_ftkit`); a checkpoint that is a symbolic link loses its name here, never its target's
+    data, and ``note`` is told so.
 
     Checkpoints a restart set aside (``checkpoint-N.rejected-<utc>-<hex>``, :func:`set_aside_newer`) are outside
     the ``checkpoint-<int>`` namespace, so they never count toward ``keep``; each is deleted once a committed
@@ -771,13 +820,26 @@ def rotate(
         return []
     newest_step = committed[0][0]
     doomed = [path for _, path in committed[keep:]]
-    doomed += [path for step, path, v in verdicts if not (v.ok and v.committed) and step < newest_step]
+    # ftkit's own torn saves only: a checkpoint it did not write is never deleted (nor counted)
+    doomed += [
+        path
+        for step, path, v in verdicts
+        if not (v.ok and v.committed) and step < newest_step and written_by_ftkit(path)
+    ]
     doomed += [path for step, path in list_set_aside(out) if step <= newest_step]
     removed: list[Path] = []
     for path in sorted(doomed, key=lambda p: (_checkpoint_step(p) or _set_aside_step(p) or 0, p.name)):
         if path.resolve() in protected:
             continue
-        _safe_rmtree(path)
+        if path.is_symlink():  # moved elsewhere and linked back by someone: drop the name, never the data
+            target = os.readlink(path)
+            os.unlink(path)
+            note(f"rotation: unlinked {path.name}, a symbolic link to {target} (the target is left in place)")
+        else:
+            _safe_rmtree(path)
+        step = _checkpoint_step(path)
+        if step is not None:
+            _save_record(out, step).unlink(missing_ok=True)
         removed.append(path)
     return removed
 

@@ -3,7 +3,9 @@
 Checkpoints are walked newest first and the first whose commit record verifies (every byte, by default) is taken.
 A checkpoint of another world size or stage is refused, unless the supervisor itself shrank the job (then it is
 converted to DeepSpeed's universal format); a run whose checkpoints were all complete once but none verifies now
-refuses to start over; a checkpoint past ``train.max_steps`` refuses too. Nothing is written here:
+refuses to start over; a checkpoint past ``train.max_steps`` refuses too, and so does a directory holding
+checkpoints ftkit did not write (it never resumes from, moves or deletes them). A run whose ``final/`` is committed
+for the recipe's step limits is finished: nothing is started. Nothing is written here:
 :meth:`ftkit.supervise.Supervisor.apply` carries the choice out.
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .checkpoints import Selection, select_resume
+from .checkpoints import Selection, foreign_checkpoints, select_resume, verify
 from .errors import ExitCode
 from .rundir import RunDir
 
@@ -28,6 +30,39 @@ class Choice:
     exit_code: int | None = None
     refusal: str | None = None  # one line: why exit_code
     convert: bool = False  # resume needs a universal conversion of an incompatible checkpoint (after a shrink)
+    finished: str | None = None  # the run already finished as the recipe asks (one line: where): nothing to do
+
+
+def foreign_refusal(rd: RunDir) -> str | None:
+    """One line when the run directory holds checkpoints ftkit did not write (it never resumes from, moves or
+    deletes them), else None. Read-only and cheap: no checkpoint is verified."""
+    foreign = foreign_checkpoints(rd.path)
+    if not foreign:
+        return None
+    names = ", ".join(p.name for p in foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+    return (
+        f"{rd.path} holds {names}, which ftkit did not write (no commit record, no record of ftkit beginning the "
+        f"save): ftkit never resumes from, moves or deletes them; move them out of {rd.path}, or set another "
+        "train.output_dir"
+    )
+
+
+def finished(rd: RunDir, recipe_limits: dict[str, Any], newest: int | None) -> str | None:
+    """Where the run already finished (``final/`` committed for these step limits, nothing newer), else None.
+    ``recipe_limits``: ``train.max_steps`` and ``train.epochs`` as the recipe now says; a relaunch with a raised
+    limit is not finished (it continues from the newest checkpoint)."""
+    v = verify(rd.final, checksums=False, require_commit=True)
+    if not (v.ok and v.committed) or v.step is None or (newest is not None and newest > v.step):
+        return None
+    recorded = (((v.record or {}).get("extra") or {}).get("fingerprint") or {}).get("recipe") or {}
+    max_steps = recipe_limits.get("train.max_steps")
+    if recorded:
+        same = all(recorded.get(k) == recipe_limits.get(k) for k in ("train.max_steps", "train.epochs"))
+    else:  # a final model from an ftkit that recorded no fingerprint: only a step limit can tell
+        same = max_steps is not None and v.step >= max_steps
+    if not same:
+        return None
+    return f"final/ committed at step {v.step}"
 
 
 def select(
@@ -38,9 +73,14 @@ def select(
     stage: int,
     max_steps: int | None,
     convert_from_world: int | None = None,
+    limits: dict[str, Any] | None = None,
 ) -> Choice:
     """The checkpoint to resume from, or why the run cannot continue. ``convert_from_world``: after a shrink,
-    checkpoints of that world size are converted rather than refused."""
+    checkpoints of that world size are converted rather than refused. ``limits`` (``train.max_steps`` and
+    ``train.epochs`` as the recipe says now): given, a run that already finished for them is reported as such."""
+    refusal = foreign_refusal(rd)
+    if refusal is not None:
+        return Choice(None, exit_code=ExitCode.USAGE, refusal=refusal)
     sel = select_resume(
         rd.path,
         checksums=checksums,
@@ -78,4 +118,5 @@ def select(
             f"raise train.max_steps above {sel.step}, or use a new train.output_dir",
         )
     record = sel.verdict.record if sel.verdict is not None else None
-    return Choice(sel, str(sel.chosen) if sel.chosen else None, sel.step, record)
+    done = finished(rd, limits, sel.step) if limits is not None else None
+    return Choice(sel, str(sel.chosen) if sel.chosen else None, sel.step, record, finished=done)

@@ -111,18 +111,29 @@ class UserCommand:
 
 
 def parse_command(
-    argv: Sequence[str], cwd: str, which: Callable[[str], str | None], trl_dir: str | None = None
+    argv: Sequence[str],
+    cwd: str,
+    which: Callable[[str], str | None],
+    trl_dir: str | None = None,
+    find_module: Callable[[str], bool] | None = None,
 ) -> UserCommand:
     """``CMD [ARGS]`` after ``--`` (or ``train.command``) as a :class:`UserCommand`; raises UserError naming the
     problem. ``which`` resolves an executable (``shutil.which``); ``trl_dir`` is TRL's package directory, if
-    installed (``trl sft ...`` is unwrapped to ``python -m trl.scripts.sft ...``). Reads nothing else."""
+    installed (``trl sft ...`` is unwrapped to ``python -m trl.scripts.sft ...``); ``find_module`` says whether the
+    ranks' interpreter can find a module (:func:`module_exists`; None: not checked). Reads nothing else."""
     argv = [str(a) for a in argv]
     if not argv or not argv[0]:
         raise UserError("command: empty: give the program after `--` (e.g. -- python train.py --output_dir out)")
     prog, rest = argv[0], argv[1:]
     name = Path(prog).name
     if _PYTHON.fullmatch(name):
-        return _python_command(prog, rest, cwd)
+        command = _python_command(prog, rest, cwd)
+        if command.kind == "module" and find_module is not None and not find_module(command.target):
+            raise UserError(
+                f"command: {prog} -m {command.target}: no module named {command.target!r} (looked in {cwd} and "
+                "the ranks' Python path; check the name, or install the package)"
+            )
+        return command
     if name in _LAUNCHER_PROGRAMS:
         raise UserError(_launcher_problem(name))
     if name == "trl" and rest and trl_dir and not rest[0].startswith("-") and rest[0] not in TRL_NOT_TRAINING:
@@ -169,6 +180,60 @@ def _python_command(prog: str, rest: list[str], cwd: str) -> UserCommand:
     if not script.is_file():
         raise UserError(f"command: {rest[i]}: script not found (relative to {cwd})")
     return UserCommand("script", str(script.resolve()), tuple(rest[i + 1 :]))
+
+
+def module_exists(name: str, search: Sequence[str]) -> bool:
+    """Whether ``python -m NAME`` finds the module, with ``search`` first on the path (the working directory, then
+    ``PYTHONPATH``), without importing it or its parents: the top-level name through the import system's own
+    finders (editable installs included), the rest as files under the packages found."""
+    import importlib.util
+    import sys
+
+    top, *rest = name.split(".")
+    saved = list(sys.path)
+    sys.path[:0] = [p for p in search if p not in sys.path]
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        spec = None
+    finally:
+        sys.path[:] = saved
+    fullname = top
+    for part in rest:
+        locations = spec.submodule_search_locations if spec is not None else None
+        if locations is None:
+            return False
+        fullname = f"{fullname}.{part}"
+        spec = _find_submodule(fullname, list(locations))
+    return spec is not None
+
+
+def _find_submodule(fullname: str, locations: list[str]) -> object | None:
+    """Ask the import system's finders for ``fullname`` inside a package's locations; imports nothing (an editable
+    install maps subpackages that are not under the package's directory, e.g. ``ftkit.launch``)."""
+    import importlib.machinery
+    import sys
+
+    for finder in [*sys.meta_path, importlib.machinery.PathFinder]:
+        find = getattr(finder, "find_spec", None)
+        if find is None:
+            continue
+        try:
+            spec = find(fullname, locations)
+        except Exception:  # noqa: BLE001 - a finder that cannot answer (some expect the parent imported): next
+            continue
+        if spec is not None:
+            return spec
+    # A namespace package (a directory without __init__.py): the finders need its parent imported to say so.
+    from types import SimpleNamespace
+
+    part = fullname.rsplit(".", 1)[-1]
+    for loc in locations:
+        if (Path(loc) / part).is_dir():
+            return SimpleNamespace(submodule_search_locations=[str(Path(loc) / part)])
+        if any((Path(loc) / f"{part}{suffix}").is_file() for suffix in importlib.machinery.all_suffixes()):
+            return SimpleNamespace(submodule_search_locations=None)
+    return None
 
 
 def _launcher_problem(what: str) -> str:

@@ -40,7 +40,7 @@ from typing import Any
 
 from .errors import ExitCode, FtkitError
 from .rank import FAULT_ENV, STOP_FILE, Fault, RankContext, StopRequest, _env_int, _redirect_output
-from .rankcallback import COMPUTE_EWMA, apply_resume_overrides, callback_class
+from .rankcallback import COMPUTE_EWMA, apply_resume_overrides, callback_class, install_train_guard
 from .rundir import RunDir, atomic_write
 from .runspec import RunSpec
 
@@ -214,6 +214,7 @@ def callbacks(*, exit_after_stop: bool = True) -> list[Any]:
     r = _state()
     fault = Fault(os.environ.get(FAULT_ENV), r.ctx)
     fault.install_save_kill()
+    install_train_guard()
     return [callback_class()(r, fault, exit_after_stop=exit_after_stop)]
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .command import LaunchInputs, UserCommand, build_launch, describe
-from .errors import ExitCode, FtkitError, RecipeError
+from .errors import ExitCode, FtkitError, RecipeError, UserError
 from .plan import Plan, build_plan
 from .rundir import RunDir
 
@@ -115,14 +115,11 @@ def launch(req: LaunchRequest, echo: Callable[[str], None] = print, warn: Callab
     for line in plan.unknown:
         (warn or echo)(f"ftkit: warning: the plan could not estimate everything: {line}")
     echo(plan_summary(plan))
+    _check_inputs(plan, command)
     if req.dry_run:
+        code = _dry_run_verdict(plan, req, echo)
         echo(dry_run(plan, command, req.inject))
-        return ExitCode.OK
-    r = plan.recipe
-    data = Path(r["data.train"])
-    if command is None and not data.is_file():
-        what = "is a directory, expected a file" if data.is_dir() else "file not found"
-        raise RecipeError(r.problem("data.train", f"{data}: {what}"))
+        return code
     # Until the supervisor installs its own handlers, a signal ends the launch at once (subprocess.run kills a
     # running ssh probe when the exception passes through it): exit 128+N, nothing started.
     stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
@@ -134,6 +131,63 @@ def launch(req: LaunchRequest, echo: Callable[[str], None] = print, warn: Callab
             signal.signal(s, h)
 
 
+def _check_inputs(plan: Plan, command: UserCommand | None) -> None:
+    """What would end the launch right after it starts, checked before anything is owned or started (read-only)."""
+    from .choose import foreign_refusal
+
+    r = plan.recipe
+    if command is None:  # the built-in entry reads them: a missing file would fail every rank after its start-up
+        problems = []
+        for key in ("data.train", "data.eval"):
+            if r[key] is None:
+                continue
+            data = Path(r[key])
+            if not data.is_file():
+                what = "is a directory, expected a file" if data.is_dir() else "file not found"
+                problems.append(r.problem(key, f"{data}: {what}"))
+        if problems:
+            raise RecipeError(problems)
+    refusal = foreign_refusal(RunDir(r["train.output_dir"]))
+    if refusal is not None:
+        raise UserError(refusal)
+
+
+def _dry_run_verdict(plan: Plan, req: LaunchRequest, echo: Callable[[str], None]) -> int:
+    """The exit code the launch would have, from the same checks it makes before starting anything (read-only):
+    the run directory's owner, the resume choice and what changed since that checkpoint. Not the preflight
+    (ssh to every host): `ftkit doctor` runs that."""
+    from .choose import select
+    from .fingerprint import compute
+    from .owner import owner_state, read_owner
+
+    r = plan.recipe
+    rd = RunDir(r["train.output_dir"])
+    owner = read_owner(rd) if rd.meta.is_dir() else None
+    if owner is not None and owner_state(owner, ssh_args_of(plan)) != "dead":
+        echo(f"ftkit: error: a live job owns {rd.path} ({owner.describe()}): a launch now would be refused")
+        return ExitCode.RUN_BUSY
+    choice = select(
+        rd,
+        checksums=bool(r["resilience.verify_checksums"]),
+        world_size=plan.world_size,
+        stage=plan.stage,
+        max_steps=r["train.max_steps"],
+        limits=step_limits(plan),
+    )
+    for v in choice.selection.rejected if choice.selection else []:
+        echo(f"ftkit: would skip {v.reason}")
+    if choice.exit_code is not None:
+        echo(f"ftkit: error: {choice.refusal}")
+        return choice.exit_code
+    if choice.finished:
+        echo(f"ftkit: {finished_line(choice.finished)}")
+        return ExitCode.OK
+    _check_changes(compute(plan), choice, req.allow_changes, echo)  # raises (exit 2) for a refused change
+    where = f"resumes from {Path(choice.resume).name}" if choice.resume else "starts fresh"
+    echo(f"dry run: a launch now {where}; the preflight (ssh to every host) is not run here: see `ftkit doctor`")
+    return ExitCode.OK
+
+
 def _user_command(
     plan: Plan, req: LaunchRequest, echo: Callable[[str], None], warn: Callable[[str], None]
 ) -> UserCommand | None:
@@ -141,7 +195,7 @@ def _user_command(
     import importlib.util
     import shutil
 
-    from .command import builtin_only_keys, parse_command
+    from .command import builtin_only_keys, module_exists, parse_command
 
     r = plan.recipe
     argv = req.command if req.command is not None else r.values.get("train.command")
@@ -149,7 +203,9 @@ def _user_command(
         return None
     trl = importlib.util.find_spec("trl")
     trl_dir = str(Path(trl.origin).parent) if trl is not None and trl.origin else None
-    command = parse_command(argv, os.getcwd(), shutil.which, trl_dir)
+    cwd = os.getcwd()
+    search = [cwd, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    command = parse_command(argv, cwd, shutil.which, trl_dir, find_module=lambda m: module_exists(m, search))
     if command.note:
         echo(f"ftkit: note: {command.note}")
     keys = builtin_only_keys(getattr(r, "explicit", set()))
@@ -181,10 +237,14 @@ def _owned_launch(
 
         report = cheap_checks(plan, ssh_args, transport=transport_for(r["cluster.engine"], os.environ))
         sup = _supervisor(plan, rd, ssh_args, echo, command, req.inject)
-        choice = sup.select()
+        choice = sup.select(step_limits(plan))
         if choice.exit_code is not None:
             sup.events.attempt = sup.rd.next_attempt()
             return sup.apply(choice).exit_code or ExitCode.NO_CHECKPOINT
+        if choice.finished:
+            sup.events.attempt = sup.rd.next_attempt()
+            sup.events("finished", finished_line(choice.finished))
+            return ExitCode.OK
         from .fingerprint import compute
         from .prepare import prepare_run
 
@@ -210,6 +270,17 @@ def _owned_launch(
     except (OSError, ValueError) as e:
         echo(f"ftkit: cannot summarise {rd.path}: {e}")
     return code
+
+
+def step_limits(plan: Plan) -> dict[str, Any]:
+    return {k: plan.recipe[k] for k in ("train.max_steps", "train.epochs")}
+
+
+def finished_line(where: str) -> str:
+    return (
+        f"the run is already finished ({where}, as the recipe's step limits ask): nothing to do; raise "
+        "train.max_steps (or train.epochs) to train on, or set another train.output_dir"
+    )
 
 
 def _check_changes(
@@ -269,18 +340,14 @@ def _supervisor(
 def dry_run(plan: Plan, command: UserCommand | None = None, inject: bool = True) -> str:
     """What a launch would start (per-node argv and environment), and who owns the run directory now. Reads only."""
     from .checkpoints import select_resume
-    from .owner import owner_state, read_owner
 
     rd = RunDir(plan.recipe["train.output_dir"])
     lines = []
     resume = None
     if rd.path.is_dir():
-        # Sizes only, to stay quick on large checkpoints; the launch itself verifies every byte.
+        # Sizes only here: the verdict that follows (as the launch decides) verifies every byte.
         sel = select_resume(rd.path, checksums=False, world_size=plan.world_size, stage=plan.stage)
         resume = str(sel.chosen) if sel.chosen else None
-        owner = read_owner(rd)
-        if owner is not None and owner_state(owner, ssh_args_of(plan)) != "dead":
-            lines.append(f"note: a live job owns {rd.path} ({owner.describe()}): a launch now would be refused")
     inputs = launch_inputs(plan, rd.next_attempt(), resume, command=command, inject=inject)
     if inputs.inject_path:
         lines.append(f"import hook: {inputs.inject_path}/sitecustomize.py first on the ranks' PYTHONPATH (--no-inject)")

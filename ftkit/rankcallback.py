@@ -29,7 +29,7 @@ def callback_class() -> Any:
         return _CALLBACK
     from transformers import TrainerCallback
 
-    from .checkpoints import manifest_part, rotate, write_commit
+    from .checkpoints import manifest_part, record_save_begun, rotate, write_commit
 
     class FtkitCallback(TrainerCallback):
         """Heartbeat, metrics, commit records, graceful stop and resume overrides, on HF Trainer's own events."""
@@ -44,6 +44,12 @@ def callback_class() -> Any:
         # ------------------------------------------------------------------ lifecycle
 
         def on_train_begin(self, args, state, control, **kw):  # noqa: ANN001
+            if args.max_steps > 0 and state.global_step >= args.max_steps:
+                # Resumed from a checkpoint at the recipe's last step (a crash in the final save, final/ removed):
+                # HF would train one more step before checking. The weights are loaded: stop here, the caller's
+                # Trainer.train returns (train_guard) and the final model is saved from them.
+                self.ctx.heartbeat("train", state.global_step, started_at_step=state.global_step)
+                raise AtMaxSteps(state.global_step, args.max_steps)
             overrides = self.spec.resume_overrides
             if self.r.resume and overrides:  # after the checkpoint's optimizer and scheduler state were loaded
                 for line in apply_resume_overrides(overrides, kw.get("optimizer"), kw.get("lr_scheduler")):
@@ -64,6 +70,8 @@ def callback_class() -> Any:
                 e = self.ctx.compute_ewma_s
                 self.ctx.compute_ewma_s = c if e is None else (1 - COMPUTE_EWMA) * e + COMPUTE_EWMA * c
                 self.ctx.compute_n += 1
+            if args.max_steps > 0 and state.global_step > args.max_steps:  # never: on_train_begin stops first
+                raise RuntimeError(f"ftkit: step {state.global_step} is beyond train.max_steps={args.max_steps}")
             self.ctx.heartbeat("train", state.global_step)
             self.fault.after_step(state.global_step)
             if self.r.stop.stopped_at is None and self.r.stop.agreed(getattr(args, "device", None)):
@@ -71,6 +79,16 @@ def callback_class() -> Any:
                 control.should_save = True  # this step, on every rank: then the loop ends
                 control.should_training_stop = True
                 print(f"ftkit: stop requested: saving step {state.global_step}, then stopping", flush=True)
+            self._before_save(args, state, control)
+
+        def on_epoch_end(self, args, state, control, **kw):  # noqa: ANN001
+            self._before_save(args, state, control)
+
+        def _before_save(self, args, state, control) -> None:  # noqa: ANN001
+            """The Trainer saves right after these events when ``should_save`` is set (HF's own flow callback ran
+            first): record that ftkit began this save, so a torn checkpoint-N is known to be ftkit's own."""
+            if control.should_save:
+                record_save_begun(args.output_dir, state.global_step, self.ctx.attempt)
 
         def on_log(self, args, state, control, logs=None, **kw):  # noqa: ANN001
             logs = logs or {}
@@ -111,7 +129,7 @@ def callback_class() -> Any:
                     recipe_hash=self.spec.recipe_hash,
                     extra={"attempt": self.ctx.attempt, "fingerprint": self.spec.fingerprint},
                 )
-                removed = rotate(args.output_dir, self.spec.save_total_limit)
+                removed = self._rotate(args.output_dir)
                 append_jsonl(
                     self.ctx.rd.metrics,
                     {
@@ -127,6 +145,14 @@ def callback_class() -> Any:
             if dist.is_available() and dist.is_initialized():
                 dist.barrier()  # nobody trains on (or dies) before the commit is on disk
             self.ctx.heartbeat("train", state.global_step, committed=state.global_step)
+
+        def _rotate(self, output_dir: str) -> list[Path]:
+            """Rotation never ends a rank: a checkpoint it cannot delete stays, and the rank says why."""
+            try:
+                return rotate(output_dir, self.spec.save_total_limit, note=lambda line: print(f"ftkit: {line}"))
+            except OSError as e:
+                print(f"ftkit: warning: rotation stopped: {e.filename or output_dir}: {e.strerror or e}", flush=True)
+                return []
 
         def on_train_end(self, args, state, control, **kw):  # noqa: ANN001
             if self.r.stop.stopped_at is None:
@@ -161,6 +187,39 @@ def callback_class() -> Any:
 
     _CALLBACK = FtkitCallback
     return _CALLBACK
+
+
+class AtMaxSteps(Exception):  # noqa: N818 - a signal to train_guard, not an error
+    """Raised by the callback when training resumes at ``max_steps``: nothing is left to train."""
+
+    def __init__(self, step: int, max_steps: int):
+        super().__init__(f"resumed at step {step}, train.max_steps={max_steps}: nothing left to train")
+        self.step = step
+
+
+def install_train_guard() -> None:
+    """Wrap ``transformers.Trainer.train`` once (every entry: the built-in one, the import hook, ``ftkit.hf``):
+    a run resumed at ``max_steps`` returns from ``train()`` with the checkpoint loaded and no step taken, so the
+    caller saves the final model from it (an uninterrupted run's final model, bit for bit)."""
+    import functools
+
+    from transformers import Trainer
+    from transformers.trainer_utils import TrainOutput
+
+    if getattr(Trainer.train, "_ftkit_guard", False):
+        return
+    original = Trainer.train
+
+    @functools.wraps(original)
+    def train(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        except AtMaxSteps as e:
+            print(f"ftkit: {e}: the final model is saved from the checkpoint as it is", flush=True)
+            return TrainOutput(e.step, 0.0, {})
+
+    train._ftkit_guard = True  # type: ignore[attr-defined]
+    Trainer.train = train
 
 
 def _lr_scheduler_of(lr_scheduler: Any) -> Any:

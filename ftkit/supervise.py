@@ -147,8 +147,9 @@ class Supervisor:
 
     # ------------------------------------------------------------------------------------------------ choose
 
-    def select(self) -> Choice:
-        """Read-only: the checkpoint to resume from, or why the run cannot continue. Writes nothing."""
+    def select(self, limits: dict[str, Any] | None = None) -> Choice:
+        """Read-only: the checkpoint to resume from, or why the run cannot continue. Writes nothing. ``limits``
+        (the recipe's step limits, at launch): a run already finished for them says so."""
         return select(
             self.rd,
             checksums=bool(self.res.get("verify_checksums", True)),
@@ -156,6 +157,7 @@ class Supervisor:
             stage=self.stage,
             max_steps=self.max_steps,
             convert_from_world=self._convert_from_world,
+            limits=limits,
         )
 
     def apply(self, choice: Choice) -> Choice:
@@ -188,9 +190,11 @@ class Supervisor:
         if sel.chosen is None:
             self.events("fresh_start", None)
         else:
+            last = self.max_steps is not None and sel.step == self.max_steps
             self.events(
                 "checkpoint_chosen",
-                f"resuming from {sel.chosen.name} (step {sel.step}, commit verified)",
+                f"resuming from {sel.chosen.name} (step {sel.step}, commit verified)"
+                + (": it is train.max_steps, so the ranks write final/ from it without training" if last else ""),
                 checkpoint=str(sel.chosen),
                 step=sel.step,
             )

@@ -53,7 +53,11 @@ def model_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def write_recipe(tmp_path: Path, model_dir: Path):
-    """Write a recipe (YAML text, dedented) into tmp_path/recipe.yaml; model at ./model, data at ./data.jsonl."""
+    """Write a recipe (YAML text, dedented) into tmp_path/recipe.yaml; model at ./model, data at ./data.jsonl (a
+    one-line file, so `ftkit launch --dry-run`, which checks the data as a launch does, gets past it)."""
+    data = tmp_path / "data.jsonl"
+    if not data.exists():
+        data.write_text('{"text": "hello world"}\n')
 
     def _write(body: str = "", name: str = "recipe.yaml") -> Path:
         text = textwrap.dedent(body) if body else MINIMAL

@@ -507,7 +507,8 @@ def test_set_aside_newer_moves_rejected_checkpoints(tmp_path: Path) -> None:
 def test_rotation_keeps_newest_committed_and_never_counts_torn(tmp_path: Path) -> None:
     for step in (10, 30, 40):
         commit(make_ckpt(tmp_path, step))
-    make_ckpt(tmp_path, 20)  # torn, older than the newest commit: garbage
+    make_ckpt(tmp_path, 20)  # torn, older than the newest commit: garbage (ftkit began this save)
+    ck.record_save_begun(tmp_path, 20, attempt=0)
     make_ckpt(tmp_path, 50)  # uncommitted and newer than the newest commit: left alone
     removed = rotate(tmp_path, keep=2)
     assert [p.name for p in removed] == ["checkpoint-10", "checkpoint-20"]
@@ -525,6 +526,7 @@ def test_rotation_deletes_set_aside_checkpoints_once_superseded(tmp_path: Path) 
     for step in (10, 20):
         commit(make_ckpt(tmp_path, step))
     make_ckpt(tmp_path, 30)  # a save killed before its commit
+    ck.record_save_begun(tmp_path, 30, attempt=0)
     bad40 = make_ckpt(tmp_path, 40)
     commit(bad40)
     os.truncate(bad40 / "scheduler.pt", 1)  # torn after its commit
@@ -541,7 +543,43 @@ def test_rotation_deletes_set_aside_checkpoints_once_superseded(tmp_path: Path) 
     commit(make_ckpt(tmp_path, 40))
     removed = rotate(tmp_path, keep=2)
     assert sorted(p.name.split(".rejected-")[0] for p in removed) == ["checkpoint-20", "checkpoint-40"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-30", "checkpoint-40"]  # no .deleting-*
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-30", "checkpoint-40", "ftkit"]  # no .deleting
+
+
+def test_rotation_never_deletes_checkpoints_ftkit_did_not_write(tmp_path: Path) -> None:
+    """A plain HF Trainer run's checkpoints in the output directory used to be deleted by rotation (a user's file
+    with them) once ftkit's own checkpoints of the same steps committed."""
+    for step in (10, 20):
+        make_ckpt(tmp_path, step)  # no commit record, no save record: not ftkit's
+    (tmp_path / "checkpoint-10" / "notes.txt").write_text("mine")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert [p.name for p in ck.foreign_checkpoints(tmp_path)] == ["checkpoint-10", "checkpoint-20"]
+    for step in (30, 40):
+        ck.record_save_begun(tmp_path, step, attempt=0)
+        commit(make_ckpt(tmp_path, step))
+    assert rotate(tmp_path, keep=1) == [tmp_path / "checkpoint-30"]
+    assert {p: p.read_bytes() for p in before} == before  # every byte of theirs is still there
+    assert not ck.written_by_ftkit(tmp_path / "checkpoint-10") and ck.written_by_ftkit(tmp_path / "checkpoint-40")
+    assert not (tmp_path / ck.SAVES_DIR / "checkpoint-30.json").exists()  # its save record went with it
+
+
+def test_rotation_unlinks_a_symlinked_checkpoint_and_leaves_its_target(tmp_path: Path) -> None:
+    """Old checkpoints moved to another disk and linked back used to crash rotation (rmtree on a link) and with it
+    the rank: one restart per link."""
+    out, elsewhere = tmp_path / "run", tmp_path / "other-disk"
+    out.mkdir()
+    elsewhere.mkdir()
+    for step in (10, 20, 30):
+        commit(make_ckpt(out, step))
+    for step in (10, 20):
+        shutil.move(out / f"checkpoint-{step}", elsewhere / f"checkpoint-{step}")
+        (out / f"checkpoint-{step}").symlink_to(elsewhere / f"checkpoint-{step}")
+    notes: list[str] = []
+    removed = rotate(out, keep=1, note=notes.append)
+    assert [p.name for p in removed] == ["checkpoint-10", "checkpoint-20"]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-30"]
+    assert (elsewhere / "checkpoint-10" / "latest").is_file() and (elsewhere / "checkpoint-20" / COMMIT_FILE).is_file()
+    assert len(notes) == 2 and "a symbolic link to" in notes[0] and "left in place" in notes[0]
 
 
 def test_rotation_without_any_commit_deletes_nothing(tmp_path: Path) -> None:

@@ -272,3 +272,22 @@ def test_builtin_only_keys():
     from ftkit.command import builtin_only_keys
 
     assert builtin_only_keys({"data.train", "peft.r", "train.seed", "model.path"}) == ["data.train", "peft.r"]
+
+
+def test_module_lookup_finds_what_python_m_would_without_importing(tmp_path) -> None:
+    """`-- python -m missing_module` used to start three attempts (exit 4), its cause only in a rank log."""
+    import sys
+
+    from ftkit.command import module_exists
+
+    (tmp_path / "mymod.py").write_text("raise SystemExit('imported!')\n")
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    (tmp_path / "pkg" / "__init__.py").write_text("raise SystemExit('imported!')\n")
+    (tmp_path / "pkg" / "sub" / "run.py").write_text("")
+    search = [str(tmp_path)]
+    found = ("mymod", "pkg", "pkg.sub", "pkg.sub.run", "json", "json.tool", "ftkit.launch.train", "trl.scripts.sft")
+    for name in found:
+        assert module_exists(name, search), name
+    for name in ("missing_xyz", "pkg.nope", "pkg.sub.run.deeper", "json.nope", "mymod.sub"):
+        assert not module_exists(name, search), name
+    assert "pkg" not in sys.modules and "mymod" not in sys.modules and str(tmp_path) not in sys.path

@@ -275,6 +275,7 @@ def test_dry_run_shows_the_command_the_env_contract_and_the_hook(write_recipe, t
     assert "data.max_seq_len" not in r.stderr and "data.train: data.* and peft.*" in r.stderr  # the keys it set
     off = _dry(recipe, "--no-inject", "--", "python", "sft.py")
     assert off.returncode == 0 and "import hook:" not in off.stdout and inject not in off.stdout
+    (tmp_path / "data.jsonl").write_text('{"text": "hi"}\n')  # the built-in entry's data is checked, as by launch
     builtin = _dry(recipe)
     assert "ftkit.launch.train" in builtin.stdout and "import hook:" not in builtin.stdout
     assert "data.* and peft.*" not in builtin.stderr
@@ -285,6 +286,8 @@ def test_command_mistakes_exit_2_with_one_line(write_recipe, tmp_path):
     for args, text in (
         (["--"], "command: empty"),
         (["--", "python", "missing.py"], "missing.py: script not found"),
+        (["--", "python", "-m", "missing_module_xyz"], "no module named 'missing_module_xyz'"),
+        (["--", "python", "-m", "json.missing_xyz"], "no module named 'json.missing_xyz'"),
         (["--", "torchrun", "--nproc-per-node", "2", "x.py"], "torchrun is a launcher"),
         (["--", "accelerate", "launch", "x.py"], "accelerate is a launcher"),
     ):
