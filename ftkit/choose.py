@@ -12,6 +12,7 @@ for the recipe's step limits is finished: nothing is started. Nothing is written
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .checkpoints import Selection, foreign_checkpoints, select_resume, verify
@@ -45,6 +46,34 @@ def foreign_refusal(rd: RunDir) -> str | None:
         f"save): ftkit never resumes from, moves or deletes them; move them out of {rd.path}, or set another "
         "train.output_dir"
     )
+
+
+def space_refusal(rd: RunDir, choice: Choice) -> str | None:
+    """One line when the run directory has less free space than the checkpoint resumed from took (the next save
+    needs about as much), else None: starting would only end at the next save with a full disk."""
+    import shutil
+
+    files = ((choice.record or {}).get("files") or {}) if choice.resume else {}
+    need = sum(int(e.get("size", 0)) for e in files.values() if isinstance(e, dict))
+    if not need:
+        return None
+    try:
+        free = shutil.disk_usage(rd.path).free
+    except OSError:
+        return None
+    if free >= need:
+        return None
+    return (
+        f"only {_size(free)} free in {rd.path}, and {Path(choice.resume or '').name} took {_size(need)}: the next "
+        "save would fill the disk; free space (committed checkpoints are intact) or move train.output_dir"
+    )
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
 
 
 def finished(rd: RunDir, recipe_limits: dict[str, Any], newest: int | None) -> str | None:

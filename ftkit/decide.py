@@ -32,7 +32,7 @@ class FailureKind(Enum):
     INTERRUPTED = "interrupted"  # SIGINT/SIGTERM/SIGHUP to ftkit launch
     RESUME_MISMATCH = "resume_mismatch"  # recomputed steps disagree with the logged run beyond 10x the tolerance
     STOPPED = "stopped"  # a graceful stop finished: every rank saved the same step and it is committed
-    SCRIPT_ERROR = "script_error"  # the training script failed before its first step (import, arguments, setup)
+    SCRIPT_ERROR = "script_error"  # a script failure that repeats: before its first step, or a save of nothing
 
 
 class Action(Enum):
@@ -91,7 +91,7 @@ class RestartPolicy:
         if self.no_progress >= NO_PROGRESS_LIMIT:
             return Decision(
                 Action.STOP,
-                f"failed {self.no_progress + 1} times in a row at step {step} with no new committed checkpoint: "
+                f"failed {self.no_progress + 1} times in a row {at_step(step)} with no new committed checkpoint: "
                 f"giving up (restarts used {self.used} of {self.max_restarts})",
                 ExitCode.BUDGET_EXHAUSTED,
             )
@@ -104,6 +104,11 @@ class RestartPolicy:
         delay = self.backoff()
         self.used += 1
         return Decision(action, f"restart {self.used} of {self.max_restarts} in {delay:.1f}s", delay_s=delay)
+
+
+def at_step(step: int | None) -> str:
+    """``at step N``, or ``before the first step`` when no rank reported one (never "at step None")."""
+    return "before the first step" if step is None else f"at step {step}"
 
 
 def interrupted_code(signum: int | None) -> int:
@@ -119,16 +124,15 @@ def decide(s: Situation, policy: RestartPolicy) -> Decision:
         return Decision(Action.STOP, f"interrupted by {name}: run torn down, exit {code}", code)
     if s.kind is FailureKind.STOPPED:
         name = signal.Signals(s.signum).name if s.signum else "request"
-        where = (
-            f"checkpoint committed at step {s.newest_commit}" if s.newest_commit is not None else "no checkpoint yet"
-        )
-        return Decision(
-            Action.STOP, f"stopped on request ({name}): {where}; ftkit launch resumes from it", ExitCode.STOPPED
-        )
+        if s.newest_commit is not None:
+            where = f"checkpoint committed at step {s.newest_commit}; ftkit launch resumes from it"
+        else:
+            where = "nothing was saved (no step had finished); ftkit launch starts over"
+        return Decision(Action.STOP, f"stopped on request ({name}): {where}", ExitCode.STOPPED)
     if s.kind is FailureKind.SCRIPT_ERROR:
         return Decision(
             Action.STOP,
-            "not restarting: the training script failed before its first step (traceback above)",
+            "not restarting: the training script's failure above would repeat on every attempt",
             ExitCode.SCRIPT_FAILED,
         )
     if s.kind is FailureKind.USER_ERROR:
@@ -204,6 +208,6 @@ class Progress:
             return (
                 FailureKind.HANG,
                 f"no progress for {now - self.last_progress:.0f}s (hang_timeout_s={self.hang_timeout_s:g}) "
-                f"at step {step}",
+                f"{at_step(step)}",
             )
         return None

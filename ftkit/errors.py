@@ -117,6 +117,11 @@ class ScriptFailed(FtkitError):
     exit_code = ExitCode.SCRIPT_FAILED
 
 
+class SaveWroteNothing(ScriptFailed):
+    """The Trainer's checkpoint save wrote no checkpoint directory (a subclass overriding ``_save_checkpoint``):
+    every save would do the same, so a restart cannot help (exit 14 at once, whatever the step)."""
+
+
 class RunBusy(FtkitError):
     """Another live job owns the run directory (or a dead supervisor's ranks still run there)."""
 

@@ -72,7 +72,8 @@ class Ssh:
 
     def argv(self, host: str, script: str, connect_timeout_s: float) -> list[str]:
         timeout = max(1, int(connect_timeout_s))
-        return ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={timeout}", *self.ssh_args, host, script]
+        # `--`: a host name read from a run directory's records can never be taken for an option (-oProxyCommand=)
+        return ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={timeout}", *self.ssh_args, "--", host, script]
 
     def unreachable(self, rc: int) -> bool:
         return rc == 255

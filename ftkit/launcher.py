@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .command import LaunchInputs, UserCommand, build_launch, describe
-from .errors import ExitCode, FtkitError, RecipeError, UserError
+from .errors import ExitCode, FtkitError, NoSpace, RecipeError, UserError
 from .plan import Plan, build_plan
 from .rundir import RunDir
 
@@ -156,7 +156,7 @@ def _dry_run_verdict(plan: Plan, req: LaunchRequest, echo: Callable[[str], None]
     """The exit code the launch would have, from the same checks it makes before starting anything (read-only):
     the run directory's owner, the resume choice and what changed since that checkpoint. Not the preflight
     (ssh to every host): `ftkit doctor` runs that."""
-    from .choose import select
+    from .choose import select, space_refusal
     from .fingerprint import compute
     from .owner import owner_state, read_owner
 
@@ -182,6 +182,10 @@ def _dry_run_verdict(plan: Plan, req: LaunchRequest, echo: Callable[[str], None]
     if choice.finished:
         echo(f"ftkit: {finished_line(choice.finished)}")
         return ExitCode.OK
+    full = space_refusal(rd, choice)
+    if full is not None:
+        echo(f"ftkit: error: {full}")
+        return ExitCode.NO_SPACE
     _check_changes(compute(plan), choice, req.allow_changes, echo)  # raises (exit 2) for a refused change
     where = f"resumes from {Path(choice.resume).name}" if choice.resume else "starts fresh"
     echo(f"dry run: a launch now {where}; the preflight (ssh to every host) is not run here: see `ftkit doctor`")
@@ -222,6 +226,7 @@ def _user_command(
 def _owned_launch(
     plan: Plan, req: LaunchRequest, echo: Callable[[str], None], command: UserCommand | None = None
 ) -> int:
+    from .choose import space_refusal
     from .doctor import cheap_checks
     from .owner import Ownership, stop_leftovers
 
@@ -245,6 +250,9 @@ def _owned_launch(
             sup.events.attempt = sup.rd.next_attempt()
             sup.events("finished", finished_line(choice.finished))
             return ExitCode.OK
+        full = space_refusal(rd, choice)
+        if full is not None:
+            raise NoSpace(full)
         from .fingerprint import compute
         from .prepare import prepare_run
 

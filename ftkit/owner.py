@@ -353,12 +353,11 @@ def stop_leftovers(left: Leftovers, ssh_args: list[str], echo: Callable[[str], N
     return res.clean
 
 
-def _ssh_args_from_spec(rd: RunDir) -> list[str]:
-    try:
-        cfg = json.loads(rd.spec.read_text())["recipe"]["cluster"]["ssh_config"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
-    return ["-F", str(cfg)] if cfg else []
+def caller_ssh_args(ssh_config: str | None) -> list[str]:
+    """ssh options for ``ftkit status``/``ftkit stop``: the caller's own ssh configuration (``~/.ssh/config``), or the
+    file the caller names. Never configuration read from the run directory: on shared storage anyone who can write
+    a run directory could otherwise run commands (a ``ProxyCommand``) as whoever inspects the run."""
+    return ["-F", ssh_config] if ssh_config else []
 
 
 def _signal_owner(owner: Owner, ssh_args: list[str]) -> None:
@@ -371,17 +370,25 @@ def _signal_owner(owner: Owner, ssh_args: list[str]) -> None:
     remote_signal(owner.host, [Target(owner.host, owner.pid, owner.start_time)], "TERM", ssh_args)
 
 
-def stop_run(run_dir: str, *, force: bool = False, timeout: float = 180.0, echo: Callable[[str], None] = print) -> int:
+def stop_run(
+    run_dir: str,
+    *,
+    force: bool = False,
+    timeout: float = 180.0,
+    echo: Callable[[str], None] = print,
+    ssh_config: str | None = None,
+) -> int:
     """``ftkit stop``: SIGTERM the live supervisor (a graceful stop: the step in flight is saved) and wait until it
     and the ranks are gone; with ``force``, SIGTERM twice (no save), and when the supervisor is gone (or cannot be
     reached), tear the ranks down by their pid records. Exit 0 when nothing of
-    the run is left, 11 (RUN_BUSY) when something is."""
+    the run is left, 11 (RUN_BUSY) when something is. Other hosts are reached with the caller's ssh configuration
+    (:func:`caller_ssh_args`)."""
     from .errors import ExitCode
 
     rd = RunDir(run_dir)
     if not rd.meta.is_dir():
         raise UserError(Problem("not an ftkit run directory (no ftkit/)", file=str(run_dir)))
-    ssh_args = _ssh_args_from_spec(rd)
+    ssh_args = caller_ssh_args(ssh_config)
     owner = read_owner(rd)
     state = owner_state(owner, ssh_args) if owner else "dead"
     if state == "alive":
@@ -421,13 +428,14 @@ def stop_run(run_dir: str, *, force: bool = False, timeout: float = 180.0, echo:
     return ExitCode.OK
 
 
-def liveness(run_dir: str | os.PathLike[str]) -> str | None:
-    """One line for ``ftkit status``: who runs this run now, or that its ranks run unsupervised; None when idle."""
+def liveness(run_dir: str | os.PathLike[str], ssh_config: str | None = None) -> str | None:
+    """One line for ``ftkit status``: who runs this run now, or that its ranks run unsupervised; None when idle.
+    Other hosts are reached with the caller's ssh configuration (:func:`caller_ssh_args`)."""
     rd = RunDir(run_dir)
     owner = read_owner(rd)
     if owner is None:
         return None
-    ssh_args = _ssh_args_from_spec(rd)
+    ssh_args = caller_ssh_args(ssh_config)
     state = owner_state(owner, ssh_args)
     if state == "alive":
         return f"running, supervised by ftkit launch ({owner.describe()}); `ftkit stop {rd.path}` stops it"

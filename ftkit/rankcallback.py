@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .errors import ExitCode
 from .rundir import append_jsonl
 
 COMPUTE_EWMA = 0.2  # weight of the newest step in the per-rank compute-time average
@@ -112,6 +113,8 @@ def callback_class() -> Any:
             import torch.distributed as dist
 
             ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if not ckpt.is_dir():  # every rank sees the shared directory: all of them stop, none waits in a gather
+                self._save_wrote_nothing(ckpt)
             t0 = time.time()
             part = manifest_part(ckpt, self.ctx.rank, self.ctx.world_size, checksum=self.spec.checksum)
             parts: list[Any] = [None] * self.ctx.world_size
@@ -145,6 +148,18 @@ def callback_class() -> Any:
             if dist.is_available() and dist.is_initialized():
                 dist.barrier()  # nobody trains on (or dies) before the commit is on disk
             self.ctx.heartbeat("train", state.global_step, committed=state.global_step)
+
+        def _save_wrote_nothing(self, ckpt: Path) -> None:
+            from .errors import SaveWroteNothing
+
+            e = SaveWroteNothing(
+                f"rank {self.ctx.rank}: the Trainer's save wrote nothing at {ckpt} (does the script's Trainer override "
+                "_save_checkpoint?): there is no checkpoint to commit, and every save would do the same"
+            )
+            if self.ctx.rank == 0:
+                self.ctx.record_error(e, step=int(ckpt.name.rsplit("-", 1)[1]), repeats=True)
+            print(f"ftkit: error: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(ExitCode.SCRIPT_FAILED)
 
         def _rotate(self, output_dir: str) -> list[Path]:
             """Rotation never ends a rank: a checkpoint it cannot delete stays, and the rank says why."""

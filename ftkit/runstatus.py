@@ -150,6 +150,20 @@ def _final_problem(final: Path, checksums: bool) -> tuple[bool, str | None]:
     return v.ok, None if v.ok else v.reason
 
 
+# The events that end a launch (or, written by the ranks themselves, a run whose supervisor was gone).
+OUTCOME_EVENTS = (
+    "finished",
+    "gave_up",
+    "interrupted",
+    "stopped",
+    "refused",
+    "no_valid_checkpoint",
+    "failed",
+    "orphan_finished",
+    "orphan_stopped",
+)
+
+
 def summarize(run_dir: str | Path, *, checksums: bool = False) -> RunSummary:
     """Read RUN_DIR's events, metrics, spec and checkpoints; ``checksums`` re-reads every checkpoint file."""
     rd = RunDir(run_dir)
@@ -196,7 +210,7 @@ def summarize(run_dir: str | Path, *, checksums: bool = False) -> RunSummary:
     final_ok, final_problem = _final_problem(rd.final, checksums)
     outcome = None
     for e in reversed(events):
-        if e.get("event") in ("finished", "gave_up", "interrupted", "refused", "no_valid_checkpoint", "failed"):
+        if e.get("event") in OUTCOME_EVENTS:
             outcome = str(e.get("message") or e["event"])
             break
     return RunSummary(

@@ -275,6 +275,8 @@ class Supervisor:
             e = script[0]
             tb = [str(x) for x in (e.get("traceback") or [])]
             where = f"rank {e.get('rank')} on {e.get('host')}"
+            if e.get("repeats"):  # deterministic at any step (a save that writes nothing): stop at once
+                return Failure(FailureKind.SCRIPT_ERROR, f"the training script on {where}", lines=lines, exit_code=14)
             if e.get("step") is None:  # before the first step: the same will happen again
                 return Failure(
                     FailureKind.SCRIPT_ERROR, f"the training script failed on {where}", lines=lines, exit_code=14

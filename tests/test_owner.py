@@ -222,3 +222,32 @@ def test_status_line_says_who_runs_the_run_or_that_its_ranks_run_unsupervised(tm
     rd = _orphan_run(tmp_path / "b", sleeper.pid)
     line = liveness(rd.path)
     assert line.startswith("NOT SUPERVISED") and f"pid {sleeper.pid}" in line and "--takeover" in line
+
+
+def test_status_and_stop_never_run_configuration_from_the_run_directory(tmp_path):
+    """`ftkit status`/`ftkit stop` used to pass the cluster.ssh_config recorded in RUN/ftkit/spec.json to `ssh -F`:
+    a ProxyCommand there ran as whoever inspected the run. A host name read from the run's records can never be
+    taken for an ssh option either."""
+    from conftest import run_ftkit
+
+    rd = RunDir(tmp_path / "run")
+    rd.meta.mkdir(parents=True)
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil_ssh_config"
+    evil.write_text(f"Host *\n  ProxyCommand touch {marker}\n")
+    rd.spec.write_text(json.dumps({"recipe": {"cluster": {"ssh_config": str(evil)}}}))
+    (rd.path / "events.jsonl").write_text("")
+    for host in ("node-elsewhere.invalid", f"-oProxyCommand=touch {marker}"):
+        owner = Owner(host, 4242, 1, "another-boot", time.time(), ("ftkit", "launch"))
+        (rd.meta / "owner.json").write_text(owner.to_json())
+        for args in (["status", str(rd.path)], ["stop", str(rd.path), "--timeout", "1"]):
+            r = run_ftkit(*args, timeout=60)
+            assert "Traceback" not in r.stderr, r.stderr
+            assert not marker.exists(), (host, args, r.stdout, r.stderr)
+    # The caller's own configuration, named on the command line, is used.
+    mine = tmp_path / "my_ssh_config"
+    mine.write_text(f"Host *\n  ProxyCommand sh -c 'touch {tmp_path}/mine; exit 1'\n")
+    owner = Owner("node-elsewhere.invalid", 4242, 1, "another-boot", time.time(), ("ftkit", "launch"))
+    (rd.meta / "owner.json").write_text(owner.to_json())
+    run_ftkit("status", str(rd.path), "--ssh-config", str(mine), timeout=60)
+    assert (tmp_path / "mine").exists() and not marker.exists()

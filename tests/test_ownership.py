@@ -257,6 +257,15 @@ def test_full_disk_ends_with_one_line_and_keeps_the_committed_checkpoint(fx, tmp
         gave_up = named(run, "gave_up")
         assert gave_up and gave_up[-1]["exit_code"] == ExitCode.NO_SPACE, gave_up
         assert_no_process_left(run)
+        # A relaunch onto the still-full disk: less free space than checkpoint-4 took. It used to warn "0.0G free"
+        # and start anyway, only to fill the disk again; now it refuses before anything starts (and so does
+        # --dry-run).
+        spawns = len(named(run, "spawn"))
+        for args in (["--dry-run"], []):
+            r = ftkit("launch", str(recipe), *args, env=ENV, timeout=120)
+            assert r.returncode == ExitCode.NO_SPACE, (args, r.stdout[-2000:], r.stderr[-2000:])
+            assert "Traceback" not in r.stderr and "checkpoint-4 took" in r.stdout + r.stderr, r.stdout + r.stderr
+        assert len(named(run, "spawn")) == spawns
     finally:
         subprocess.run(["umount", "-l", str(disk)])
 

@@ -348,3 +348,13 @@ def test_status_names_a_straggling_host_with_numbers(tmp_path: Path) -> None:
     write_rank(rd, 2, "n2", 0.27, 14, attempt=2)
     write_rank(rd, 3, "n2", 0.27, 14, attempt=2)
     assert "straggler" not in run_ftkit("status", str(run)).stdout
+
+
+def test_a_gracefully_stopped_run_has_an_outcome_line(tmp_path: Path) -> None:
+    """`ftkit status` of a run stopped on request used to print no outcome line at all."""
+    run = make_run(tmp_path)
+    lines = (run / "events.jsonl").read_text().splitlines()[:-1]  # not finished: stopped at step 13 instead
+    stopped = {"event": "stopped", "message": "stopped on request (SIGTERM): checkpoint committed at step 13"}
+    (run / "events.jsonl").write_text("\n".join([*lines, json.dumps(stopped)]) + "\n")
+    out = run_ftkit("status", str(run))
+    assert "outcome: stopped on request (SIGTERM): checkpoint committed at step 13" in out.stdout, out.stdout

@@ -238,3 +238,19 @@ def _supervisor(rd, world_size: int, **kw):
         echo=lambda s: None,
         **kw,
     )
+
+
+def test_messages_never_say_step_none_and_a_stop_before_any_save_starts_over():
+    """A stop before any save used to say "ftkit launch resumes from it" (there was nothing to resume from), and a
+    failure before the first step read "at step None"."""
+    d = decide(Situation(FailureKind.STOPPED, signum=signal.SIGTERM), policy())
+    assert d.exit_code == ExitCode.STOPPED and "starts over" in d.reason and "resumes from it" not in d.reason
+    d = decide(Situation(FailureKind.STOPPED, signum=signal.SIGTERM, newest_commit=8), policy())
+    assert "checkpoint committed at step 8; ftkit launch resumes from it" in d.reason
+    p = policy()
+    reasons = [p.on_failure(None, None).reason for _ in range(NO_PROGRESS_LIMIT + 1)]
+    assert "before the first step" in reasons[-1] and "None" not in " ".join(reasons)
+    prog = Progress(started=0.0, startup_timeout_s=100, hang_timeout_s=5)
+    prog.observe([{"rank": 0, "phase": "train", "step": 3, "time": 1}], now=1.0)
+    kind, message = prog.failure(now=10.0, step=None)  # the heartbeats were gone by the time it was named
+    assert kind is FailureKind.HANG and "None" not in message and "before the first step" in message

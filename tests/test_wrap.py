@@ -247,6 +247,19 @@ def test_script_failing_at_the_same_step_every_time_stops_with_its_traceback(fx,
     assert_no_process_left(run)
 
 
+@pytest.mark.slow
+def test_a_trainer_whose_save_writes_nothing_stops_at_once_with_one_line(fx, tmp_path):
+    """A Trainer overriding _save_checkpoint with nothing used to fail every commit with HF's traceback
+    (CommitError: not a directory), three attempts, exit 4: a deterministic mistake, so exit 14 at once."""
+    recipe, run = _recipe(tmp_path, fx)
+    r = launch(recipe, "--", *hf_script(fx, "--save_nothing", "true", "--report_to", "none"))
+    assert r.returncode == ExitCode.SCRIPT_FAILED, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "the Trainer's save wrote nothing" in r.stdout and "_save_checkpoint" in r.stdout, r.stdout[-3000:]
+    assert "CommitError" not in r.stdout + r.stderr
+    assert len(named(run, "spawn")) == 1 and not named(run, "restart")
+    assert_no_process_left(run)
+
+
 # ------------------------------------------------------------------------------------------------ quick (no ranks)
 
 

@@ -18,6 +18,14 @@ out_option = click.option(
     default=None,
     help="Directory for ds_config.json and accelerate.yaml (default: configs/ beside the recipe).",
 )
+ssh_config_option = click.option(
+    "--ssh-config",
+    type=click.Path(path_type=str),
+    default=None,
+    help="ssh configuration file for reaching the run's other hosts (default: your own ~/.ssh/config). The "
+    "cluster.ssh_config recorded in the run directory is never used: anyone who can write there could run commands "
+    "(ProxyCommand) as you.",
+)
 json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table.")
 hostfile_option = click.option(
     "--hostfile",

@@ -10,7 +10,7 @@ import click
 from ..errors import Problem, UserError
 from ..owner import liveness
 from ..runstatus import VerifyFailed, format_summary, plot_losses, summarize
-from .options import json_option
+from .options import json_option, ssh_config_option
 
 
 @click.command(
@@ -48,8 +48,9 @@ Examples:
     is_flag=True,
     help="Re-read every file of every checkpoint and of final/ against its recorded checksum; exit 13 if any fails.",
 )
+@ssh_config_option
 @json_option
-def command(run_dir: str, plot: str | None, verify: bool, as_json: bool) -> None:
+def command(run_dir: str, plot: str | None, verify: bool, ssh_config: str | None, as_json: bool) -> None:
     """Summarise RUN_DIR: attempts, restarts, current step, loss and eval loss, checkpoints (committed or rejected,
     and why), Slurm job events, straggling hosts."""
     path = Path(run_dir)
@@ -60,7 +61,7 @@ def command(run_dir: str, plot: str | None, verify: bool, as_json: bool) -> None
     if not (path / "events.jsonl").exists() and not (path / "ftkit").is_dir():
         raise UserError(Problem("not an ftkit run directory (no events.jsonl)", file=run_dir))
     s = summarize(run_dir, checksums=verify)
-    s.running = liveness(run_dir)
+    s.running = liveness(run_dir, ssh_config)
     if as_json:
         click.echo(json.dumps(s.as_dict(), indent=2, default=str))
     else:

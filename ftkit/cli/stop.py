@@ -6,6 +6,8 @@ import sys
 
 import click
 
+from .options import ssh_config_option
+
 
 @click.command(
     "stop",
@@ -28,8 +30,9 @@ Exit codes: 0 nothing of the run is left, 2 not a run directory, 11 something is
     show_default=True,
     help="Seconds to wait for the run to end (a graceful stop takes up to resilience.stop_timeout_s).",
 )
-def command(run_dir: str, force: bool, timeout: float) -> None:
+@ssh_config_option
+def command(run_dir: str, force: bool, timeout: float, ssh_config: str | None) -> None:
     """Stop the run in RUN_DIR: its supervisor saves the step in flight and tears everything down (exit 8 there)."""
     from ..owner import stop_run
 
-    sys.exit(stop_run(run_dir, force=force, timeout=timeout, echo=click.echo))
+    sys.exit(stop_run(run_dir, force=force, timeout=timeout, echo=click.echo, ssh_config=ssh_config))

@@ -1,7 +1,8 @@
 """A plain HF Trainer script with HfArgumentParser (it never imports ftkit).
 
 ``python hf_trainer.py --model M --data FILE [--fail_at_step N] [TrainingArguments]``; ``--fail_at_step``
-raises an exception after that optimizer step, every time (a bug in the script, for the tests).
+raises an exception after that optimizer step, every time (a bug in the script, for the tests); ``--save_nothing``
+uses a Trainer whose checkpoint save writes nothing.
 """
 
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ class ScriptArguments:
     data: str = field(metadata={"help": "jsonl file with a text field"})
     max_len: int = 128
     fail_at_step: int = 0
+    save_nothing: bool = False  # a Trainer subclass whose checkpoint save writes nothing
 
 
 class FailAt(TrainerCallback):
@@ -35,6 +37,11 @@ class FailAt(TrainerCallback):
             raise RuntimeError(f"the script's own bug at step {state.global_step}")
 
 
+class SavesNothing(Trainer):
+    def _save_checkpoint(self, model, trial):
+        pass
+
+
 def main() -> None:
     script, args = HfArgumentParser((ScriptArguments, TrainingArguments)).parse_args_into_dataclasses()
     tokenizer = AutoTokenizer.from_pretrained(script.model)
@@ -44,7 +51,7 @@ def main() -> None:
     raw = load_dataset("json", data_files=script.data, split="train")
     data = raw.map(lambda b: tokenizer(b["text"], truncation=True, max_length=script.max_len), batched=True)
     data = data.remove_columns(["text"])
-    trainer = Trainer(
+    trainer = (SavesNothing if script.save_nothing else Trainer)(
         model=model,
         args=args,
         train_dataset=data,
