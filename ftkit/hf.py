@@ -30,18 +30,20 @@ Importing this module is cheap (no torch or transformers until a function needs 
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from .errors import ExitCode, FtkitError
 from .rank import FAULT_ENV, STOP_FILE, Fault, RankContext, StopRequest, _env_int, _redirect_output
 from .rankcallback import COMPUTE_EWMA, apply_resume_overrides, callback_class, install_train_guard
-from .rundir import RunDir, atomic_write
+from .rundir import RunDir, append_jsonl, atomic_write
 from .runspec import RunSpec
 
 RUN_DIR_ENV = "FTKIT_RUN_DIR"
@@ -74,6 +76,9 @@ class _Rank:
         self.resume = resume or None
         self.stop = StopRequest(self.ctx.rd, attempt)
         self.changes_recorded = False
+        self.dog: Any = None  # the supervisor watchdog (None: no supervisor owns the run)
+        self.final_step: int | None = None  # set once final/ is committed by this rank's run
+        self.outcome_recorded = False  # an orphaned run's outcome, written once
 
 
 _rank: _Rank | None = None
@@ -116,9 +121,10 @@ def start(
             os.environ.setdefault("TENSORBOARD_LOGGING_DIR", tensorboard_dir(r.spec.training_args["output_dir"]))
         if not log_to_console:
             _redirect_output(r.ctx.rd.rank_log(attempt, r.ctx.rank))
-        r.ctx.record_pid()
+        watched = _watch_supervisor(r)
+        r.ctx.record_pid(watchdog=watched)
         r.ctx.heartbeat("starting")
-        _watch_supervisor(r)
+        atexit.register(_at_exit, r)
         _rank = r
     print(
         f"ftkit rank {r.ctx.rank}/{r.ctx.world_size} on {r.ctx.host} pid {os.getpid()} attempt {attempt} "
@@ -251,19 +257,67 @@ def commit_final(step: int) -> None:
             recipe_hash=spec.recipe_hash,
             extra={"final": True, "attempt": ctx.attempt, "fingerprint": spec.fingerprint},
         )
+    r.final_step = step
     ctx.heartbeat("finished", step)
 
 
-def _watch_supervisor(r: _Rank) -> None:
+def _watch_supervisor(r: _Rank) -> dict[str, float] | None:
     """Stop by itself when ftkit launch is gone (launch/watchdog.py): save first (the same graceful stop the
-    supervisor would ask for), bounded by resilience.stop_timeout_s, then end the rank."""
+    supervisor would ask for), bounded by resilience.stop_timeout_s, then end the rank. Returns the watchdog's
+    bounds for the pid record (a relaunch waits that long for ranks that stop themselves), None when unwatched."""
     from .launch.watchdog import SupervisorWatchdog
 
     timeout = float(r.spec.resilience("orphan_timeout_s", 60.0))
     grace = float(r.spec.resilience("stop_timeout_s", 120.0))
-    dog = SupervisorWatchdog(r.ctx.rd, timeout, request_stop=r.stop.local.set, stopped=r.stop.finished, grace_s=grace)
+    dog = SupervisorWatchdog(
+        r.ctx.rd,
+        timeout,
+        request_stop=r.stop.local.set,
+        stopped=r.stop.finished,
+        grace_s=grace,
+        on_stop=lambda why: _record_orphan_outcome(r, "orphan_stopped", why),
+    )
     if not dog.start():
         print("ftkit: no supervisor owns this run directory: not watching for one", flush=True)
+        return None
+    r.dog = dog
+    return {"orphan_timeout_s": timeout, "stop_timeout_s": grace}
+
+
+def _record_orphan_outcome(r: _Rank, event: str, why: str) -> None:
+    """Rank 0 of a run whose supervisor is gone writes how the run ended into events.jsonl (nobody else will)."""
+    if r.ctx.rank != 0 or r.outcome_recorded:
+        return
+    r.outcome_recorded = True
+    if r.final_step is not None:
+        what = f"final/ committed at step {r.final_step}"
+    elif r.stop.stopped_at is not None:
+        what = f"saved and committed step {r.stop.stopped_at} first; ftkit launch resumes from it"
+    else:
+        what = "nothing new was saved"
+    message = f"the ranks ended without their supervisor ({why}): {what}"
+    try:
+        append_jsonl(
+            r.ctx.rd.events,
+            {"time": round(time.time(), 3), "event": event, "attempt": r.ctx.attempt, "message": message},
+        )
+    except OSError:
+        pass
+
+
+def _at_exit(r: _Rank) -> None:
+    """A rank that ends on its own while its supervisor is gone (orphaned ranks finishing the run) cleans up what
+    the supervisor's teardown would have: the node's /dev/shm buffers; rank 0 records the outcome."""
+    dog = r.dog
+    try:
+        if dog is None or not dog.gone_now():
+            return
+    except Exception:  # noqa: BLE001 - never turn a clean exit into a failure
+        return
+    from .launch.watchdog import remove_own_shm
+
+    remove_own_shm()
+    _record_orphan_outcome(r, "orphan_finished" if r.final_step is not None else "orphan_stopped", "supervisor gone")
 
 
 def report(e: FtkitError) -> int:

@@ -234,7 +234,7 @@ def _owned_launch(
     rd = RunDir(r["train.output_dir"])
     ssh_args = ssh_args_of(plan)
     ownership = Ownership(rd, ssh_args)
-    ownership.acquire(takeover=req.takeover, teardown=lambda left: stop_leftovers(left, ssh_args, echo))
+    ownership.acquire(takeover=req.takeover, teardown=lambda left: stop_leftovers(left, ssh_args, echo), echo=echo)
     try:
         # preflight plus doctor's cheap checks on every host at once (versions, space, /dev/shm, clock, interface,
         # stale build locks); `ftkit doctor` adds the rendezvous and all-reduce

@@ -41,6 +41,8 @@ from .procs import Target, is_alive, is_this_machine, proc_start_time, remote_si
 from .rundir import RunDir, atomic_write
 
 HEARTBEAT_S = 2.0  # how often the supervisor rewrites supervisor.json
+ORPHAN_POLL_S = 1.0  # how often a relaunch looks whether a dead supervisor's ranks have stopped
+WAIT_SLACK_S = 30.0  # on top of the ranks' own bound: their watchdog's poll, the engine agents' teardown
 
 
 def boot_id() -> str:
@@ -137,6 +139,20 @@ class Leftovers:
     def __bool__(self) -> bool:
         return bool(self.records or self.groups)
 
+    def stop_themselves(self) -> float | None:
+        """Seconds within which every leftover rank stops by itself (its watchdog's orphan_timeout_s +
+        stop_timeout_s), or None when one has no watchdog (a rank started otherwise, or by an older ftkit)."""
+        bounds = []
+        for r in self.records:
+            dog = r.get("watchdog")
+            if not isinstance(dog, dict):
+                return None
+            try:
+                bounds.append(float(dog.get("orphan_timeout_s", 0)) + float(dog.get("stop_timeout_s", 0)))
+            except (TypeError, ValueError):
+                return None
+        return max(bounds, default=0.0)
+
     def describe(self) -> str:
         names = [f"rank {r.get('rank')} pid {r.get('pid')} on {r.get('host')}" for r in self.records[:4]]
         names += [f"launcher pid {g}" for g in self.groups[: max(0, 4 - len(names))]]
@@ -201,8 +217,16 @@ class Ownership:
     def heartbeat_path(self) -> Path:
         return self.rd.meta / "supervisor.json"
 
-    def acquire(self, *, takeover: bool = False, teardown: Callable[[list[dict[str, Any]]], Any] | None = None) -> None:
-        """Become the run's owner or raise RunBusy naming who owns it and how to stop it."""
+    def acquire(
+        self,
+        *,
+        takeover: bool = False,
+        teardown: Callable[[list[dict[str, Any]]], Any] | None = None,
+        echo: Callable[[str], None] = print,
+    ) -> None:
+        """Become the run's owner or raise RunBusy naming who owns it and how to stop it. Ranks of a dead supervisor
+        that stop themselves (their watchdog) are waited for, with a line saying so (``echo``)."""
+        self._echo = echo
         meta = self.rd.meta
         try:
             meta.mkdir(parents=True, exist_ok=True)
@@ -253,6 +277,10 @@ class Ownership:
             # A supervisor that ended cleanly removed its record after its teardown: only a dead owner's record
             # can leave ranks behind.
             orphans = leftovers(self.rd, self.ssh_args) if old is not None else Leftovers()
+            if orphans and not takeover and orphans.stop_themselves() is not None:
+                if self._wait_for_orphans(old, orphans):
+                    return
+                orphans = leftovers(self.rd, self.ssh_args)
             if orphans:
                 names = orphans.describe()
                 if not takeover:
@@ -263,16 +291,49 @@ class Ownership:
                 if teardown is not None:
                     teardown(orphans)
                 self.taken_over = orphans.records
-            if old is not None:
-                stale = self.owner_path.with_name(f".owner.stale-{secrets.token_hex(4)}")
-                try:
-                    os.rename(self.owner_path, stale)
-                    stale.unlink()
-                except FileNotFoundError:
-                    pass  # another launcher moved it first; the link below decides who wins
+            if old is not None and read_owner(self.rd) is not None:
+                self._drop_stale_record()
             if self._link_record():
                 return
         raise RunBusy(self._busy("another ftkit launch starting at the same moment"))
+
+    def _wait_for_orphans(self, old: Owner | None, orphans: Leftovers) -> bool:
+        """Become the owner, which every orphaned rank's watchdog reads as "taken over": each saves the step in
+        flight (the graceful stop) and ends. Wait for that, bounded by their own orphan_timeout_s + stop_timeout_s.
+        True: owned, nothing of the old run left; False: something still runs (the record is given back)."""
+        bound = float(orphans.stop_themselves() or 0.0) + WAIT_SLACK_S
+        if old is not None:
+            self._drop_stale_record()
+        if not self._link_record():
+            return False
+        self._echo(
+            f"ftkit: the run's supervisor is gone and its ranks still run ({orphans.describe()}); they stop "
+            f"themselves, saving the step in flight first: waiting for them (at most {bound:.0f}s)"
+        )
+        deadline = time.monotonic() + bound
+        while time.monotonic() < deadline:
+            if not leftovers(self.rd, self.ssh_args):
+                self._echo("ftkit: the orphaned ranks have stopped")
+                return True
+            time.sleep(ORPHAN_POLL_S)
+        self._unlink_own_record()
+        return False
+
+    def _drop_stale_record(self) -> None:
+        stale = self.owner_path.with_name(f".owner.stale-{secrets.token_hex(4)}")
+        try:
+            os.rename(self.owner_path, stale)
+            stale.unlink()
+        except FileNotFoundError:
+            pass  # another launcher moved it first; the link decides who wins
+
+    def _unlink_own_record(self) -> None:
+        try:
+            current = read_owner(self.rd)
+        except UserError:
+            return
+        if current is not None and current.pid == self.me.pid and current.host == self.me.host:
+            self.owner_path.unlink(missing_ok=True)
 
     def _link_record(self) -> bool:
         tmp = self.owner_path.with_name(f".owner.{os.getpid()}.{secrets.token_hex(4)}")

@@ -76,9 +76,10 @@ class RankContext:
         }
         atomic_write(self.rd.heartbeat(self.rank), json.dumps(rec), fsync=False)
 
-    def record_pid(self) -> None:
+    def record_pid(self, watchdog: dict[str, float] | None = None) -> None:
         """pid, start time, parent (the per-node agent) and the node's hostfile name: teardown works from this.
-        The allow-listed environment (secrets left out) shows what really reached this rank."""
+        The allow-listed environment (secrets left out) shows what really reached this rank. ``watchdog``: the
+        bounds of this rank's supervisor watchdog (it stops itself when its supervisor is gone)."""
         import fnmatch
 
         from .command import ENV_ALLOW, SECRET
@@ -108,6 +109,7 @@ class RankContext:
             # DeepSpeed's CPU collectives name their /dev/shm buffers after these; teardown removes them.
             "master_addr": os.environ.get("MASTER_ADDR"),
             "master_port": os.environ.get("MASTER_PORT"),
+            "watchdog": watchdog,
         }
         atomic_write(self.rd.pid_file(self.attempt, self.rank), json.dumps(rec), fsync=False)
 

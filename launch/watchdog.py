@@ -12,6 +12,9 @@ train on unwatched, holding GPUs with no hang detection and no restarts. A daemo
   supervisor (a ``--takeover``), the rank removes the run's /dev/shm buffers on this host and SIGTERMs itself.
   Its engine agent (torchrun, DeepSpeed's launcher) then stops the node's other ranks, which also notice on their own.
 
+A rank that ends on its own while its supervisor is gone (it finished the run first) also removes the buffers
+(:mod:`ftkit.hf`), and rank 0 records the outcome in ``events.jsonl`` either way, so ``ftkit status`` tells.
+
 Bound: a rank stops at most ``orphan_timeout_s + POLL_S`` seconds after its supervisor died (plus the time the
 engine's agent takes to stop its peers, about a second). Started by :mod:`ftkit.hf`, it first asks for the same
 graceful stop the supervisor would (every rank saves the same step, committed), waiting up to
@@ -28,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from ftkit.owner import Owner
+from ftkit.owner import HEARTBEAT_S, Owner
 from ftkit.procs import SHM_DIR, SHM_PREFIX, is_alive
 from ftkit.rundir import RunDir
 
@@ -46,6 +49,7 @@ class SupervisorWatchdog:
         request_stop=None,
         stopped: threading.Event | None = None,
         grace_s: float = 0.0,
+        on_stop=None,
     ):
         self.rd = rd
         self.timeout_s = float(timeout_s)
@@ -53,6 +57,7 @@ class SupervisorWatchdog:
         self.request_stop = request_stop
         self.stopped = stopped
         self.grace_s = float(grace_s)
+        self.on_stop = on_stop  # why -> None: called once before the rank stops itself (records the outcome)
         self.log = log
         self.clock = clock
         self.owner = self._owner()
@@ -106,9 +111,24 @@ class SupervisorWatchdog:
                     self.request_stop()
                     self.stopped.wait(self.grace_s)
                 self.log(f"ftkit: {why}: this rank stops itself", flush=True)
+                if self.on_stop is not None:
+                    self.on_stop(why)
                 remove_own_shm()
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
+
+    def gone_now(self) -> bool:
+        """Whether the supervisor is gone at this moment (for a rank that ends by itself): its pid, on this machine;
+        else its heartbeat unchanged for three of its beats. Never on a clock comparison across hosts."""
+        if self.owner is None:
+            return False
+        current = self._owner()
+        if current is not None and current.pid != self.owner.pid:
+            return True  # taken over: this rank's supervisor is gone
+        if self.owner.same_boot:
+            return not is_alive(self.owner.pid, self.owner.start_time)
+        self.check()
+        return self.clock() - self.last_seen > 3 * HEARTBEAT_S
 
 
 def remove_own_shm() -> None:

@@ -136,13 +136,52 @@ def test_sigkilled_supervisor_ranks_stop_by_themselves_and_relaunch_finishes(fx,
 
 
 @pytest.mark.timeout(600)
+def test_a_relaunch_waits_for_orphans_that_stop_themselves_and_orphans_that_finish_clean_up(fx, baseline, tmp_path):
+    """kill -9 of ftkit launch, a relaunch 5 s later (default orphan_timeout_s: 60) used to refuse with exit 11; it
+    waits for the ranks to save and stop, then resumes from their save. Orphans that finish the run used to leak
+    their /dev/shm buffers and leave no outcome, and their DeepSpeed runner, lingering for seconds, made the next
+    launch exit 11 too."""
+    recipe, run = _recipe(tmp_path, fx, train__max_steps=LONG)
+    with launched(recipe, run) as proc:
+        wait_step(run, 0, 5)
+        proc.kill()
+        proc.wait(10)
+    time.sleep(5)
+    with launched(recipe, run) as proc:
+        wait_step(run, 0, LONG - 30, attempt=1, timeout=240)
+        out = output(recipe)
+        assert "its ranks still run" in out and "waiting for them" in out, out[-3000:]
+        proc.kill()  # again, near the end: the orphans now finish the run before their watchdog fires
+        proc.wait(10)
+    wait_for(lambda: not processes_left(run), 90, "the orphans to finish the run", poll=0.2)
+    assert_no_process_left(run)  # their /dev/shm buffers included
+    assert (run / "final" / "ftkit_commit.json").is_file()
+    assert [e["event"] for e in events(run) if e["event"].startswith("orphan_")] == [
+        "orphan_stopped",
+        "orphan_finished",
+    ]
+    status = ftkit("status", str(run), env=ENV, timeout=60)
+    assert "outcome: the ranks ended without their supervisor" in status.stdout, status.stdout
+    with launched(recipe, run) as proc:
+        assert finish(proc) == ExitCode.OK, output(recipe)[-3000:]
+    assert "the run is already finished" in output(recipe)
+    saved = [e for e in events(run) if e["event"] == "checkpoint_chosen" and e["attempt"] == 1]
+    assert saved and saved[0]["step"] >= 5, saved  # resumed from the orphans' own save
+    assert_same_as_lone_run(run, baseline)
+    assert_no_process_left(run)
+
+
+@pytest.mark.timeout(600)
 def test_takeover_of_a_dead_supervisors_ranks_and_stop_force(fx, baseline, tmp_path):
-    # Orphans that would train on for 10 minutes: a relaunch must refuse, --takeover must stop them first.
+    # Orphans that would train on for 10 minutes and do not stop themselves (pid records without a watchdog, as
+    # an older ftkit or a rank started by hand leaves them): a relaunch must refuse, --takeover must stop them first.
     recipe, run = _recipe(tmp_path, fx, resilience__orphan_timeout_s=600, train__max_steps=LONG)
     with launched(recipe, run) as proc:
         wait_step(run, 0, 3)
         proc.kill()
         proc.wait(10)
+        for p in (run / "ftkit" / "attempts" / "0" / "pids").glob("rank-*.json"):
+            p.write_text(json.dumps({k: v for k, v in json.loads(p.read_text()).items() if k != "watchdog"}))
         refused = ftkit("launch", str(recipe), env=ENV, timeout=60)
         assert refused.returncode == ExitCode.RUN_BUSY, refused.stdout + refused.stderr
         (line,) = error_lines(refused)
