@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import Problem, UserError
-from .deepspeed import DEFAULTS, canonical, relevant
+from .deepspeed import DEFAULTS, canonical, default_clipping, relevant
 from .mapping import fmt
 from .read import load
 
@@ -176,6 +176,8 @@ def _value(value: Any, key: str, flat: dict[str, Any]) -> Any:
         return value
     if key == "zero_optimization.overlap_comm":  # DeepSpeed's dynamic default: on at stage 3
         return flat.get("zero_optimization.stage", 0) == 3
+    if key == "gradient_clipping":
+        return default_clipping()[0]
     if key.startswith("fp16.") and key != "fp16.enabled" and flat.get("fp16.enabled") is not True:
         return MISSING
     return DEFAULTS.get(key, MISSING)

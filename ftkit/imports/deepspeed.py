@@ -14,6 +14,7 @@ deprecated spellings folded in, which ``ftkit check --against`` compares (:mod:`
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from .mapping import ACCUM, BF16, DS_OPTIMIZER, FP16, GLOBAL, MICRO, Sink, fmt
@@ -181,12 +182,32 @@ def read(sink: Sink, cfg: Any) -> None:
         sink.implied("zero_optimization", "zero.stage", 0, "DeepSpeed's default: no ZeRO (stage 0)")
     absent_defaults(sink, zero if isinstance(zero, dict) else {}, stage)
     if "gradient_clipping" not in cfg:
+        value, which = default_clipping()
         sink.implied(
             "gradient_clipping",
             "train.max_grad_norm",
-            0.0,
-            "DeepSpeed's default 0: no clipping (TrainingArguments' max_grad_norm is not used under DeepSpeed)",
+            value,
+            f"{which} default {fmt(value)}{': no clipping' if not value else ''}; TrainingArguments' max_grad_norm is "
+            "not used under DeepSpeed",
         )
+
+
+def default_clipping() -> tuple[float, str]:
+    """DeepSpeed's default gradient_clipping, read from the installed DeepSpeed's constants without importing it:
+    0.0 (no clipping) for years, 1.0 since DeepSpeed PR #8068 (2026)."""
+    import importlib.util
+    import re
+
+    try:
+        spec = importlib.util.find_spec("deepspeed")
+        origin = spec.origin if spec else None
+        text = (Path(origin).parent / "runtime" / "constants.py").read_text(encoding="utf-8") if origin else ""
+    except (ImportError, OSError, ValueError):
+        text = ""
+    found = re.search(r"^GRADIENT_CLIPPING_DEFAULT\s*=\s*([0-9.eE+-]+)", text, flags=re.M)
+    if found:
+        return float(found.group(1)), "the installed DeepSpeed's"
+    return 1.0, "DeepSpeed's (not installed here; 1.0 since PR #8068, 0.0 before)"
 
 
 def absent_defaults(sink: Sink, zero: dict[str, Any], stage: int, prefix: str = "zero_optimization") -> None:
@@ -271,7 +292,8 @@ def _top(sink: Sink, key: str, value: Any, stage: int) -> None:
     elif key == "compile":
         block = to_mapping(sink, key, value)
         if block is not None and block.get("disable", True) is not True and block.get("enabled", True) is not False:
-            sink.no_effect(key, "DeepSpeed's torch.compile of the model: ftkit does not compile", ROUNDING + "; slower")
+            old = " (DeepSpeed 0.19 rejects disable/backend here)" if {"disable", "backend"} & set(block) else ""
+            sink.no_effect(key, f"torch.compile of the model{old}: ftkit does not compile", ROUNDING + "; slower")
         elif block is not None:
             sink.same(key, "compile disabled")
     elif key == "tensor_parallel" and isinstance(value, dict) and value.get("autotp_size", 1) in (0, 1):
@@ -331,9 +353,9 @@ def _bf16(sink: Sink, key: str, value: Any) -> None:
         if sub == "enabled":
             _enabled(sink, k, v, BF16)
         elif sub in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"):
-            sink.no_effect(k, "DeepSpeed ignores it: bf16 has no loss scaling", "no effect on training")
+            sink.no_effect(k, "bf16 has no loss scaling (DeepSpeed 0.19 refuses the key in its bf16 block)")
         elif sub == "auto_cast":
-            sink.no_effect(k, "casts floating-point inputs", "token ids are integers: no effect on them")
+            sink.no_effect(k, "casts floating-point inputs (DeepSpeed 0.19 refuses the key in its bf16 block)")
         elif sub in ("immediate_grad_update", "check_grad_overflow"):
             sink.no_effect(k, "DeepSpeed bf16 optimizer detail", ROUNDING)
         else:

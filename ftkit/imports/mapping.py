@@ -268,7 +268,7 @@ class Report:
         if world is None and glob_value is not None and accum is not None and glob_value % (micro * accum) == 0:
             world = glob_value // (micro * accum)
             world_from = f"train_batch_size {glob_value} / (micro {micro} x accumulation {accum})"
-            self.notes.append(f"world size {world}: {world_from}")
+            self.notes.append(f"(derived) world size {world}: {world_from}")
         if world is None:
             n, per = world_default
             world = n * per
@@ -352,7 +352,7 @@ class Report:
                 line = line.replace(": not supported", ": accepted (--accept), not carried", 1)
             out.append(line)
             last = c
-        return out + [f"(not in any source) {n}" for n in self.notes]
+        return out + [n if n.startswith("(derived)") else f"(not in any source) {n}" for n in self.notes]
 
 
 def _accepted(c: Claim, accepted: set[str]) -> bool:
