@@ -531,3 +531,171 @@ def test_import_and_check_against_import_no_heavy_stack(here, tmp_path, model_di
     r = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=60)
     assert "HEAVY=\n" in r.stderr + "\n" and "HEAVY=," not in r.stderr, r.stderr[-2000:]
     assert [x for x in r.stderr.splitlines() if x.startswith("HEAVY=")] == ["HEAVY="], r.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DeepSpeed treats the rendered config as it treats the source (with HF's own "auto" filling): heavy, in make test
+
+
+def _hf_filled(source: dict, plan, tmp_path: Path) -> dict:
+    """The source config after HF Trainer's own "auto" filling, with the TrainingArguments ftkit builds."""
+    import copy
+    from types import SimpleNamespace
+
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig, unset_hf_deepspeed_config
+
+    from ftkit.spec import training_arguments
+
+    ta = {
+        "fp16_full_eval": False,
+        "bf16_full_eval": False,
+        "save_on_each_node": False,
+        "world_size": plan.world_size,
+        **training_arguments(plan, str(tmp_path / "run"), "ds_config.json"),
+    }
+    args = SimpleNamespace(**ta, get_warmup_steps=lambda n: int(ta["warmup_steps"]))
+    hf = HfTrainerDeepSpeedConfig(copy.deepcopy(source))
+    try:
+        hf.trainer_config_process(args)
+        model = SimpleNamespace(config=SimpleNamespace(hidden_size=plan.hidden_size))
+        hf.trainer_config_finalize(args, model, 100)  # raises on any value that mismatches TrainingArguments
+        return hf.config
+    finally:
+        unset_hf_deepspeed_config()
+
+
+# DeepSpeed's Adam/AdamW defaults for parameters a block leaves out; torch_adam picks the implementation only
+ADAMW_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "adam_w_mode": True}
+
+
+def _as_deepspeed_sees_it(cfg: dict, world: int, monkeypatch) -> dict:
+    import deepspeed.runtime.config as dsc
+
+    monkeypatch.setattr(dsc.dist, "get_rank", lambda *a, **k: 0)
+    monkeypatch.setattr(dsc.dist, "get_world_size", lambda *a, **k: world)
+    not_carried = ("scheduler", "tensor_parallel", "sequence_parallel", "compile")  # named in the report
+    cfg = {k: v for k, v in cfg.items() if k not in not_carried}
+    if isinstance(cfg.get("bf16"), dict):  # loss-scale keys in the bf16 block: named in the report
+        cfg["bf16"] = {"enabled": cfg["bf16"].get("enabled", False)}
+    ds = dsc.DeepSpeedConfig(cfg)
+    zc = ds.zero_config
+    seen = {
+        "batch": (ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps),
+        "clipping": ds.gradient_clipping,
+        "fp16": ds.float16_config.enabled,
+        "bf16": ds.bfloat16_config.enabled,
+        "stage": ds.zero_optimization_stage,
+        "optimizer": (ds.optimizer_name, {**ADAMW_DEFAULTS, **(ds.optimizer_params or {})}),
+    }
+    if ds.float16_config.enabled:
+        seen["loss scaling"] = (ds.float16_config.loss_scale, ds.float16_config.initial_scale_power,
+                                ds.float16_config.loss_scale_window, ds.float16_config.hysteresis,
+                                ds.float16_config.min_loss_scale)  # fmt: skip
+    if ds.zero_optimization_stage:
+        names = ["contiguous_gradients", "overlap_comm", "reduce_bucket_size"]
+        if ds.zero_optimization_stage < 3:
+            names += ["allgather_bucket_size", "round_robin_gradients"]
+        else:
+            names += ["sub_group_size", "prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters",
+                      "max_reuse_distance"]  # fmt: skip
+        seen.update({n: getattr(zc, n) for n in names})
+        for block in ("offload_optimizer", "offload_param"):
+            b = getattr(zc, block)
+            device = str(getattr(b.device, "value", b.device)) if b is not None else "none"
+            seen[block] = (device, b.pin_memory if device != "none" else None)
+    return seen
+
+
+HEAVY_CASES = [(f, a, f) for f, a, _ in ROUND_TRIPS] + [
+    ("train_cmd.sh", "", "ds_z3.json"),
+    ("torchrun_cmd.txt", "warmup_ratio", "ds_z2_offload_rr.json"),
+    ("axolotl_lora.yml", "", "ds_z2_offload_rr.json"),
+    ("accelerate_ds_file.yaml", "", "ds_z3_partial_offload.json"),
+]
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("source,accept,ds_file", HEAVY_CASES, ids=[c[0] for c in HEAVY_CASES])
+def test_deepspeed_reads_source_and_rendered_config_alike(here, tmp_path, model_dir, monkeypatch, source, accept,
+                                                          ds_file):  # fmt: skip
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")
+    _, out = _import(tmp_path, model_dir, source, accept=accept)
+    plan = load_and_plan(str(out), [])
+    filled = _hf_filled(json.loads((FIX / ds_file).read_text()), plan, tmp_path)
+    rendered = render_deepspeed(plan)
+    source_seen = _as_deepspeed_sees_it(filled, plan.world_size, monkeypatch)
+    rendered_seen = _as_deepspeed_sees_it(rendered, plan.world_size, monkeypatch)
+    if "optimizer" not in filled:  # HF builds torch AdamW from TrainingArguments: the same values
+        source_seen["optimizer"] = rendered_seen["optimizer"]
+    for seen in (source_seen, rendered_seen):
+        seen["optimizer"][1].pop("torch_adam", None)
+    assert source_seen == rendered_seen
+
+
+def test_sources_combine_accelerate_deepspeed_and_trainer_arguments(here, tmp_path, model_dir):
+    """accelerate.yaml (2 processes) + the ds_config it names (AdamW of autos, stage 1) + TrainingArguments."""
+    result, out = _import(tmp_path, model_dir, "accelerate_template_ds.yaml", "trainer_args.yaml")
+    plan = load_and_plan(str(out), [])
+    r = plan.recipe
+    assert (plan.micro_batch_size, plan.grad_accum, plan.world_size, plan.global_batch_size) == (2, 4, 2, 16)
+    assert (r["zero.stage"], r["train.precision"], r["train.learning_rate"], r["train.weight_decay"]) == (
+        1,
+        "bf16",
+        1e-5,
+        0.01,
+    )
+    assert (r["train.lr_scheduler"], r["train.max_steps"], r["train.seed"]) == ("constant_with_warmup", 200, 7)
+    assert any(
+        x.startswith('ds_z1_optimizer_auto.json optimizer.params.lr: "auto" -> train.learning_rate = 1e-05 (HF fills '
+                     "it from trainer_args.yaml learning_rate)")
+        for x in result.lines
+    ), result.lines  # fmt: skip
+    # a hostfile gives the cluster; it must agree with what the sources say
+    with pytest.raises(Exception) as e:
+        _import(tmp_path, model_dir, "accelerate_template_ds.yaml", "trainer_args.yaml", hostfile="hostfile_2x8")
+    assert "sources disagree on world size" in str(e.value)
+    _, out = _import(tmp_path, model_dir, "ds_z3.json", "trainer_args.yaml", hostfile="hostfile_2x8")
+    plan = load_and_plan(str(out), [])
+    assert (plan.world_size, plan.num_nodes, plan.global_batch_size) == (16, 2, 2 * 4 * 16)
+
+
+def test_every_source_key_is_listed_once(here, tmp_path, model_dir):
+    import re
+
+    import yaml
+
+    result, _ = _import(tmp_path, model_dir, "axolotl_lora.yml")
+    keyed = []
+    for line in result.lines:
+        m = re.match(r"(\S+?)(?::\d+)? (.+?): ", line)
+        if m and not line.startswith("("):
+            keyed.append((m.group(1), m.group(2)))
+    assert len(keyed) == len(set(keyed)), "one line per source key"
+    listed = {key for source, key in keyed if source == "axolotl_lora.yml"}
+    assert set(yaml.safe_load((FIX / "axolotl_lora.yml").read_text())) <= listed
+
+
+def test_readme_import_commands_run(tmp_path, monkeypatch):
+    """The README's sh block with ftkit import runs as written after the blocks before it (init, render)."""
+    import re
+    import shlex
+
+    from ftkit.cli.main import cli
+
+    from conftest import TINY_LLAMA
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = next(b for b in re.findall(r"```sh\n(.*?)```", text, flags=re.S) if "ftkit import" in b)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "myjob" / "model").mkdir(parents=True)
+    (tmp_path / "myjob" / "model" / "config.json").write_text(json.dumps(TINY_LLAMA))
+    from click.testing import CliRunner
+
+    for args in (["init", "myjob", "--template", "cpu-demo", "--force"], ["render", "myjob/recipe.yaml"]):
+        assert CliRunner().invoke(cli, args).exit_code == 0
+    commands = [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+    assert any(c.startswith("ftkit check") and "--against" in c for c in commands)
+    for command in commands:
+        r = CliRunner().invoke(cli, shlex.split(command)[1:])
+        assert r.exit_code == 0, f"{command}\n{r.output}"
