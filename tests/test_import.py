@@ -699,3 +699,35 @@ def test_readme_import_commands_run(tmp_path, monkeypatch):
     for command in commands:
         r = CliRunner().invoke(cli, shlex.split(command)[1:])
         assert r.exit_code == 0, f"{command}\n{r.output}"
+
+
+COMMANDS = [
+    (
+        "FORCE_TORCHRUN=1 NNODES=2 NPROC_PER_NODE=8 llamafactory-cli train llamafactory_lora_ds3.yaml",
+        "dataset,template,max_samples,warmup_ratio,val_size",
+        (1, 2, 16),
+    ),  # fmt: skip
+    ("accelerate launch --num_processes 4 -m axolotl.cli.train axolotl_lora.yml", "", (2, 2, 4)),
+    (
+        "python -m torch.distributed.run --nproc-per-node 2 train.py --deepspeed ds_z1_timers.json \\\n"
+        "    --per_device_train_batch_size 3",
+        "",
+        (3, 1, 2),
+    ),  # fmt: skip
+    ("python train.py --per_device_train_batch_size 2 --deepspeed=ds_z0.json", "", (2, 1, 1)),
+    (
+        "accelerate launch --config_file accelerate_template_ds.yaml train.py --per_device_train_batch_size 2 "
+        "--gradient_accumulation_steps 4",
+        "",
+        (2, 4, 2),
+    ),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize("command,accept,triple", COMMANDS, ids=[c[0].split(" train")[0][:40] for c in COMMANDS])
+def test_saved_command_lines_give_the_world_size(here, tmp_path, model_dir, command, accept, triple):
+    (tmp_path / "run.sh").write_text(f"#!/bin/bash\nset -e\nexport WANDB_MODE=offline\n{command}\n")
+    result, out = _import(tmp_path, model_dir, str(tmp_path / "run.sh"), accept=accept)
+    overrides = ["cluster.master_addr=10.0.0.1"] if "cluster.master_addr" in result.placeholders else []
+    plan = load_and_plan(str(out), overrides)
+    assert (plan.micro_batch_size, plan.grad_accum, plan.world_size) == triple

@@ -264,8 +264,10 @@ KEYS: dict[str, ta.Handler] = {
 def read(sink: Sink, data: Any, ctx: Context) -> None:
     from .read import Command
 
-    if isinstance(data, Command):  # `axolotl train config.yml`: the config is the source
+    if isinstance(data, Command):  # `axolotl train config.yml`, `accelerate launch -m axolotl.cli.train config.yml`
         for path in data.positional:
-            ctx.follow(sink, f"axolotl train {path}", path, "axolotl")
+            ctx.follow(sink, f"{data.launcher} {data.script or 'train'} {path}", path, "axolotl")
+        if data.launcher != "axolotl":
+            ta._launcher(sink, data, ctx)
         return
     ta.read(sink, data, ctx, extra=KEYS, kind="Axolotl")

@@ -62,6 +62,7 @@ class Context:
         self.queue: list[tuple[str, str | None, str | None, Path | None]] = []  # (path, kind, label, named_by dir)
         self.seen: dict[str, str] = {}  # real path -> label
         self.sources: list[str] = []
+        self.current_dir: Path | None = None  # the directory of the source being read (references resolve there too)
 
     def resolve_path(self, text: str, base: Path | None) -> Path | None:
         path = Path(os.path.expanduser(text))
@@ -83,7 +84,8 @@ class Context:
         if real in self.seen:
             sink.followed(key, f"{text} (read as {self.seen[real]})")
             return
-        sink.followed(key, f"{text} as a {KIND_NAMES[kind]} (its keys are listed under its name)")
+        article = "an" if KIND_NAMES[kind][0] in "AEIOU" else "a"
+        sink.followed(key, f"{text} as {article} {KIND_NAMES[kind]} (its keys are listed under its name)")
         self.queue.append((str(path), kind, text, path.parent))
 
     def hostfile(self, sink: Sink, key: str, text: str) -> None:
@@ -137,8 +139,6 @@ class Context:
 
     def world_named(self) -> bool:
         return any(c.target == WORLD for c in self.report.claims)
-
-    current_dir: Path | None = None
 
 
 def import_configs(
@@ -290,6 +290,8 @@ def _recipe_values(report: Report, ctx: Context) -> tuple[dict[str, Any], list[s
         if key not in report.values:
             values[key] = placeholder
             placeholders.append(key)
+    if values["cluster.num_nodes"] > 1 and not values["cluster.hostfile"] and not values["cluster.master_addr"]:
+        placeholders.append("cluster.master_addr")  # several nodes, no hostfile: rank 0's address is needed
     if "train.output_dir" not in report.values:
         values["train.output_dir"] = f"./runs/{values['name']}"
     if values.get("train.max_steps") is not None and "train.max_steps" in report.values:
@@ -325,7 +327,7 @@ def _recipe_text(
         header.append("# Accepted (--accept) although they change training; not carried:")
         header += [f"#   {c.source} {c.key}: {c.how}" for c in dropped]
     if placeholders:
-        header.append(f"# No source names {', '.join(placeholders)}: placeholders below, fill them in.")
+        header.append(f"# No source names {', '.join(placeholders)}: fill them in below.")
     return commented_recipe(_nested(values), header)
 
 

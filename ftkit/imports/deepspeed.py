@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .mapping import ACCUM, BF16, DS_OPTIMIZER, FP16, GLOBAL, MICRO, Sink, fmt
-from .values import is_auto, to_bool, to_float, to_int, to_mapping, to_str, unset
+from .values import is_auto, to_bool, to_float, to_int, to_mapping, to_str
 
 # zero_optimization keys: DeepSpeed's aliases and deprecated spellings -> the spelling ftkit renders.
 ZERO_ALIASES = {
@@ -764,7 +764,3 @@ def relevant(key: str, flat: dict[str, Any]) -> str | None:
     if key.startswith("bf16.") and key != "bf16.enabled":
         return "DeepSpeed's bf16 has no loss scaling"
     return None
-
-
-def unused_value(value: Any) -> bool:
-    return unset(value)

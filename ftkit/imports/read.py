@@ -253,7 +253,8 @@ def parse_command(text: str, label: str) -> Command:
             raise UserError(Problem(f"cannot split the command line: {e}", file=label)) from None
         if not words or words[0] in ("export", "cd", "set", "source", ".", "echo", "mkdir", "if", "fi", "then"):
             continue
-        if any(w.startswith("--") for w in words) or any(os.path.basename(w) in LAUNCHERS for w in words[:3]):
+        command = [w for w in words if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", w)][:3]
+        if any(w.startswith("--") for w in words) or any(os.path.basename(w) in LAUNCHERS for w in command):
             candidates.append(words)
     if not candidates:
         raise UserError(Problem("no command line with --options found", file=label))
@@ -305,8 +306,6 @@ def _command(words: list[str], label: str) -> Command:
         cmd.args = _options(after, positional=cmd.positional)
     else:
         cmd.args = _options(rest, positional=cmd.positional)
-    if cmd.launcher == "accelerate" and cmd.script and cmd.script.startswith("-m axolotl"):
-        cmd.launcher = "axolotl"
     return cmd
 
 
@@ -357,7 +356,7 @@ def _number(word: str) -> bool:
 
 
 def _command_kind(cmd: Command) -> str:
-    if cmd.launcher == "axolotl":
+    if cmd.launcher == "axolotl" or (cmd.script or "").startswith("-m axolotl"):
         return "axolotl"
     if cmd.launcher == "llamafactory-cli" or set(cmd.args) & _LLAMAFACTORY:
         return "llamafactory"

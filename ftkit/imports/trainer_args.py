@@ -490,10 +490,16 @@ def _launcher(sink: Sink, cmd: Command, ctx: Context) -> None:
         sink.map(nodes_key, NODES, nodes)
     if launcher == "python" and not opts and cmd.script and not ctx.world_named():
         sink.map(f"python {cmd.script}", WORLD, 1, "a plain python command runs one process")
+    lf = {}  # llamafactory-cli's torchrun variables
     for env, value in cmd.env.items():
         key = f"{env}= (environment)"
         if env in ("NPROC_PER_NODE", "NNODES") and cmd.launcher == "llamafactory-cli":
             if (n := to_int(sink, key, value, minimum=1)) is not None:
-                sink.map(key, WORLD if env == "NPROC_PER_NODE" else NODES, n)
+                lf[env] = (key, n)
         else:
             sink.no_effect(key, "environment of the launch: ftkit sets the ranks' environment", NONE)
+    if "NPROC_PER_NODE" in lf:
+        (key, per), nodes = lf["NPROC_PER_NODE"], lf.get("NNODES", ("", 1))[1]
+        sink.map(key, WORLD, per * nodes, f"{per} per node x {nodes} node(s)")
+    if "NNODES" in lf:
+        sink.map(lf["NNODES"][0], NODES, lf["NNODES"][1])
