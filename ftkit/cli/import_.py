@@ -14,6 +14,7 @@ from .options import hostfile_option
 
 @click.command(
     "import",
+    short_help="Turn existing DeepSpeed, Accelerate, HF Trainer, Axolotl or LLaMA-Factory configs into a recipe.",
     epilog="""\b
 Examples:
   ftkit import ds_config.json -o recipe.yaml --model ./models/llama
@@ -56,7 +57,7 @@ def command(
     if target is None:
         click.echo(result.recipe_text, nl=False)
         return
-    for path in write_files(target.parent if str(target.parent) else Path("."), {target.name: result.recipe_text}):
+    for path in write_files(target.parent, {target.name: result.recipe_text}):  # all or nothing
         click.echo(f"wrote {path}")
     todo = f" (fill in {', '.join(result.placeholders)})" if result.placeholders else ""
     click.echo(f"next: review {target}{todo}, then `ftkit render {target}` and `ftkit check {target} --against FILE`")

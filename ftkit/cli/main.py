@@ -20,6 +20,7 @@ from ..errors import ExitCode, FtkitError, Problem, UserError, os_error
 EPILOG = """\b
 Examples:
   ftkit init myjob --template lora      # write myjob/recipe.yaml and myjob/hostfile
+  ftkit import ds_config.json -o myjob/recipe.yaml   # or start from the configs you have
   ftkit plan myjob/recipe.yaml          # which ZeRO stage fits, and why
   ftkit render myjob/recipe.yaml        # write myjob/configs/{ds_config.json,accelerate.yaml}
   ftkit check myjob/recipe.yaml         # fail (exit 1) when checked-in configs drifted

@@ -18,7 +18,7 @@ from .. import __version__
 from ..errors import Problem, RecipeError, UserError
 from ..schema import REQUIRED, SECTIONS, TOP_LEVEL
 from . import accelerate, axolotl, deepspeed, llamafactory, trainer_args
-from .mapping import ACCUM, AUTO, HARD, NODES, REFUSED, WORLD, Report, Sink, _accepted
+from .mapping import ACCUM, AUTO, HARD, NO_EFFECT, NODES, REFUSED, WORLD, Report, Sink, _accepted
 from .read import Loaded, load
 
 READERS = {
@@ -59,7 +59,7 @@ class Context:
         self.report = report
         self.out_dir = out_dir
         self.cwd = cwd
-        self.queue: list[tuple[str, str | None, str | None, Path | None]] = []  # (path, kind, label, named_by dir)
+        self.queue: list[tuple[str, str | None, str | None]] = []  # (path, kind or None to detect, label)
         self.seen: dict[str, str] = {}  # real path -> label
         self.sources: list[str] = []
         self.current_dir: Path | None = None  # the directory of the source being read (references resolve there too)
@@ -86,7 +86,7 @@ class Context:
             return
         article = "an" if KIND_NAMES[kind][0] in "AEIOU" else "a"
         sink.followed(key, f"{text} as {article} {KIND_NAMES[kind]} (its keys are listed under its name)")
-        self.queue.append((str(path), kind, text, path.parent))
+        self.queue.append((str(path), kind, text))
 
     def hostfile(self, sink: Sink, key: str, text: str) -> None:
         from ..hostfile import parse_hostfile
@@ -159,10 +159,10 @@ def import_configs(
     report = Report()
     ctx = Context(report, (out.parent if out else cwd), cwd)
     for spec in sources:
-        ctx.queue.append((spec, None, None, None))
+        ctx.queue.append((spec, None, None))
     errors: list[Problem] = []
     while ctx.queue:
-        spec, kind, label, base = ctx.queue.pop(0)
+        spec, kind, label = ctx.queue.pop(0)
         try:
             loaded = load(spec, kind=kind, label=label)
         except UserError as e:
@@ -208,7 +208,7 @@ def _model(report: Report, ctx: Context, model: str | None) -> None:
     if model is not None:
         for c in report.claims:
             if c.target == "model.path":
-                c.status, c.target, c.how = "no effect", None, f"--model {model} is used instead"
+                c.status, c.target, c.how = NO_EFFECT, None, f"--model {model} is used instead"
         sink = report.sink("--model")
         sink.map(model, "model.path", ctx.path_value(model, hub=True), "the model to fine-tune")
     chosen = model

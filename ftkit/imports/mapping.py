@@ -126,6 +126,12 @@ class Report:
             elif target not in (GLOBAL, WORLD, NODES, DS_OPTIMIZER, TA_OPTIM):
                 self._resolve_plain(target)
         self._resolve_precision()
+        if "train.precision" not in self.values and self.claims:
+            self.values["train.precision"] = "fp32"
+            self.notes.append(
+                "train.precision = fp32: no source enables bf16 or fp16, so an HF Trainer run trains in fp32 "
+                "(TrainingArguments' defaults bf16=false, fp16=false)"
+            )
         self._resolve_batch(world_default)
         for target, (name, default) in HF_UNSTATED.items():
             if target in (MICRO, ACCUM, BF16, FP16) or target in self.values:

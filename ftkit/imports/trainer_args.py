@@ -94,7 +94,6 @@ def _epochs(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
         sink.no_effect(key, "max_steps is set: HF trains by steps", NONE)
     else:
         sink.map(key, "train.epochs", v, origin="ta")
-        sink.report.values.setdefault("train.max_steps", None)
 
 
 def _max_steps(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
