@@ -511,7 +511,7 @@ def test_check_against_refuses_other_kinds_in_one_line(here, tmp_path, model_dir
 # The controller stays import-light
 
 
-@pytest.mark.parametrize("command", ["import", "check"])
+@pytest.mark.parametrize("command", ["import", "import-absent-clipping", "check"])
 def test_import_and_check_against_import_no_heavy_stack(here, tmp_path, model_dir, command):
     import subprocess
     import sys
@@ -521,8 +521,10 @@ def test_import_and_check_against_import_no_heavy_stack(here, tmp_path, model_di
     if command == "check":
         _import(tmp_path, model_dir, "ds_z3.json")
         argv = ["check", str(out), "--against", "ds_z3.json"]
-    else:
+    elif command == "import":
         argv = ["import", "train_cmd.sh", "-o", str(out), "--model", str(model_dir)]
+    else:  # DeepSpeed's default clipping is read from the installed package's source, not imported
+        argv = ["import", "ds_z1_optimizer_auto.json", "-o", str(out), "--model", str(model_dir)]
     probe = (
         "import sys\nfrom ftkit.cli.main import cli\ntry:\n    cli(sys.argv[1:], standalone_mode=False)\n"
         "except SystemExit:\n    pass\n"
