@@ -441,8 +441,11 @@ def _launcher(sink: Sink, cmd: Command, ctx: Context) -> None:
     """World size (and other launcher options) from the launcher part of a command line."""
     opts, launcher = cmd.launcher_opts, cmd.launcher or "python"
     if cmd.script:
-        sink.no_effect(f"{launcher} {cmd.script}", "the training script: ftkit's built-in entry trains the recipe "
-                       "(or set train.command to run this script)", "")  # fmt: skip
+        sink.no_effect(
+            f"{launcher} {cmd.script}",
+            "the training script (code, not a setting): the recipe trains with ftkit's built-in entry; set "
+            f"train.command to keep running {cmd.script.removeprefix('-m ')} (ftkit applies the recipe's arguments)",
+        )
     per = nodes = None
     per_key = nodes_key = ""
     for name, value in opts.items():
