@@ -36,7 +36,8 @@ safe            cluster.gpu_memory_gb, cluster.host_memory_gb        inputs to f
                                                                      (stage, batch) is compared on its own
 safe            model.gradient_checkpointing, zero.overlap_comm,     the same update, computed with other memory or
                 zero.reduce_bucket_size, zero.allgather_bucket_size,  communication scheduling
-                zero.nvme_path
+                zero.nvme_path, the other zero.* buffer and bucket
+                sizes
 not compared    zero.stage, cluster.num_nodes, cluster.gpus_per_node, the job's shape: checked when the checkpoint is
                 cluster.hostfile, cluster.min_nodes                  selected (a different ZeRO stage is refused;
                                                                      fewer ranks are resumed through DeepSpeed's
@@ -49,6 +50,8 @@ allowable       train.lr_scheduler, train.warmup_steps               change the 
                                                                      from the current arguments (the checkpoint
                                                                      holds only its step and peak lr)
 allowable       train.max_grad_norm                                  changes gradient clipping (ds_config)
+allowable       train.fp16_*                                         changes fp16 loss scaling (which steps are
+                                                                     skipped on overflow)
 allowable       train.micro_batch_size                               changes the per-rank batch and accumulation
                                                                      (same global batch: same data position)
 allowable       data.train (content), data.max_seq_len,              change the examples; the resumed epoch
@@ -137,6 +140,14 @@ POLICY: tuple[tuple[str, tuple[str, ...], str], ...] = (
             "zero.reduce_bucket_size",
             "zero.allgather_bucket_size",
             "zero.nvme_path",
+            "zero.contiguous_gradients",
+            "zero.round_robin_gradients",
+            "zero.pin_memory",
+            "zero.sub_group_size",
+            "zero.prefetch_bucket_size",
+            "zero.param_persistence_threshold",
+            "zero.max_live_parameters",
+            "zero.max_reuse_distance",
         ),
         "same update, other memory or communication scheduling",
     ),
@@ -158,6 +169,7 @@ POLICY: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ),
     (ALLOWABLE, ("train.lr_scheduler", "train.warmup_steps"), "changes the learning-rate schedule"),
     (ALLOWABLE, ("train.max_grad_norm",), "changes gradient clipping"),
+    (ALLOWABLE, ("train.fp16_*",), "changes fp16 loss scaling: which steps are skipped on overflow"),
     (ALLOWABLE, ("train.micro_batch_size",), "changes the per-rank batch and gradient accumulation"),
     (
         ALLOWABLE,

@@ -22,6 +22,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from .plan import Plan
 
 SUB_GROUP_SIZE = int(1e9)
+# fp16's dynamic loss scaling: (knob, value, why) for each train.fp16_* field left at auto
+FP16_LOSS_SCALING = (
+    ("loss_scale", 0, "0: dynamic loss scaling"),
+    ("loss_scale_window", 1000, "1000 steps without overflow before the scale doubles (DeepSpeed's default)"),
+    ("initial_scale_power", 16, "start at 2^16 (DeepSpeed's default)"),
+    ("hysteresis", 2, "DeepSpeed's default"),
+    ("min_loss_scale", 1, "DeepSpeed's default"),
+)
 
 
 def overlap_comm_auto(stage: int, room: bool) -> tuple[bool, str]:
@@ -62,11 +70,25 @@ def decide_zero_knobs(plan: Plan, src: Any) -> None:
         plan.note("overlap_comm", *overlap_comm_auto(plan.stage, report is not None and report.room_for_overlap))
     else:
         plan.note("overlap_comm", oc, src(r, "zero.overlap_comm"))
-    plan.note("stage3_prefetch_bucket_size", int(0.9 * h * h), f"int(0.9 x hidden_size^2) = int(0.9 x {h}^2)")
-    plan.note("stage3_param_persistence_threshold", persistence_threshold(h), f"10 x hidden_size = 10 x {h}")
+    prefetch, persist = int(0.9 * h * h), persistence_threshold(h)
+    why = f"int(0.9 x hidden_size^2) = int(0.9 x {h}^2)"
+    _rule_or_recipe(plan, "stage3_prefetch_bucket_size", "zero.prefetch_bucket_size", prefetch, why, src)
+    why = f"10 x hidden_size = 10 x {h}"
+    _rule_or_recipe(plan, "stage3_param_persistence_threshold", "zero.param_persistence_threshold", persist, why, src)
     live = int(1e9) if not tight else int(1e8)
-    plan.note("stage3_max_live_parameters", live, "1e9" if not tight else "1e8: memory is tight")
-    plan.note("stage3_max_reuse_distance", live, "1e9" if not tight else "1e8: memory is tight")
+    why = "1e9" if not tight else "1e8: memory is tight"
+    _rule_or_recipe(plan, "stage3_max_live_parameters", "zero.max_live_parameters", live, why, src)
+    _rule_or_recipe(plan, "stage3_max_reuse_distance", "zero.max_reuse_distance", live, why, src)
+
+
+def _rule_or_recipe(plan: Plan, knob: str, key: str, rule: Any, why: str, src: Any = None) -> None:
+    """The recipe's value of an ``auto``-defaulted field when it sets one (e.g. kept by ``ftkit import``), else the
+    rule's value."""
+    value = plan.recipe[key]
+    if value == "auto":
+        plan.note(knob, rule, why)
+    else:
+        plan.note(knob, value, src(plan.recipe, key) if src else key)
 
 
 def decide_config_knobs(plan: Plan) -> None:
@@ -75,23 +97,28 @@ def decide_config_knobs(plan: Plan) -> None:
     r = plan.recipe
     plan.note("gradient_clipping", r["train.max_grad_norm"], "train.max_grad_norm")
     plan.note("precision", r["train.precision"], "train.precision; TrainingArguments gets the same flag")
+    if r["train.precision"] == "fp16":
+        for name, rule, why in FP16_LOSS_SCALING:
+            _rule_or_recipe(plan, f"fp16.{name}", f"train.fp16_{name}", rule, why)
     if plan.offload_optimizer == "none" and r["cluster.accelerator"] == "cpu":
         # FusedAdam is a CUDA kernel; on the cpu accelerator without offload use torch's AdamW.
         plan.note("optimizer.torch_adam", True, "cpu accelerator without offload")
     plan.note("optimizer", "AdamW", "DeepSpeed's optimizer (CPU Adam when offloading); params equal TrainingArguments")
     offload = plan.offload_optimizer != "none"
     if plan.stage in (1, 2):
-        plan.note("contiguous_gradients", True, "always: less fragmentation")
-        plan.note(
+        _rule_or_recipe(plan, "contiguous_gradients", "zero.contiguous_gradients", True, "always: less fragmentation")
+        _rule_or_recipe(
+            plan,
             "round_robin_gradients",
+            "zero.round_robin_gradients",
             offload,
             "on only with optimizer offload at stage 1/2" if offload else "no offload",
         )
         if offload:
             _pin_memory(plan, "offload_optimizer")
     elif plan.stage == 3:
-        plan.note("contiguous_gradients", True, "always: less fragmentation")
-        plan.note("sub_group_size", SUB_GROUP_SIZE, "1e9")
+        _rule_or_recipe(plan, "contiguous_gradients", "zero.contiguous_gradients", True, "always: less fragmentation")
+        _rule_or_recipe(plan, "sub_group_size", "zero.sub_group_size", SUB_GROUP_SIZE, "1e9")
         plan.note("stage3_gather_16bit_weights_on_model_save", True, "the final model must load with from_pretrained")
         if offload:
             _pin_memory(plan, "offload_optimizer")
@@ -105,7 +132,9 @@ def decide_config_knobs(plan: Plan) -> None:
 
 
 def _pin_memory(plan: Plan, what: str) -> None:
-    if plan.recipe["cluster.accelerator"] == "cpu":
+    if plan.recipe["zero.pin_memory"] != "auto":
+        plan.note(f"{what}.pin_memory", plan.recipe["zero.pin_memory"], "zero.pin_memory")
+    elif plan.recipe["cluster.accelerator"] == "cpu":
         plan.note(f"{what}.pin_memory", False, "cpu accelerator: there is no device memory to pin for")
     elif plan.memory is not None and plan.memory.host_tight:
         plan.note(f"{what}.pin_memory", False, "host RAM is tight: pinned buffers cannot be paged out")

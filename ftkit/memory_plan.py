@@ -127,6 +127,15 @@ def model_shape(plan: Any) -> ModelShape:
     return shape if shape is not None else count_params_meta(plan.model_config_file or path)
 
 
+def _stage3_limits(r: Any) -> dict[str, int]:
+    """Stage 3 sizes a recipe sets explicitly (zero.prefetch_bucket_size, zero.max_live_parameters), for Workload."""
+    pairs = (
+        ("stage3_prefetch_bucket_size", "prefetch_bucket_size"),
+        ("stage3_max_live_parameters", "max_live_parameters"),
+    )
+    return {arg: r[f"zero.{key}"] for arg, key in pairs if r[f"zero.{key}"] != "auto"}
+
+
 def plan_memory(plan: Any) -> MemoryReport:
     r = plan.recipe
     shape = model_shape(plan)
@@ -146,6 +155,7 @@ def plan_memory(plan: Any) -> MemoryReport:
         lora_params=lora,
         gradient_checkpointing=r["model.gradient_checkpointing"],
         reduce_bucket_size=None if r["zero.reduce_bucket_size"] == "auto" else r["zero.reduce_bucket_size"],
+        **_stage3_limits(r),
         pin_memory=r["cluster.accelerator"] != "cpu",
     )
     gpu, host = float(r["cluster.gpu_memory_gb"]), float(r["cluster.host_memory_gb"])

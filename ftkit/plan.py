@@ -267,12 +267,12 @@ def build_plan(
         with_memory = False
     _resolve_zero(plan, with_memory, strict)
     if plan.unknown:  # no hidden size: DeepSpeed's own defaults instead of h-derived sizes
-        for knob, value in (
-            ("reduce_bucket_size", int(5e8)),
-            ("stage3_prefetch_bucket_size", int(5e7)),
-            ("stage3_param_persistence_threshold", int(1e5)),
+        for knob, key, value in (
+            ("reduce_bucket_size", "zero.reduce_bucket_size", int(5e8)),
+            ("stage3_prefetch_bucket_size", "zero.prefetch_bucket_size", int(5e7)),
+            ("stage3_param_persistence_threshold", "zero.param_persistence_threshold", int(1e5)),
         ):
-            if knob != "reduce_bucket_size" or recipe["zero.reduce_bucket_size"] == "auto":
+            if recipe[key] == "auto":
                 plan.note(knob, value, "DeepSpeed's default: the model's hidden size is unknown")
     decide_config_knobs(plan)
     return plan

@@ -168,6 +168,41 @@ SECTIONS: tuple[Section, ...] = (
                 "Mixed precision; bf16 needs Ampere or newer GPUs.",
                 choices=("bf16", "fp16", "fp32"),
             ),
+            _f(
+                "fp16_loss_scale",
+                "float|auto",
+                "auto",
+                "fp16 only: a static loss scale, or 0 for dynamic loss scaling; auto: 0 (dynamic).",
+                minimum=0,
+            ),
+            _f(
+                "fp16_initial_scale_power",
+                "int|auto",
+                "auto",
+                "fp16 only: dynamic loss scaling starts at 2^this; auto: 16.",
+                minimum=0,
+            ),
+            _f(
+                "fp16_loss_scale_window",
+                "int|auto",
+                "auto",
+                "fp16 only: optimizer steps without an overflow before the loss scale doubles; auto: 1000.",
+                exclusive_minimum=0,
+            ),
+            _f(
+                "fp16_hysteresis",
+                "int|auto",
+                "auto",
+                "fp16 only: overflows in a row tolerated before the loss scale is halved; auto: 2.",
+                exclusive_minimum=0,
+            ),
+            _f(
+                "fp16_min_loss_scale",
+                "float|auto",
+                "auto",
+                "fp16 only: the dynamic loss scale never goes below this; auto: 1.",
+                exclusive_minimum=0,
+            ),
             _f("micro_batch_size", "int", 4, "Examples per process per forward pass.", exclusive_minimum=0),
             _f(
                 "global_batch_size",
@@ -281,6 +316,65 @@ SECTIONS: tuple[Section, ...] = (
                 "auto",
                 "Elements per all-gather bucket at stage 1/2; auto: 5e8, less when memory is tight.",
                 exclusive_minimum=0,
+            ),
+            _f(
+                "contiguous_gradients",
+                "bool|auto",
+                "auto",
+                "Copy gradients into one contiguous buffer as they are produced (less fragmentation); auto: on.",
+            ),
+            _f(
+                "round_robin_gradients",
+                "bool|auto",
+                "auto",
+                "Stage 1/2: spread the gradient copies to the CPU over ranks in turn; auto: on only with optimizer "
+                "offload.",
+            ),
+            _f(
+                "pin_memory",
+                "bool|auto",
+                "auto",
+                "Page-locked host buffers for offload (faster copies; host RAM that cannot be paged out); auto: on "
+                "unless the accelerator is cpu or host RAM is tight.",
+            ),
+            _f(
+                "sub_group_size",
+                "int|auto",
+                "auto",
+                "Stage 3: parameters (elements) per optimizer-step sub-group; auto: 1e9.",
+                minimum=0,
+            ),
+            _f(
+                "prefetch_bucket_size",
+                "int|auto",
+                "auto",
+                "Stage 3: parameters (elements) fetched ahead of use (stage3_prefetch_bucket_size); auto: "
+                "int(0.9 x hidden_size^2).",
+                minimum=0,
+            ),
+            _f(
+                "param_persistence_threshold",
+                "int|auto",
+                "auto",
+                "Stage 3: parameters with fewer elements than this stay gathered (stage3_param_persistence_threshold); "
+                "auto: 10 x hidden_size.",
+                minimum=0,
+            ),
+            _f(
+                "max_live_parameters",
+                "int|auto",
+                "auto",
+                "Stage 3: most parameters (elements) gathered at once (stage3_max_live_parameters); auto: 1e9, 1e8 "
+                "when memory is tight.",
+                minimum=0,
+            ),
+            _f(
+                "max_reuse_distance",
+                "int|auto",
+                "auto",
+                "Stage 3: a gathered parameter used again within this many parameters stays gathered "
+                "(stage3_max_reuse_distance); auto: 1e9, 1e8 when memory is tight.",
+                minimum=0,
             ),
         ),
     ),

@@ -20,14 +20,34 @@ from .options import out_option, overrides_argument, recipe_argument
 Examples:
   ftkit check recipe.yaml            # in CI: exit 0 in sync, 1 drifted (diff printed), 2 bad recipe or path
   ftkit check recipe.yaml -o deploy
+  ftkit check recipe.yaml --against train/ds_config.json   # a hand-written config, compared by meaning
 """,
 )
 @recipe_argument
 @out_option
+@click.option(
+    "--against",
+    "against",
+    multiple=True,
+    type=click.Path(path_type=str),
+    metavar="FILE",
+    help='Compare a hand-written ds_config.json or accelerate.yaml by meaning (values, keys one side has, "auto" '
+    "vs a value) with what RECIPE renders, instead of the files in OUT.",
+)
 @overrides_argument
-def command(recipe: str, out: str | None, overrides: tuple[str, ...]) -> None:
+def command(recipe: str, out: str | None, against: tuple[str, ...], overrides: tuple[str, ...]) -> None:
     """Re-render RECIPE in memory and compare with the files in OUT; print a unified diff per drifted file."""
     plan = load_and_plan(recipe, overrides)
+    if against:
+        from ..imports.against import check_against
+
+        lines, differences = check_against(plan, against)
+        for line in lines:
+            click.echo(line)
+        if differences:
+            click.echo(f"{differences} difference(s) from what {recipe} renders", err=True)
+            sys.exit(ExitCode.DRIFT)
+        return
     out_dir = Path(out) if out else default_out_dir(plan.recipe)
     drifted = 0
     for name, fresh in render_files(plan, out_dir).items():

@@ -20,6 +20,7 @@ from ..errors import ExitCode, FtkitError, Problem, UserError, os_error
 EPILOG = """\b
 Examples:
   ftkit init myjob --template lora      # write myjob/recipe.yaml and myjob/hostfile
+  ftkit import ds_config.json -o myjob/recipe.yaml   # or start from the configs you have
   ftkit plan myjob/recipe.yaml          # which ZeRO stage fits, and why
   ftkit render myjob/recipe.yaml        # write myjob/configs/{ds_config.json,accelerate.yaml}
   ftkit check myjob/recipe.yaml         # fail (exit 1) when checked-in configs drifted
@@ -106,9 +107,9 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from . import check, doctor, explain, init, launch, plan, render, schema, status, stop, submit
+    from . import check, doctor, explain, import_, init, launch, plan, render, schema, status, stop, submit
 
-    for mod in (init, render, check, explain, plan, doctor, launch, submit, status, stop, schema):
+    for mod in (init, import_, render, check, explain, plan, doctor, launch, submit, status, stop, schema):
         cli.add_command(mod.command)
 
 

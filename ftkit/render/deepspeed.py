@@ -40,14 +40,9 @@ def render_deepspeed(plan: Plan) -> dict[str, Any]:
     precision = k["precision"].value
     cfg["bf16"] = {"enabled": precision == "bf16"}
     if precision == "fp16":
-        cfg["fp16"] = {
-            "enabled": True,
-            "loss_scale": 0,  # 0 = dynamic loss scaling
-            "loss_scale_window": 1000,
-            "initial_scale_power": 16,
-            "hysteresis": 2,
-            "min_loss_scale": 1,
-        }
+        cfg["fp16"] = {"enabled": True}  # loss_scale 0 = dynamic loss scaling
+        for name in ("loss_scale", "loss_scale_window", "initial_scale_power", "hysteresis", "min_loss_scale"):
+            cfg["fp16"][name] = k[f"fp16.{name}"].value
     else:
         cfg["fp16"] = {"enabled": False}
 

@@ -1,0 +1,301 @@
+"""``ftkit check --against FILE``: a semantic diff between a hand-written config and what the recipe renders.
+
+Both sides are put in DeepSpeed's canonical spelling first (:func:`ftkit.imports.deepspeed.canonical`: aliases,
+deprecated names, ``2e8`` vs ``200000000``, ``"true"`` vs ``true``), a key one side leaves out takes DeepSpeed's
+default, and keys DeepSpeed ignores in that config (stage-specific keys at another stage, fp16's loss scaling with
+fp16 off) are left out. ``"auto"`` is resolved the way HF Trainer and Accelerate resolve it with the recipe's
+TrainingArguments (the batch triple, clipping, optimizer values, precision) and the model's hidden size (bucket
+sizes): equal after that is no difference; an ``"auto"`` nobody fills, or one that resolves to another value, is.
+Settings that do not change training (DeepSpeed's logging and monitors, the untested-optimizer switches, saving
+16-bit weights) are listed as notes, never as differences.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import Problem, UserError
+from .deepspeed import DEFAULTS, canonical, default_clipping, relevant
+from .mapping import fmt
+from .read import load
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..plan import Plan
+
+MISSING: Any = type("Missing", (), {"__repr__": lambda self: "(absent)"})()
+
+HF_DERIVED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+# keys that do not change training: reported as notes
+NOT_TRAINING = {
+    "steps_per_print": "DeepSpeed's progress print",
+    "wall_clock_breakdown": "DeepSpeed's timing printout",
+    "dump_state": "DeepSpeed's state printout",
+    "memory_breakdown": "DeepSpeed's memory printout",
+    "zero_allow_untested_optimizer": "ftkit configures DeepSpeed's own AdamW",
+    "zero_force_ds_cpu_optimizer": "ftkit configures DeepSpeed's own AdamW",
+    "optimizer.params.torch_adam": "the AdamW implementation (same update up to rounding)",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "saving only",
+    "zero_optimization.ignore_unused_parameters": "an error check only",
+}
+NOT_TRAINING_PREFIXES = (
+    "comms_logger.",
+    "comms_config.",
+    "monitor_config.",
+    "tensorboard.",
+    "wandb.",
+    "csv_monitor.",
+    "flops_profiler.",
+    "timers.",
+    "checkpoint.",
+    "aio.",
+    "autotuning.",
+    "activation_checkpointing.",
+    "compile.",
+)
+
+
+@dataclass(frozen=True)
+class Difference:
+    key: str
+    file_value: Any
+    rendered_value: Any
+    kind: str  # "differs" | "only in file" | "only rendered" | "auto"
+    note: str = ""
+
+    def line(self, file: str) -> str:
+        a, b = _show(self.file_value), _show(self.rendered_value)
+        note = f" ({self.note})" if self.note else ""
+        if self.kind == "only in file":
+            return f"{file} {self.key}: only in {file} (= {a}); the recipe renders no such key{note}"
+        if self.kind == "only rendered":
+            return f"{file} {self.key}: not in {file}; the recipe renders {b}{note}"
+        if self.kind == "auto":
+            return f'{file} {self.key}: "auto" in {file}, the recipe renders {b}{note}'
+        return f"{file} {self.key}: {a} in {file}, the recipe renders {b}{note}"
+
+
+def _show(value: Any) -> str:
+    if value is MISSING:
+        return "(absent)"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return fmt(value)
+
+
+def diff_against(plan: Plan, file: str, ds_path_in_yaml: str = "ds_config.json") -> tuple[list[Difference], list[str]]:
+    """(differences, notes) between ``file`` (a DeepSpeed JSON or an Accelerate YAML, whose deepspeed_config_file is
+    compared too) and what ``plan`` renders."""
+    from ..render.accelerate import accelerate_dict
+    from ..render.deepspeed import render_deepspeed
+
+    loaded = load(file)
+    if loaded.kind == "deepspeed":
+        return compare_deepspeed(loaded.data, render_deepspeed(plan), plan)
+    if loaded.kind != "accelerate":
+        raise UserError(
+            Problem(f"is a {loaded.kind} config: --against compares a DeepSpeed JSON or an Accelerate YAML", file=file)
+        )
+    diffs, notes = compare_accelerate(loaded.data, accelerate_dict(plan, ds_path_in_yaml), render_deepspeed(plan))
+    ds = (loaded.data.get("deepspeed_config") or {}).get("deepspeed_config_file")
+    if ds:
+        path = Path(str(ds))
+        if not path.is_absolute() and not path.exists():
+            path = loaded.path.parent / path
+        if not path.exists():
+            raise UserError(Problem(f"deepspeed_config_file {ds}: not found", file=file))
+        inner = load(str(path), kind="deepspeed")
+        d2, n2 = compare_deepspeed(inner.data, render_deepspeed(plan), plan)
+        diffs += [Difference(f"{ds}: {d.key}", d.file_value, d.rendered_value, d.kind, d.note) for d in d2]
+        notes += [f"{ds}: {n}" for n in n2]
+    return diffs, notes
+
+
+def compare_deepspeed(file_cfg: Any, rendered: dict[str, Any], plan: Plan | None) -> tuple[list[Difference], list[str]]:
+    if not isinstance(file_cfg, dict):
+        raise UserError(Problem("expected a DeepSpeed config (a JSON object)"))
+    fa, fb = canonical(file_cfg), canonical(rendered)
+    diffs: list[Difference] = []
+    notes: list[str] = []
+    if plan is not None:
+        for key in HF_DERIVED:  # absent: HF and DeepSpeed derive them from TrainingArguments, as for "auto"
+            if key not in fa:
+                fa[key] = "auto"
+        if not any(k.startswith("optimizer.") for k in fa):  # HF builds AdamW from TrainingArguments
+            fa.update({k: "auto" for k in ("optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps")})
+            fa.update({"optimizer.type": "adamw", "optimizer.params.weight_decay": "auto"})
+            notes.append('optimizer: absent: HF Trainer builds AdamW from TrainingArguments (compared as "auto")')
+    for key in sorted(set(fa) | set(fb)):
+        a, b = fa.get(key, MISSING), fb.get(key, MISSING)
+        why = _not_training(key)
+        if why:
+            if _value(a, key, fa) != _value(b, key, fb):
+                notes.append(f"{key}: {_show(a)} vs {_show(b)} rendered: not compared ({why}; no effect on training)")
+            continue
+        skip_a, skip_b = relevant(key, fa), relevant(key, fb)
+        if skip_a and skip_b:
+            continue
+        note = ""
+        if a == "auto":
+            resolved, how = _auto(key, plan, fa)
+            if resolved is None:
+                diffs.append(Difference(key, a, b, "auto", how or "HF and Accelerate do not fill it"))
+                continue
+            a, note = resolved, f'"auto": {how}'
+        va, vb = _value(a, key, fa), _value(b, key, fb)
+        if va is MISSING and vb is MISSING:
+            continue
+        if va is MISSING:
+            diffs.append(Difference(key, a, b, "only rendered", note))
+        elif vb is MISSING:
+            diffs.append(Difference(key, a, b, "only in file", note))
+        elif not _equal(va, vb):
+            if a is MISSING:
+                note = f"absent: DeepSpeed's default {fmt(va)}"
+            elif b is MISSING:
+                note = f"the recipe leaves it to DeepSpeed's default {fmt(vb)}"
+            diffs.append(Difference(key, a if a is not MISSING else va, b if b is not MISSING else vb, "differs", note))
+        elif note:
+            notes.append(f"{key}: {note} = {fmt(vb)} rendered")
+    return diffs, notes
+
+
+def _not_training(key: str) -> str | None:
+    if key in NOT_TRAINING:
+        return NOT_TRAINING[key]
+    if key.startswith(NOT_TRAINING_PREFIXES):
+        return "logging, monitoring or file options"
+    return None
+
+
+def _value(value: Any, key: str, flat: dict[str, Any]) -> Any:
+    """A side's effective value: its own, or DeepSpeed's default when it leaves the key out."""
+    if value is not MISSING:
+        return value
+    if key == "zero_optimization.overlap_comm":  # DeepSpeed's dynamic default: on at stage 3
+        return flat.get("zero_optimization.stage", 0) == 3
+    if key == "gradient_clipping":
+        return default_clipping()[0]
+    if key.startswith("fp16.") and key != "fp16.enabled" and flat.get("fp16.enabled") is not True:
+        return MISSING
+    return DEFAULTS.get(key, MISSING)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def _auto(key: str, plan: Plan | None, flat: dict[str, Any]) -> tuple[Any, str]:
+    """What HF Trainer (or Accelerate) fills into ``"auto"`` at ``key`` with the recipe's TrainingArguments and
+    model; (None, why) when nobody fills it."""
+    if plan is None:
+        return None, "no recipe to resolve it with"
+    r = plan.recipe
+    h = plan.hidden_size
+    filled: dict[str, tuple[Any, str]] = {
+        "train_batch_size": (plan.global_batch_size, "HF: micro x accumulation x world size"),
+        "train_micro_batch_size_per_gpu": (plan.micro_batch_size, "HF: per_device_train_batch_size"),
+        "gradient_accumulation_steps": (plan.grad_accum, "HF: gradient_accumulation_steps"),
+        "gradient_clipping": (r["train.max_grad_norm"], "HF: max_grad_norm"),
+        "optimizer.params.lr": (r["train.learning_rate"], "HF: learning_rate"),
+        "optimizer.params.betas": ([r["train.adam_beta1"], r["train.adam_beta2"]], "HF: adam_beta1, adam_beta2"),
+        "optimizer.params.eps": (r["train.adam_epsilon"], "HF: adam_epsilon"),
+        "optimizer.params.weight_decay": (r["train.weight_decay"], "HF: weight_decay"),
+        "fp16.enabled": (r["train.precision"] == "fp16", "HF: fp16"),
+        "bf16.enabled": (r["train.precision"] == "bf16", "HF: bf16"),
+        "scheduler.params.warmup_max_lr": (r["train.learning_rate"], "HF: learning_rate"),
+        "scheduler.params.warmup_min_lr": (0, "HF: 0"),
+        "scheduler.params.warmup_num_steps": (max(1, r["train.warmup_steps"]), "HF: warmup_steps (at least 1)"),
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save": (
+            False,
+            "Accelerate: zero3_save_16bit_model, false unless set",
+        ),
+    }
+    if h:
+        filled["zero_optimization.reduce_bucket_size"] = (h * h, f"HF: hidden_size^2 = {h}^2")
+        if flat.get("zero_optimization.stage") == 3:
+            filled["zero_optimization.stage3_prefetch_bucket_size"] = (int(0.9 * h * h), "HF: int(0.9 x hidden^2)")
+            filled["zero_optimization.stage3_param_persistence_threshold"] = (10 * h, "HF: 10 x hidden_size")
+    if r["train.max_steps"] is not None:
+        filled["scheduler.params.total_num_steps"] = (r["train.max_steps"], "HF: the run's optimizer steps")
+    if key in filled:
+        return filled[key]
+    return None, "HF and Accelerate do not fill it"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Accelerate YAML
+
+_ACCEL_COMPARED = ("distributed_type", "num_machines", "num_processes", "use_cpu", "mixed_precision")
+_PLUGIN_TO_DS = {
+    "zero_stage": "zero_optimization.stage",
+    "offload_optimizer_device": "zero_optimization.offload_optimizer.device",
+    "offload_param_device": "zero_optimization.offload_param.device",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "gradient_clipping": "gradient_clipping",
+}
+
+
+def compare_accelerate(
+    file_cfg: dict[str, Any], rendered: dict[str, Any], rendered_ds: dict[str, Any]
+) -> tuple[list[Difference], list[str]]:
+    diffs: list[Difference] = []
+    notes: list[str] = []
+    for key in _ACCEL_COMPARED:
+        a, b = file_cfg.get(key, MISSING), rendered.get(key, MISSING)
+        if key == "distributed_type" and isinstance(a, str):
+            a = a.upper()
+        if key == "use_cpu" and a is MISSING:
+            a = False
+        if a is MISSING and b is MISSING:
+            continue
+        if a is MISSING:
+            diffs.append(Difference(key, a, b, "only rendered"))
+        elif b is MISSING:
+            note = "Accelerate refuses it next to a deepspeed_config_file" if key == "mixed_precision" else ""
+            diffs.append(Difference(key, a, b, "only in file", note))
+        elif str(a).lower() != str(b).lower():
+            diffs.append(Difference(key, a, b, "differs"))
+    plugin = file_cfg.get("deepspeed_config") or {}
+    if isinstance(plugin, dict) and not plugin.get("deepspeed_config_file"):
+        flat = canonical(rendered_ds)
+        for sub, ds_key in _PLUGIN_TO_DS.items():
+            if sub in plugin:
+                a, b = plugin[sub], flat.get(ds_key, DEFAULTS.get(ds_key, "none"))
+                if str(a).lower() == "auto":
+                    notes.append(f'deepspeed_config.{sub}: "auto": HF fills it from TrainingArguments')
+                elif not _equal(canonical({"x": a})["x"], b):
+                    diffs.append(Difference(f"deepspeed_config.{sub}", a, b, "differs", f"rendered as {ds_key}"))
+    for key in sorted(set(file_cfg) - set(_ACCEL_COMPARED) - {"deepspeed_config"}):
+        if key in ("main_process_ip", "main_process_port") and key in rendered and file_cfg[key] != rendered[key]:
+            notes.append(f"{key}: {_show(file_cfg[key])} vs {_show(rendered[key])} rendered (launch only)")
+    for key in ("zero3_init_flag", "deepspeed_multinode_launcher"):
+        a, b = (
+            plugin.get(key, MISSING) if isinstance(plugin, dict) else MISSING,
+            rendered["deepspeed_config"].get(key, MISSING),
+        )
+        if a is not MISSING and b is not MISSING and a != b:
+            notes.append(f"deepspeed_config.{key}: {_show(a)} vs {_show(b)} rendered (loading/launch only)")
+    return diffs, notes
+
+
+def check_against(plan: Plan, files: tuple[str, ...] | list[str]) -> tuple[list[str], int]:
+    """The lines ``ftkit check --against`` prints for each file, and the number of differences."""
+    lines: list[str] = []
+    count = 0
+    for file in files:
+        diffs, notes = diff_against(plan, file)
+        count += len(diffs)
+        lines += [d.line(file) for d in diffs]
+        lines += [f"{file} {n}" for n in notes if "not compared" in n]
+        if not diffs:
+            lines.append(f"{file}: equivalent to what the recipe renders")
+    return lines, count

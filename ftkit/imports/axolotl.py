@@ -1,0 +1,273 @@
+"""Axolotl YAML -> claims. Axolotl builds TrainingArguments from its own key names (micro_batch_size,
+num_epochs, lr_scheduler, ...); its DeepSpeed file (``deepspeed:``) is read as a source too. What shapes the data
+(datasets and their prompt formats, sample packing, held-out splits, special tokens) cannot be carried: ftkit reads
+local jsonl/json/csv/parquet/txt with text, prompt+completion or messages fields (data.train)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from . import trainer_args as ta
+from .fsdp import refuse_fsdp
+from .mapping import ACCUM, BF16, FP16, MICRO, TA_OPTIM, Sink
+from .values import to_bool, to_int, to_str, unset
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .build import Context
+
+NONE = "no effect on training"
+DATA = "convert it to a local jsonl (text, prompt+completion or messages fields) and set data.train"
+
+
+def _model(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+    if (s := to_str(sink, key, value)) is not None:
+        sink.map(key, "model.path", ctx.path_value(s, hub=True), origin="ta")
+
+
+def _adapter(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+    name = "" if unset(value) else str(value).lower()
+    if name == "":
+        sink.map(key, "peft", None, "no adapter: full fine-tuning", origin="ta")
+    elif name == "lora":
+        sink.map(key, "peft.method", "lora", origin="ta")
+    elif name == "qlora":
+        c = sink.refuse(key, "QLoRA: LoRA on a 4-bit quantized base model", "accepted: LoRA on the 16-bit base")
+        c.target, c.value = "peft.method", "lora"
+    else:
+        sink.refuse(key, f"adapter {value}: ftkit trains LoRA or all parameters", "accepted: full fine-tuning")
+
+
+def _targets(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+    if unset(value):
+        sink.same(key, "unset")
+    elif isinstance(value, list) and all(isinstance(x, str) for x in value):
+        sink.map(key, "peft.target_modules", list(value), origin="ta")
+    elif isinstance(value, str):
+        sink.map(key, "peft.target_modules", [value], origin="ta")
+    else:
+        sink.problem(key, "expected a list of module names")
+
+
+def _linear(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+    b = to_bool(sink, key, value) if not unset(value) else False
+    if b:
+        sink.map(key, "peft.target_modules", ["all-linear"], "every linear layer but the output layer", origin="ta")
+    elif b is False:
+        sink.same(key, "off")
+
+
+def _precision(target: str) -> ta.Handler:
+    def h(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+        if unset(value):
+            sink.same(key, "unset")
+        elif str(value).lower() == "auto":
+            sink.map(key, target, True, "auto: Axolotl uses it when the GPU supports it (Ampere or newer)", origin="ta")
+        elif (b := to_bool(sink, key, value)) is not None:
+            sink.map(key, target, b, origin="ta")
+
+    return h
+
+
+def _unset_or(handler: ta.Handler) -> ta.Handler:
+    def h(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+        if unset(value):
+            sink.same(key, "unset")
+        else:
+            handler(sink, key, value, args, ctx)
+
+    return h
+
+
+def _refuse_if_set(why: str, effect: str) -> ta.Handler:
+    def h(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+        if unset(value) or value is False or str(value).lower() in ("false", "0", "none"):
+            sink.same(key, "unset")
+        else:
+            sink.refuse(key, why, effect)
+
+    return h
+
+
+def _fsdp(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+    if unset(value) or value is False:
+        sink.same(key, "FSDP off")
+    else:
+        config = args.get("fsdp_config") if isinstance(args.get("fsdp_config"), dict) else {}
+        version = str(args.get("fsdp_version", config.get("fsdp_version", 1))).strip()
+        refuse_fsdp(sink, key, value, 2 if version == "2" else 1)
+
+
+# Axolotl dataset types whose rows ftkit reads as they are: completion (a text field) and chat_template (messages)
+_PLAIN_TYPES = {"completion": ("field", "text"), "chat_template": ("field_messages", "messages")}
+
+
+def _datasets(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+    """One local file of type completion (a text field) or chat_template (messages) is ftkit's data.train as it
+    is; anything else (hub datasets, prompt formats such as alpaca, several datasets) cannot be carried."""
+    if unset(value):
+        sink.same(key, "unset")
+        return
+    entries = value if isinstance(value, list) else [value]
+    first = entries[0] if len(entries) == 1 and isinstance(entries[0], dict) else {}
+    kind = str(first.get("type", ""))
+    path = str(first.get("path", ""))
+    plain = _PLAIN_TYPES.get(kind)
+    local = ctx.resolve_path(path, ctx.current_dir) if path else None
+    suffix = path.rsplit(".", 1)[-1].lower()
+    if plain and local is not None and local.is_file() and suffix in ("jsonl", "json", "csv", "parquet", "txt"):
+        field, default = plain
+        if str(first.get(field, default)) != default:
+            sink.refuse(key, f"{kind} data with its {field} {first.get(field)}", f"rename it to {default}; {DATA}")
+        else:
+            sink.map(key, "data.train", ctx.path_value(str(local)), f"type {kind}: ftkit reads its {default} field")
+    else:
+        what = "several datasets" if len(entries) > 1 else f"dataset {path or '?'} of type {kind or '?'}"
+        sink.refuse(key, f"Axolotl {what}", DATA)
+
+
+def _sequence_len(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+    if (n := to_int(sink, key, value, minimum=1)) is not None:
+        sink.map(
+            key,
+            "data.max_seq_len",
+            n,
+            "Axolotl drops longer examples; ftkit stops naming the row (data.truncate: false) or cuts them",
+            origin="ta",
+        )
+
+
+def _wandb(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+    if unset(value):
+        sink.same(key, "unset")
+    elif key == "wandb_project":
+        sink.map(key, "train.report_to", ["wandb"], "set WANDB_PROJECT for the run", origin="ta")
+    else:
+        sink.no_effect(key, "W&B run details: set WANDB_* in the environment", NONE)
+
+
+def _save_eval_per_epoch(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+    if unset(value):
+        sink.same(key, "unset")
+    else:
+        sink.no_effect(
+            key, "a cadence per epoch: ftkit saves every train.save_steps, evaluates every train.eval_steps", NONE
+        )
+
+
+def _train_on_inputs(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+    if unset(value) or to_bool(sink, key, value) is False:
+        sink.same(key, "loss on completions only: what ftkit's prompt+completion and messages formats do")
+    else:
+        sink.refuse(key, "loss on the prompts too", "loss on completions only")
+
+
+KEYS: dict[str, ta.Handler] = {
+    "base_model": _model,
+    "base_model_config": ta._none("the model's config: read from model.path", NONE),
+    "model_type": ta._none("model class: ftkit loads AutoModelForCausalLM", NONE),
+    "model_config_type": ta._none("model class", NONE),
+    "tokenizer_type": ta._none("tokenizer class: ftkit loads AutoTokenizer", NONE),
+    "tokenizer_config": _unset_or(
+        lambda sink, key, value, args, ctx: sink.map(
+            key, "model.tokenizer", ctx.path_value(str(value), hub=True), origin="ta"
+        )
+    ),
+    "trust_remote_code": ta._none("remote code loading", NONE),
+    "strict": ta._none("Axolotl's config strictness", NONE),
+    "load_in_8bit": _refuse_if_set("an 8-bit quantized base model", "accepted: a 16-bit base"),
+    "load_in_4bit": _refuse_if_set("a 4-bit quantized base model", "accepted: a 16-bit base"),
+    "datasets": _datasets,
+    "test_datasets": _refuse_if_set("Axolotl evaluation datasets", "set data.eval to a local file"),
+    "chat_template": _refuse_if_set("a chat template for the data", "the tokenizer's own chat template"),
+    "dataset_prepared_path": ta._none("Axolotl's tokenized-data cache", NONE),
+    "val_set_size": lambda sink, key, value, args, ctx: (
+        sink.same(key, "no held-out split")
+        if unset(value) or str(value) in ("0", "0.0")
+        else sink.refuse(key, f"holds out {value} of the training data for evaluation", "accepted: all of it trains")
+    ),
+    "output_dir": ta._output_dir,
+    "adapter": _adapter,
+    "lora_model_dir": _refuse_if_set("starts from saved adapters", "new adapters"),
+    "sequence_len": _sequence_len,
+    "sample_packing": _refuse_if_set("sample packing (several examples per sequence)", "one example per sequence"),
+    "eval_sample_packing": ta._none("evaluation packing", NONE),
+    "pad_to_sequence_len": ta._none("padding to sequence_len", "same loss; more memory"),
+    "lora_r": _unset_or(ta._int("peft.r", 1)),
+    "lora_alpha": _unset_or(ta._float("peft.alpha")),
+    "lora_dropout": _unset_or(ta._float("peft.dropout")),
+    "lora_target_modules": _targets,
+    "lora_target_linear": _linear,
+    "lora_fan_in_fan_out": _refuse_if_set("fan-in/fan-out LoRA layout", "PEFT's default layout"),
+    "lora_modules_to_save": _refuse_if_set("extra fully trained modules", "only the LoRA adapters train"),
+    "peft_use_dora": _refuse_if_set("DoRA", "plain LoRA"),
+    "peft_use_rslora": _refuse_if_set("rank-stabilised LoRA scaling", "alpha / r scaling"),
+    "gradient_accumulation_steps": _unset_or(ta._int(ACCUM, 1)),
+    "micro_batch_size": _unset_or(ta._int(MICRO, 1)),
+    "num_epochs": _unset_or(ta._float("train.epochs")),
+    "max_steps": _unset_or(ta._max_steps),
+    "optimizer": _unset_or(lambda sink, key, value, args, ctx: sink.map(key, TA_OPTIM, str(value), origin="ta")),
+    "lr_scheduler": _unset_or(ta._scheduler),
+    "learning_rate": _unset_or(ta._float("train.learning_rate")),
+    "weight_decay": _unset_or(ta._float("train.weight_decay")),
+    "adam_beta1": _unset_or(ta._float("train.adam_beta1")),
+    "adam_beta2": _unset_or(ta._float("train.adam_beta2")),
+    "adam_epsilon": _unset_or(ta._float("train.adam_epsilon")),
+    "max_grad_norm": _unset_or(ta._float("train.max_grad_norm")),
+    "warmup_steps": _unset_or(ta._warmup),
+    "warmup_ratio": _unset_or(ta._warmup),
+    "train_on_inputs": _train_on_inputs,
+    "group_by_length": _refuse_if_set("batches grouped by length", "random batches"),
+    "bf16": _precision(BF16),
+    "fp16": _precision(FP16),
+    "tf32": ta._none("TF32 matmuls: ftkit leaves PyTorch's default", ta.ROUNDING),
+    "gradient_checkpointing": _unset_or(ta._gc),
+    "gradient_checkpointing_kwargs": ta._none("checkpointing variant (use_reentrant)", ta.ROUNDING),
+    "early_stopping_patience": _refuse_if_set("early stopping", "trains for the full length"),
+    "resume_from_checkpoint": ta._none("ftkit resumes from the newest committed checkpoint", NONE),
+    "auto_resume_from_checkpoints": ta._none("ftkit resumes from the newest committed checkpoint", NONE),
+    "local_rank": ta._none("set by the launcher", NONE),
+    "logging_steps": _unset_or(ta._cadence("train.logging_steps")),
+    "save_steps": _unset_or(ta._cadence("train.save_steps")),
+    "eval_steps": ta._eval_steps,
+    "save_total_limit": _unset_or(ta._save_total_limit),
+    "evals_per_epoch": _save_eval_per_epoch,
+    "saves_per_epoch": _save_eval_per_epoch,
+    "eval_table_size": ta._none("evaluation table logging", NONE),
+    "xformers_attention": ta._none("attention kernel", ta.ROUNDING),
+    "flash_attention": ta._none("attention kernel (flash-attn): ftkit uses the model's default", ta.ROUNDING),
+    "sdp_attention": ta._none("attention kernel", ta.ROUNDING),
+    "flex_attention": ta._none("attention kernel", ta.ROUNDING),
+    "loss_watchdog_threshold": ta._none("stops on a loss spike (monitoring)", NONE),
+    "loss_watchdog_patience": ta._none("stops on a loss spike (monitoring)", NONE),
+    "debug": ta._none("debug output", NONE),
+    "deepspeed": ta._deepspeed,
+    "fsdp": _fsdp,
+    "fsdp_config": _fsdp,
+    "fsdp_version": _fsdp,
+    "special_tokens": _refuse_if_set("special tokens added to the tokenizer", "the tokenizer as saved with the model"),
+    "tokens": _refuse_if_set("tokens added to the tokenizer", "the tokenizer as saved with the model"),
+    "seed": _unset_or(ta._int("train.seed")),
+    "wandb_project": _wandb,
+    "wandb_entity": _wandb,
+    "wandb_watch": _wandb,
+    "wandb_name": _wandb,
+    "wandb_log_model": _wandb,
+    "wandb_run_id": _wandb,
+    "hub_model_id": ta._none("hub upload", NONE),
+    "dataloader_num_workers": ta._none("data loading", NONE),
+    "dataloader_pin_memory": ta._none("data loading", NONE),
+    "dataloader_prefetch_factor": ta._none("data loading", NONE),
+    "use_wandb": _wandb,
+}
+
+
+def read(sink: Sink, data: Any, ctx: Context) -> None:
+    from .read import Command
+
+    if isinstance(data, Command):  # `axolotl train config.yml`, `accelerate launch -m axolotl.cli.train config.yml`
+        for path in data.positional:
+            ctx.follow(sink, f"{data.launcher} {data.script or 'train'} {path}", path, "axolotl")
+        if data.launcher != "axolotl":
+            ta._launcher(sink, data, ctx)
+        return
+    ta.read(sink, data, ctx, extra=KEYS, kind="Axolotl")
