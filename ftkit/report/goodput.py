@@ -450,6 +450,7 @@ class Goodput:
             "launches": self.launches,
             "live": self.live,
             "definition": DEFINITION,
+            "line": self.line(),
         }
 
 

@@ -127,12 +127,22 @@ class ReportRefresher:
             self.log.parent.mkdir(parents=True, exist_ok=True)
             with open(self.log, "wb") as err:
                 self._proc = subprocess.Popen(
-                    [sys.executable, "-m", "ftkit", "report", str(self.rd.path), "-o", str(self.out)],
+                    [
+                        sys.executable,
+                        "-m",
+                        "ftkit",
+                        "report",
+                        str(self.rd.path.resolve()),
+                        "-o",
+                        str(self.out.resolve()),
+                    ],
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
                     stderr=err,
                     start_new_session=True,  # a Ctrl-C to the terminal is the supervisor's to handle, not the render's
-                    cwd=str(self.rd.path),
+                    # `-m` imports from the working directory first: the run directory has an ftkit/ folder of its
+                    # own, so run where this very ftkit package lives
+                    cwd=str(Path(__file__).resolve().parents[2]),
                 )
         except OSError as e:
             self._warn(f"cannot start it ({e.strerror or e})")
