@@ -125,7 +125,7 @@ def loss_chart(atts: list[Attempt]) -> str | None:
                 linewidth=2,
                 alpha=0.6,
                 color=colour,
-                label=f"attempt {a.attempt}: steps {lo + 1}-{hi} recomputed later",
+                label=f"attempt {a.attempt}: step{f's {lo + 1}-{hi}' if hi > lo + 1 else f' {hi}'} recomputed later",
             )
             line.set_gid(f"recomputed-attempt-{a.attempt}")
         if a.resume_step > 0:
@@ -140,6 +140,9 @@ def loss_chart(atts: list[Attempt]) -> str | None:
             steps, [evals[s] for s in steps], marker="x", linestyle="--", color="black", label="eval loss", zorder=4
         )
         line.set_gid("eval-loss")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
     _style(ax)
@@ -191,21 +194,27 @@ def timeline_chart(tl: Timeline, atts: list[Attempt]) -> str | None:
                 (b.start + b.end) / 2 / unit, rows[b.host], f"attempt {b.attempt}", ha="center", va="center", fontsize=7
             )
     seen_mark: set[str] = set()
-    for m in tl.marks:
+    for i, m in enumerate(tl.marks):
         marker, colour = MARK_STYLE.get(m.kind, ("o", "black"))
         ys = [rows[h] for h in m.hosts if h in rows] or list(rows.values())
         if m.kind == "launch_boundary":
-            ax.axvline(m.time / unit, color="black", linestyle="-.", linewidth=0.8).set_gid(f"mark-{m.kind}")
+            ax.axvline(m.time / unit, color="black", linestyle="-.", linewidth=0.8).set_gid(f"mark-{m.kind}-{i}")
             continue
         label = None if m.kind in seen_mark else MARKS[m.kind]
         seen_mark.add(m.kind)
+        above = m.kind in ("failure", "host_lost", "gave_up", "interrupted", "straggler")  # what went wrong: above
         pts = ax.scatter(
-            [m.time / unit] * len(ys), [y + 0.38 for y in ys], marker=marker, color=colour, s=40, zorder=5, label=label
+            [m.time / unit] * len(ys),
+            [y + (-0.4 if above else 0.4) for y in ys],
+            marker=marker,
+            color=colour,
+            s=40,
+            zorder=5,
+            label=label,
         )
-        pts.set_gid(f"mark-{m.kind}")
+        pts.set_gid(f"mark-{m.kind}-{i}")
     ax.set_yticks(list(rows.values()), list(rows))
-    ax.set_ylim(-0.6, len(rows) - 0.2 + 0.4)
-    ax.invert_yaxis()
+    ax.set_ylim(len(rows) - 0.4, -0.65)  # first host on top, room for the markers above and below
     ax.set_xlabel(f"run time ({name}; gaps between launches removed)")
     ax.set_xlim(0, max(tl.span_s, 1e-9) / unit * 1.02)
     _style(ax)
@@ -220,7 +229,7 @@ def breakdown_chart(g: Goodput) -> str | None:
     """The wall time as one stacked bar, by category."""
     if g.wall_s <= 0:
         return None
-    fig = _figure(8.6, 1.35)
+    fig = _figure(8.6, 0.75)
     ax = fig.subplots()
     left = 0.0
     for key, label, _ in CATEGORIES:
@@ -239,7 +248,7 @@ def breakdown_chart(g: Goodput) -> str | None:
     ax.set_xlabel("% of wall time")
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.9), ncol=5, frameon=False)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.75), ncol=5, frameon=False)
     return to_svg(fig, "breakdown-chart", "where the wall time went")
 
 
