@@ -115,6 +115,23 @@ def test_logging_steps_above_one_keeps_the_share_before_the_resume_step():
     assert sum(g.breakdown.values()) == pytest.approx(g.wall_s) == pytest.approx(40.0)
 
 
+def test_a_start_that_hangs_is_a_hang_and_one_that_fails_is_start_up():
+    events = [
+        {"time": 0.0, "event": "fresh_start", "attempt": 0},
+        {"time": 0.0, "event": "launch", "attempt": 0},
+        {"time": 240.0, "event": "failure", "attempt": 0, "kind": "startup"},
+        {"time": 241.0, "event": "restart", "attempt": 0, "delay_s": 1.0},
+        {"time": 242.0, "event": "fresh_start", "attempt": 1},
+        {"time": 242.0, "event": "launch", "attempt": 1},
+        {"time": 250.0, "event": "failure", "attempt": 1, "kind": "script_error"},
+        {"time": 251.0, "event": "gave_up", "attempt": 1},
+    ]
+    g = goodput(events, [])
+    assert g.breakdown["detection"] == pytest.approx(240.0) and g.breakdown["startup"] == pytest.approx(8.0)
+    assert g.breakdown["teardown"] == pytest.approx(1.0 + 1.0) and g.breakdown["backoff"] == pytest.approx(1.0)
+    assert g.largest_loss == ("detection", pytest.approx(240.0))
+
+
 def test_a_later_launch_counts_from_its_own_first_event_and_a_live_one_until_its_newest_record():
     first = [
         {"time": 0.0, "event": "fresh_start", "attempt": 0},

@@ -51,7 +51,8 @@ CATEGORIES: tuple[tuple[str, str, str], ...] = (
     (
         "detection",
         "failure detection / hang",
-        "from a failed attempt's last progress record to the failure ftkit declared (a hang lasts hang_timeout_s)",
+        "from a failed attempt's last progress record to the failure ftkit declared (a hang lasts hang_timeout_s); "
+        "a start that never reached a step within startup_timeout_s, from its launch",
     ),
     (
         "teardown",
@@ -351,8 +352,9 @@ def account(a: Attempt) -> dict[str, float]:
     clamp = lambda t: min(max(t, a.launch), a.end)  # noqa: E731 - rank 0's clock against the supervisor's
     first = a.first_step_time
     failed = a.end_event is not None and a.end_event["event"] == "failure"
-    if first is None:
-        sec["startup"] += a.end - a.launch  # never reached a logged step
+    if first is None:  # never reached a logged step: a start that hung, or one that failed (or still starting)
+        hung = failed and a.end_event is not None and a.end_event.get("kind") in ("startup", "hang")
+        sec["detection" if hung else "startup"] += a.end - a.launch
         a.seconds = sec
         return sec
     first = clamp(first)
