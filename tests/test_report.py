@@ -160,6 +160,14 @@ def test_no_events_no_goodput_and_malformed_records_are_left_out():
     assert not m.steps and not m.evals and not m.commits
 
 
+def test_a_long_run_draws_at_most_max_points_per_line_and_keeps_the_last():
+    from ftkit.report.charts import MAX_POINTS, thin
+
+    for n in (0, 5, MAX_POINTS, MAX_POINTS + 1, 10 * MAX_POINTS + 7):
+        got = thin(list(range(n)))
+        assert len(got) <= MAX_POINTS + 1 and got[-1:] == list(range(n))[-1:] and got[:1] == list(range(n))[:1]
+
+
 def _hand_run(tmp_path: Path) -> Path:
     run = tmp_path / "run"
     _jsonl(run / "events.jsonl", EVENTS)

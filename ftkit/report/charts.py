@@ -96,6 +96,15 @@ def _style(ax: Any) -> None:
 # ------------------------------------------------------------------------------------------------ loss
 
 
+MAX_POINTS = 4000  # per line: a long run's loss is drawn from every k-th logged step (the SVG stays small)
+
+
+def thin(points: list[Any]) -> list[Any]:
+    """Every k-th point (the last one kept) so that at most :data:`MAX_POINTS` are drawn."""
+    k = -(-len(points) // MAX_POINTS)
+    return points if k <= 1 else points[::k] + ([points[-1]] if (len(points) - 1) % k else [])
+
+
 def loss_chart(atts: list[Attempt]) -> str | None:
     """Loss against step, one colour per attempt; the steps a later attempt recomputed drawn dotted over a red
     band; eval loss as crosses; a dashed line where each restart resumed."""
@@ -105,8 +114,8 @@ def loss_chart(atts: list[Attempt]) -> str | None:
     ax = fig.subplots()
     for i, a in enumerate(atts):
         colour = attempt_colour(i)
-        kept = [s for s in a.steps if s.step <= a.kept_until]
-        gone = [s for s in a.steps if s.step > a.kept_until]
+        kept = thin([s for s in a.steps if s.step <= a.kept_until])
+        gone = thin([s for s in a.steps if s.step > a.kept_until])
         if kept:
             (line,) = ax.plot(
                 [s.step for s in kept], [s.loss for s in kept], marker=".", color=colour, label=f"attempt {a.attempt}"
@@ -135,7 +144,7 @@ def loss_chart(atts: list[Attempt]) -> str | None:
         for e in a.evals:
             evals[e.step] = e.loss
     if evals:
-        steps = sorted(evals)
+        steps = thin(sorted(evals))
         (line,) = ax.plot(
             steps, [evals[s] for s in steps], marker="x", linestyle="--", color="black", label="eval loss", zorder=4
         )
@@ -175,8 +184,9 @@ def timeline_chart(tl: Timeline, atts: list[Attempt]) -> str | None:
         style = PHASE_STYLE[b.phase]
         colour = style["color"] or colours.get(b.attempt, "#0072B2")
         label = None
-        if b.phase != "training" and b.phase not in seen_phase:
-            label, _ = PHASES[b.phase], seen_phase.add(b.phase)
+        if b.phase != "training" and b.phase not in seen_phase:  # one legend entry per phase
+            label = PHASES[b.phase]
+            seen_phase.add(b.phase)
         bars = ax.barh(
             rows[b.host],
             (b.end - b.start) / unit,

@@ -310,9 +310,7 @@ def _session_end(sess: list[dict[str, Any]], metrics: Metrics) -> float:
     start, end = float(sess[0]["time"]), float(sess[-1]["time"])
     if sess[-1]["event"] in ENDS:
         return end
-    newest = [
-        r.time for r in (*metrics.steps, *metrics.evals, *metrics.commits) if r.time >= start and r.attempt is not None
-    ]
+    newest = [r.time for r in (*metrics.steps, *metrics.evals, *metrics.commits) if r.time >= start]
     return max([end, *newest])
 
 
@@ -349,7 +347,10 @@ def account(a: Attempt) -> dict[str, float]:
     """Seconds of the attempt from its launch to its end event by category (start-up, productive, recomputed,
     saves, evaluation, detection, teardown, other); fills the attempt's throughput fields."""
     sec = dict.fromkeys(LABELS, 0.0)
-    clamp = lambda t: min(max(t, a.launch), a.end)  # noqa: E731 - rank 0's clock against the supervisor's
+
+    def clamp(t: float) -> float:  # rank 0's clock against the supervisor's: inside the attempt
+        return min(max(t, a.launch), a.end)
+
     first = a.first_step_time
     failed = a.end_event is not None and a.end_event["event"] == "failure"
     if first is None:  # never reached a logged step: a start that hung, or one that failed (or still starting)

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import NoSpace, Problem, UserError
 from ..rundir import RunDir, atomic_write
-from .goodput import CATEGORIES, DEFINITION, Attempt, Goodput, fmt_s, goodput, save_spans, timed_events
+from .goodput import CATEGORIES, DEFINITION, ENDS, Attempt, Goodput, fmt_s, goodput, save_spans, timed_events
 from .timeline import PHASES, Timeline, build_timeline
 
 TIER = "durable"  # every checkpoint is in the run directory today; a node-local tier would add its own rows
@@ -37,6 +37,7 @@ code{font-size:12px} .sw{vertical-align:middle}
   figure,table,.cards{break-inside:avoid} a{color:inherit;text-decoration:none}}
 """
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
+MAX_ROWS = 2000  # decisions listed (a run with more says so)
 
 
 def _e(x: Any) -> str:
@@ -242,7 +243,7 @@ def build_report(run_dir: str | Path) -> str:
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
         f"<title>{_e(title)}</title><style>{CSS}</style></head><body>",
         f"<h1>{_e(title)}</h1>",
-        _header(rd, g, events, metrics, skipped),
+        _header(rd, g, events, skipped),
         _goodput_section(g, charts.breakdown_chart(g)),
         _loss_section(g, charts.loss_chart(g.attempts)),
         _timeline_section(tl, events, charts.timeline_chart(tl, g.attempts)),
@@ -280,17 +281,8 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     return target
 
 
-def _header(
-    rd: RunDir, g: Goodput, events: list[dict[str, Any]], metrics: list[dict[str, Any]], skipped: dict[str, int]
-) -> str:
-    outcome = next(
-        (
-            e
-            for e in reversed(events)
-            if e["event"] in ("finished", "stopped", "gave_up", "interrupted", "refused", "failed")
-        ),
-        None,
-    )
+def _header(rd: RunDir, g: Goodput, events: list[dict[str, Any]], skipped: dict[str, int]) -> str:
+    outcome = next((e for e in reversed(events) if e["event"] in ENDS), None)
     state = (
         "running (or its supervisor was stopped): the page shows it up to its newest record"
         if g.live
@@ -406,8 +398,6 @@ NOTABLE = {
 
 
 def _timeline_section(tl: Timeline, events: list[dict[str, Any]], chart: str | None) -> str:
-    from .timeline import RunClock  # noqa: F401 - the run time in the table is the chart's
-
     t0 = tl.start_epoch
     rows = []
     for e in events:
@@ -416,6 +406,9 @@ def _timeline_section(tl: Timeline, events: list[dict[str, Any]], chart: str | N
         msg = e.get("message") or ""
         if e["event"] == "failure" and e.get("dead_ranks"):
             msg = f"{msg} (dead ranks {e['dead_ranks']})"
+        if len(rows) == MAX_ROWS:
+            rows.append(["", "", "", "...", "more decisions in events.jsonl"])
+            break
         rows.append(
             [
                 f"{float(e['time']) - t0:.1f}" if t0 is not None else "-",
