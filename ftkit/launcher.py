@@ -268,6 +268,10 @@ def _owned_launch(
         # Recomputed steps legitimately differ after any applied change (a new max_steps reshapes the schedule).
         sup.check_fidelity = not changes
         sup.events("preflight", "preflight passed: " + "; ".join(report.checks), versions=report.versions)
+        from .report.live import ReportRefresher, plan_record
+
+        sup.events("plan", None, **plan_record(plan))  # ftkit report reads the plan's figures from events.jsonl
+        sup.reports = ReportRefresher(rd, echo)
         code = sup.run(first=choice)
     finally:
         ownership.release()

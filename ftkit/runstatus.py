@@ -21,6 +21,7 @@ from typing import Any
 
 from .checkpoints import list_checkpoints, list_set_aside, read_commit, verify
 from .errors import ExitCode, FtkitError, NoSpace, Problem, UserError
+from .report.goodput import goodput
 from .rundir import RunDir
 from .stragglers import score_run
 
@@ -101,6 +102,7 @@ class RunSummary:
     eval_losses: list[tuple[int, float, int]] = field(default_factory=list)  # (step, eval loss, attempt), latest
     slurm: list[dict[str, Any]] = field(default_factory=list)  # {"job_id", "restart_count", "reason"} events
     stragglers: list[str] = field(default_factory=list)  # one line per slow host (ftkit.stragglers)
+    goodput: dict[str, Any] | None = None  # productive / wall time and the largest loss (ftkit.report.goodput)
 
     @property
     def recomputed(self) -> list[tuple[int, float, int]]:
@@ -238,6 +240,7 @@ def summarize(run_dir: str | Path, *, checksums: bool = False) -> RunSummary:
             if e.get("event") == "slurm"
         ],
         stragglers=score_run(rd.path).lines(),
+        goodput=goodput(events, metrics).as_dict(),
     )
 
 
@@ -249,6 +252,8 @@ def format_summary(s: RunSummary) -> str:
         lines.append(f"outcome: {s.outcome}")
     steps = f"{s.step}" + (f"/{s.max_steps}" if s.max_steps else "") if s.step is not None else "none yet"
     lines.append(f"attempts: {s.attempts}   restarts: {s.restarts}   step: {steps}")
+    if s.goodput:
+        lines.append(s.goodput["line"])
     if s.first_loss is not None:
         lines.append(f"loss: {s.first_loss:.4f} at step {s.losses[0][0]} -> {s.last_loss:.4f} at step {s.step}")
     if s.eval_losses:

@@ -42,6 +42,7 @@ from .fidelity import FidelityCheck
 from .observe import Observer, log_tail, root_cause
 from .procs import exit_meaning
 from .rank import STOP_FILE
+from .report.live import record_step_times
 from .rundir import NEARLY_FULL, RunDir, append_jsonl, atomic_write
 from .shrink import convert_newest, probe_hosts
 from .stragglers import hosts_to_exclude
@@ -144,6 +145,7 @@ class Supervisor:
         self._plan: Any = None
         self._universal_attempt = False
         self._exclude: list[str] = []  # stragglers a graceful stop is leaving out (resilience.exclude_stragglers)
+        self.reports: Any = None  # ftkit.report.ReportRefresher: RUN/report.html after each attempt (set by the launch)
 
     # ------------------------------------------------------------------------------------------------ choose
 
@@ -351,6 +353,8 @@ class Supervisor:
                 (self.rd.meta / STOP_FILE).unlink()
             except OSError:
                 pass
+            if self.reports is not None:
+                self.reports.finish()  # the page with the launch's last events; a bounded wait
 
     def _run(self, first: Choice | None) -> int:
         attempt = self.rd.next_attempt()
@@ -383,6 +387,7 @@ class Supervisor:
                     self._record_failure(failure, attempt)
             finally:
                 self.teardown(procs, attempt)  # whatever happened above: nothing of the run is left running
+            record_step_times(self.rd, attempt, self.events)  # for ftkit report: the next attempt overwrites them
             if failure is None:
                 if not self._final_committed(attempt):
                     self.events("failed", "the engine exited 0 but no committed final model was written")
@@ -397,6 +402,8 @@ class Supervisor:
                 if code is not None:
                     return code
             self.events("restart", decision.reason, restarts=self.policy.used, delay_s=round(decision.delay_s, 2))
+            if self.reports is not None:
+                self.reports.refresh()  # a detached render: it overlaps the backoff and the next start-up
             deadline = time.monotonic() + decision.delay_s
             while time.monotonic() < deadline and not (self.interrupted or self.stop_requested):
                 time.sleep(0.1)

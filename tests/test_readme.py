@@ -36,7 +36,8 @@ def test_readme_opens_with_the_two_commands():
 
 def test_readme_commands_are_covered():
     cmds = readme_commands()
-    for verb in ("init", "plan", "render", "check", "explain", "doctor", "launch", "status", "stop", "schema"):
+    verbs = ("init", "plan", "render", "check", "explain", "doctor", "launch", "status", "report", "stop", "schema")
+    for verb in verbs:
         assert any(c.startswith(f"ftkit {verb}") for c in cmds), verb
 
 
@@ -57,5 +58,6 @@ def test_readme_commands_run_as_written(tmp_path):
             assert out.returncode == 0, f"{cmd}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
             assert "Traceback" not in out.stderr, cmd
     assert (tmp_path / "myjob" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "goodput" in (tmp_path / "myjob" / "report.html").read_text()
     assert (tmp_path / "myjob" / "runs" / "cpu-demo" / "final" / "ftkit_commit.json").exists()
     assert_no_process_left(tmp_path / "myjob" / "runs" / "cpu-demo")

@@ -107,9 +107,9 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from . import check, doctor, explain, import_, init, launch, plan, render, schema, status, stop, submit
+    from . import check, doctor, explain, import_, init, launch, plan, render, report, schema, status, stop, submit
 
-    for mod in (init, import_, render, check, explain, plan, doctor, launch, submit, status, stop, schema):
+    for mod in (init, import_, render, check, explain, plan, doctor, launch, submit, status, report, stop, schema):
         cli.add_command(mod.command)
 
 

@@ -1,0 +1,22 @@
+"""``ftkit report``: one self-contained HTML page of a run (goodput, loss curves, timeline, throughput, checkpoints,
+plan), made from ``events.jsonl`` and ``metrics.jsonl``, for any run directory, live or finished.
+
+Import-light: matplotlib is imported only when a page is drawn (:mod:`ftkit.report.charts`).
+"""
+
+from .goodput import CATEGORIES, DEFINITION, Attempt, Goodput, goodput
+from .live import ReportRefresher, plan_record, record_step_times
+from .page import build_report, write_report
+
+__all__ = [
+    "CATEGORIES",
+    "DEFINITION",
+    "Attempt",
+    "Goodput",
+    "ReportRefresher",
+    "build_report",
+    "goodput",
+    "plan_record",
+    "record_step_times",
+    "write_report",
+]

@@ -1,0 +1,186 @@
+"""What ``ftkit launch`` does for the report: records what only the launch knows, and keeps ``RUN/report.html`` current.
+
+* :func:`plan_record`: the plan's figures (stage, memory per GPU, predicted step time, FLOPs per token, the GPU's
+  peak) for one ``plan`` event at launch, so a report needs nothing but events.jsonl and metrics.jsonl;
+* :func:`record_step_times`: after each attempt's teardown, every rank's and host's compute time per step (from
+  the heartbeats, which the next attempt overwrites) as one ``step_times`` event;
+* :class:`ReportRefresher`: renders the page in a detached ``python -m ftkit report`` after every attempt, so the
+  supervisor never waits for matplotlib; the launch waits for the last render only when it ends (a bounded wait),
+  and a render that fails is one warning line, never a failed run.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..rundir import RunDir
+
+REPORT_NAME = "report.html"
+FINISH_TIMEOUT_S = 30.0  # the launch's wait for its last render (one takes ~1-2 s here)
+PREVIOUS_WAIT_S = 5.0  # a render still running when the next attempt ends: waited for this long, then stopped
+
+
+def plan_record(plan: Any) -> dict[str, Any]:
+    """The plan's figures for the ``plan`` event. The step-time model needs the model's parameter counts: when they
+    cannot be had cheaply (a family without a closed form would import transformers into the supervisor, or a
+    user command's model that the plan could not read), the record says why instead."""
+    r = plan.recipe
+    rec: dict[str, Any] = {
+        "engine": r["cluster.engine"],
+        "accelerator": r["cluster.accelerator"],
+        "hosts": [[h, n] for h, n in plan.hosts],
+        "world_size": plan.world_size,
+        "stage": plan.stage,
+        "offload_optimizer": plan.offload_optimizer,
+        "offload_params": plan.offload_params,
+        "precision": r["train.precision"],
+        "micro_batch_size": plan.micro_batch_size,
+        "grad_accum": plan.grad_accum,
+        "global_batch_size": plan.global_batch_size,
+        "seq_len": r["data.max_seq_len"],
+        "gpu_memory_gb": r["cluster.gpu_memory_gb"],
+        "lora": bool(r.has_peft),
+    }
+    try:
+        from ..comm import predict_plan
+        from ..params import count_params
+
+        if plan.unknown:
+            raise ValueError("; ".join(plan.unknown))
+        if plan.memory is None and count_params(plan.model_config) is None:
+            raise ValueError("the model's family has no closed-form parameter count (run `ftkit plan` for it)")
+        p = copy.copy(plan)  # predict_plan fills in plan.memory: leave the launch's plan as it was
+        pred = predict_plan(p)
+        a = pred.assumptions
+        sel = p.memory.selected if p.memory is not None else None
+        rec.update(
+            gpu=a.get("gpu"),
+            gpu_doc=a.get("gpu_doc"),
+            gpu_source=a.get("gpu_source"),
+            peak_tflops=a.get("peak_tflops"),
+            assumed_mfu=a.get("mfu"),
+            flops_per_token=a.get("flops_per_token"),
+            predicted_step_s=round(pred.step_time_s, 6),
+            predicted_compute_s=round(pred.compute_s, 6),
+            predicted_exposed_comm_s=round(pred.exposed_comm_s, 6),
+            predicted_tokens_per_s=round(pred.tokens_per_s, 1),
+            tokens_per_step=pred.tokens_per_step,
+            memory_gib_per_gpu=round(sel.total_gb, 3) if sel is not None else None,
+            total_params=p.memory.shape.total_params if p.memory is not None else None,
+            trainable_params=p.memory.workload.phi if p.memory is not None else None,
+        )
+    except Exception as e:  # noqa: BLE001 - the record is informative; it must never stop a launch
+        rec["not_estimated"] = str(e) or type(e).__name__
+    return rec
+
+
+def record_step_times(rd: RunDir, attempt: int, events: Callable[..., None]) -> None:
+    """One ``step_times`` event: each rank's compute time per step (its heartbeat's EWMA of the forward passes) and
+    each host's median, as :mod:`ftkit.stragglers` scores them. Nothing when no rank measured a step."""
+    from ..stragglers import hosts_by_rank, score
+
+    try:
+        beats = [b for b in rd.heartbeats() if b.get("attempt") == attempt]
+        report = score(beats, hosts_by_rank(rd, attempt), attempt=attempt)
+    except OSError:
+        return
+    if not report.hosts:
+        return
+    by_rank = hosts_by_rank(rd, attempt)
+    ranks = [
+        {
+            "rank": b.get("rank"),
+            "host": by_rank.get(b.get("rank")) or b.get("node") or b.get("host"),
+            "compute_s": b.get("compute_ewma_s"),
+            "steps": b.get("compute_n"),
+        }
+        for b in sorted(beats, key=lambda b: b.get("rank") or 0)
+        if isinstance(b.get("compute_ewma_s"), (int, float))
+    ]
+    events("step_times", None, hosts=report.as_dict()["hosts"], ranks=ranks)
+
+
+class ReportRefresher:
+    """Renders ``RUN/report.html`` in a detached process after each attempt (:meth:`refresh`) and once more when the
+    launch ends (:meth:`finish`, the only wait). Renders write atomically, so a reader never sees half a page."""
+
+    def __init__(self, rd: RunDir, warn: Callable[[str], None]):
+        self.rd = rd
+        self.warn = warn
+        self.out = rd.path / REPORT_NAME
+        self.log = rd.meta / "report.log"
+        self._proc: subprocess.Popen | None = None
+        self._warned = False
+        self.waited_s = 0.0  # what the launch spent waiting for renders (measured by the tests)
+
+    def refresh(self) -> None:
+        """Start a render now (after the previous one ended, or was stopped after :data:`PREVIOUS_WAIT_S`)."""
+        self._reap(PREVIOUS_WAIT_S)
+        try:
+            self.log.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.log, "wb") as err:
+                self._proc = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "ftkit",
+                        "report",
+                        str(self.rd.path.resolve()),
+                        "-o",
+                        str(self.out.resolve()),
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                    start_new_session=True,  # a Ctrl-C to the terminal is the supervisor's to handle, not the render's
+                    # `-m` imports from the working directory first: the run directory has an ftkit/ folder of its
+                    # own, so run where this very ftkit package lives
+                    cwd=str(Path(__file__).resolve().parents[2]),
+                )
+        except OSError as e:
+            self._warn(f"cannot start it ({e.strerror or e})")
+
+    def finish(self, timeout_s: float = FINISH_TIMEOUT_S) -> None:
+        """The last render, with every event of the launch in it; waits at most ``timeout_s``."""
+        self.refresh()
+        self._reap(timeout_s)
+
+    def _reap(self, timeout_s: float) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        t0 = time.monotonic()
+        try:
+            code = proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, 9)  # its own session: the render and anything it started
+            except OSError:
+                pass
+            proc.wait()
+            code = None
+        self.waited_s += time.monotonic() - t0
+        if code is None:
+            self._warn(f"the render took more than {timeout_s:g}s and was stopped")
+        elif code != 0:
+            self._warn(_last_line(self.log) or f"exit {code}")
+
+    def _warn(self, why: str) -> None:
+        if not self._warned:  # one line per launch: the run itself is fine
+            self._warned = True
+            self.warn(f"ftkit: warning: could not write {self.out}: {why}")
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [x.strip() for x in path.read_text(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return ""
+    return lines[-1].removeprefix("ftkit: error: ")[:300] if lines else ""
