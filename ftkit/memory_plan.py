@@ -270,6 +270,10 @@ def with_zeropp(estimates: list[Estimate], w: Workload) -> list[Estimate]:
     return out
 
 
+def _margin(c: Any) -> float:
+    return ZEROPP_MARGIN["quantized" if c.qwz or c.qgz else "hpz"]
+
+
 def speed_reason(choice: Choice, preds: dict[str, Prediction], ctx: dict[str, Any]) -> str:
     """One line: why the chosen candidate, against the next fastest that fits (or the fastest that does not)."""
     chosen = choice.chosen
@@ -278,21 +282,40 @@ def speed_reason(choice: Choice, preds: dict[str, Prediction], ctx: dict[str, An
     p = preds[chosen.candidate.label]
     net = ctx["net"]
     link = f"{net.inter_gbs:g} GB/s inter-node link" if chosen and p.traffic.by_scope("inter") else "intra-node links"
-    head = (
-        f"{chosen.candidate.label} is the fastest predicted that fits: {p.step_time_s:.3g} s/step, "
-        f"{p.tokens_per_s:,.0f} tokens/s, {p.inter_share:.0%} of the step waiting on the {link}"
+    numbers = (
+        f"{p.step_time_s:.3g} s/step, {p.tokens_per_s:,.0f} tokens/s, {p.inter_share:.0%} of the step waiting on "
+        f"the {link}"
     )
-    if isinstance(chosen.candidate, ZeroPP):
-        head += f" (ZeRO++ must win by {ZEROPP_MARGIN['quantized' if chosen.candidate.qwz else 'hpz']:.0%})"
     others = [e for e in choice.estimates if e.candidate != chosen.candidate]
-    fitting = [e for e in others if e.fits]
+    # A ZeRO++ candidate can be predicted faster and still lose: it must win by its margin (ZEROPP_MARGIN).
+    held = [e for e in others if e.fits and preds[e.candidate.label].step_time_s < p.step_time_s]
+    if held:
+        f = min(held, key=lambda e: preds[e.candidate.label].step_time_s)
+        q = preds[f.candidate.label]
+        why = " (its quantization changes the numerics)" if f.candidate.qwz or f.candidate.qgz else ""
+        head = (
+            f"{chosen.candidate.label} is chosen: {numbers}; {f.candidate.label} is predicted "
+            f"{1 - q.step_time_s / p.step_time_s:.0%} faster ({q.step_time_s:.3g} s/step) but ZeRO++ must win by "
+            f"{_margin(f.candidate):.0%} to be chosen{why}"
+        )
+    else:
+        head = f"{chosen.candidate.label} is the fastest predicted that fits: {numbers}"
+    if isinstance(chosen.candidate, ZeroPP):
+        head += f" (ZeRO++ must win by {_margin(chosen.candidate):.0%})"
+    fitting = [e for e in others if e.fits and not (held and e.candidate == f.candidate)]
     if fitting:
         o = fitting[0]
         q = preds[o.candidate.label]
         ratio = q.step_time_s / p.step_time_s
         return head + (
             f"; next, {o.candidate.label}: {q.step_time_s:.3g} s ({q.inter_share:.0%} waiting on communication), "
-            + (f"{ratio:.2f}x slower" if ratio >= 1.005 else "as fast within 1%")
+            + (
+                f"{ratio:.2f}x slower"
+                if ratio >= 1.005
+                else "as fast within 1%"
+                if ratio > 0.995
+                else f"{1 - ratio:.0%} faster but held back by the ZeRO++ margin"
+            )
         )
     faster = [e for e in others if preds[e.candidate.label].step_time_s < p.step_time_s]
     if faster:

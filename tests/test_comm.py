@@ -263,3 +263,20 @@ def test_bandwidth_file_overrides_the_recipe(write_recipe, tmp_path: Path, monke
     monkeypatch.setenv(BANDWIDTH_FILE_ENV, str(tmp_path / "bw.json"))
     net = resolve_network(r, ["localhost"])
     assert (net.intra_gbs, net.inter_gbs) == (300.0, 40.0) and net.source.startswith("measured")
+
+
+def test_plan_states_the_zeropp_margin_when_a_faster_candidate_loses_by_it(write_recipe, tmp_path: Path) -> None:
+    """At 3 GB/s between two nodes ZeRO-3 + hpZ/qwZ/qgZ is predicted 6% faster than ZeRO-1 but must win by 10%;
+    the plan used to call ZeRO-1 "the fastest predicted" anyway."""
+    import shutil
+
+    shutil.copy(REPO / "tests/fixtures/model_configs/Meta-Llama-3-8B.json", tmp_path / "model" / "config.json")
+    p = write_recipe()
+    args = ["zero.stage=auto", "cluster.num_nodes=2", "cluster.master_addr=10.0.0.1", "cluster.network=pcie-eth25"]
+    args += ["train.global_batch_size=64", "train.micro_batch_size=1", "model.gradient_checkpointing=true"]
+    run = [sys.executable, "-m", "ftkit", "plan", str(p), *args, "cluster.inter_node_gbs=3"]
+    out = subprocess.run(run, capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    line = next(x for x in out.stdout.splitlines() if x.startswith("this run:"))
+    assert "ZeRO-1 is chosen" in line and "is the fastest predicted" not in line, line
+    assert "ZeRO-3 + hpZ/qwZ/qgZ is predicted 6% faster" in line and "must win by 10%" in line, line

@@ -393,4 +393,6 @@ def test_auto_takes_the_fastest_predicted_candidate_that_fits(network, gpu_gb, w
     for e in rep.choice.estimates:
         if e.fits:
             assert t[e.candidate.label] >= t[chosen.candidate.label] * 0.999 or "ZeRO-3 + hpZ" in e.candidate.label
-    assert "is the fastest predicted that fits" in plan.knobs["zero_optimization.stage"].why
+    why = plan.knobs["zero_optimization.stage"].why
+    # the fastest predicted, or a faster ZeRO++ candidate held back by its margin, which the line then names
+    assert "is the fastest predicted that fits" in why or ("is chosen" in why and "must win by" in why), why
