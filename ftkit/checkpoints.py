@@ -75,6 +75,7 @@ _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")  # the same rule as transformers' g
 _SET_ASIDE_RE = re.compile(r"^checkpoint-(\d+)\.rejected-")  # set_aside_newer's names: outside _CKPT_RE's namespace
 _ZERO_RANK_RE = re.compile(r"(?:^|_)zero_pp_rank_(\d+)_")  # DeepSpeed's per-DP-rank shards; not mp_rank_00
 _RNG_RANK_RE = re.compile(r"^rng_state_(\d+)\.pth$")
+_ACCELERATE_RNG_RE = re.compile(r"^random_states_(\d+)\.pkl$")  # Accelerator.save_state, one per process
 _OFFLOAD_RANK_RE = re.compile(r"^rank(\d+)$")  # global_stepN/offloaded_tensors/rank00/ (NVMe offload)
 _TAG_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 
@@ -175,7 +176,7 @@ def _writer_rank(rel: str) -> int:
     """The rank that writes ``rel`` in HF Trainer + DeepSpeed's layout; 0 for everything not per-rank."""
     parts = rel.split("/")
     name = parts[-1]
-    if m := _RNG_RANK_RE.match(name):
+    if m := _RNG_RANK_RE.match(name) or _ACCELERATE_RNG_RE.match(name):
         return int(m.group(1))
     if m := _ZERO_RANK_RE.search(name):
         return int(m.group(1))
@@ -277,8 +278,9 @@ def write_commit(
 ) -> Path:
     """Merge the ranks' manifest parts and write the commit record atomically; returns its path.
 
-    ``kind="model"`` commits a final model directory (HF weights, no trainer state): the coverage and size
-    checks apply, the checkpoint structure and RNG checks do not.
+    ``kind="model"`` commits a final model directory (HF weights, no trainer state), ``kind="state"`` a training
+    loop's own checkpoint (:func:`ftkit.hf.checkpoint`, e.g. ``Accelerator.save_state``): the coverage and size
+    checks apply, HF Trainer's checkpoint structure and RNG checks do not.
 
     Refuses (:class:`CommitError`) when a file in the directory is covered by no part, a listed file is gone or
     changed size since its rank measured it (the caller's barrier was missing), two parts disagree about a file,
@@ -318,7 +320,7 @@ def write_commit(
                 f"{name}: {rel} is {size} bytes, rank {merged[rel]['rank']} measured {merged[rel]['size']}"
             )
 
-    if kind == "model":
+    if kind in ("model", "state"):  # a final model, or a training loop's own state (ftkit.hf.checkpoint)
         structure = _Structure()
     else:
         structure = _structure(ckpt, stage=stage, expect_step=step)
@@ -331,7 +333,7 @@ def write_commit(
     rng = {rel for rel in present if rel == "rng_state.pth" or _RNG_RANK_RE.match(rel)}
     want = {"rng_state.pth"} if world_size == 1 else {f"rng_state_{r}.pth" for r in range(world_size)}
     if (
-        kind != "model" and rng and rng != want
+        kind == "checkpoint" and rng and rng != want
     ):  # no RNG files at all is HF's save_only_model; a partial set is a rank that is late
         odd = sorted(want - rng) or sorted(rng - want)
         raise CommitError(f"{name}: RNG files do not match world size {world_size} ({odd[0]} missing or extra)")

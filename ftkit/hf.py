@@ -31,12 +31,14 @@ Importing this module is cheap (no torch or transformers until a function needs 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import json
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,14 +55,18 @@ __all__ = [  # the public face; the rest is re-exported for the built-in entry a
     "active",
     "apply",
     "callbacks",
+    "checkpoint",
     "commit_final",
     "context",
+    "final",
     "recipe_arguments",
     "record_changes",
     "resume_checkpoint",
+    "resume_step",
     "save_final",
     "spec",
     "start",
+    "step",
     "stopped_at",
     "training_arguments",
 ]
@@ -77,6 +83,7 @@ class _Rank:
         self.stop = StopRequest(self.ctx.rd, attempt)
         self.changes_recorded = False
         self.dog: Any = None  # the supervisor watchdog (None: no supervisor owns the run)
+        self.fault: Fault | None = None  # test fault injection for a loop that calls step()
         self.final_step: int | None = None  # set once final/ is committed by this rank's run
         self.outcome_recorded = False  # an orphaned run's outcome, written once
 
@@ -221,7 +228,129 @@ def callbacks(*, exit_after_stop: bool = True) -> list[Any]:
     fault = Fault(os.environ.get(FAULT_ENV), r.ctx)
     fault.install_save_kill()
     install_train_guard()
+    r.ctx.trainer_built = True
+    r.ctx.heartbeat("loading")
     return [callback_class()(r, fault, exit_after_stop=exit_after_stop)]
+
+
+# ------------------------------------------------------------------------------------------------ any training loop
+# For a loop without HF Trainer (plain PyTorch, accelerate.Accelerator): the same services, called by the loop.
+
+
+def resume_step() -> int | None:
+    """The step of the checkpoint ftkit chose for this attempt (None: a fresh start): continue after it."""
+    path = _state().resume
+    if not path:
+        return None
+    name = Path(path).name
+    return int(name.rsplit("-", 1)[1]) if name.rsplit("-", 1)[-1].isdigit() else None
+
+
+def step(step: int, loss: float | None = None, **metrics: float) -> bool:
+    """Call on every rank after each optimizer step: the heartbeat (hang detection), the loss in metrics.jsonl (rank
+    0, every ``train.logging_steps``), test fault injection, and the graceful stop. Returns True when the run must
+    stop: save this step (:func:`checkpoint`), then leave the loop; every rank gets the same answer (one all-reduce
+    of a flag). Never past ``train.max_steps``."""
+    r = _state()
+    ctx = r.ctx
+    max_steps = int(r.spec.training_args.get("max_steps") or 0)
+    if max_steps > 0 and step > max_steps:
+        raise RuntimeError(f"ftkit.hf.step({step}): beyond train.max_steps={max_steps}")
+    if loss is not None:
+        ctx.last_loss = float(loss)
+    ctx.loop_api = True
+    ctx.heartbeat("train", step)
+    every = int(r.spec.training_args.get("logging_steps") or 1)
+    if ctx.rank == 0 and loss is not None and step % max(every, 1) == 0:
+        rec = {"step": step, "loss": float(loss), **{k: float(v) for k, v in metrics.items()}}
+        append_jsonl(ctx.rd.metrics, {**rec, "attempt": ctx.attempt, "time": time.time()})
+    _fault(r).after_step(step)
+    if r.stop.stopped_at is None and r.stop.agreed():
+        r.stop.stopped_at = step
+        print(f"ftkit: stop requested: save step {step}, then stop", flush=True)
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def checkpoint(step: int) -> Iterator[Path]:
+    """``with ftkit.hf.checkpoint(step) as path: accelerator.save_state(path)`` on every rank: the save goes to
+    ``RUN/checkpoint-<step>``, then every rank's files are hashed, rank 0 writes the commit record and rotates
+    (``train.save_total_limit``). Only a committed checkpoint is ever resumed from (:func:`resume_checkpoint`)."""
+    from .checkpoints import manifest_part, record_save_begun, rotate, write_commit
+
+    r = _state()
+    ctx, spec = r.ctx, r.spec
+    path = ctx.rd.path / f"checkpoint-{step}"
+    record_save_begun(ctx.rd.path, step, ctx.attempt)
+    ctx.heartbeat("saving", step)
+    yield path
+    t0 = time.time()
+    part = manifest_part(path, ctx.rank, ctx.world_size, checksum=spec.checksum)
+    parts = _gather(part, ctx.world_size)
+    if ctx.rank == 0:
+        write_commit(
+            path,
+            parts,
+            step=step,
+            world_size=ctx.world_size,
+            stage=None,
+            recipe_hash=spec.recipe_hash,
+            kind="state",
+            extra={"attempt": ctx.attempt, "fingerprint": spec.fingerprint},
+        )
+        removed = rotate(ctx.rd.path, spec.save_total_limit, note=lambda line: print(f"ftkit: {line}", flush=True))
+        append_jsonl(
+            ctx.rd.metrics,
+            {
+                "event": "commit",
+                "step": step,
+                "commit_s": round(time.time() - t0, 3),
+                "attempt": ctx.attempt,
+                "rotated": [str(p) for p in removed],
+                "stop": r.stop.stopped_at == step or None,
+                "time": time.time(),
+            },
+        )
+    _barrier()
+    ctx.heartbeat("train", step, committed=step)
+    if r.stop.stopped_at == step:
+        ctx.heartbeat("stopped", step, committed=step)
+        r.stop.finished.set()
+
+
+@contextlib.contextmanager
+def final(step: int) -> Iterator[Path]:
+    """``with ftkit.hf.final(step) as path: accelerator.save_model(model, path)`` on every rank once the loop is
+    done: the run's final model, committed (how the supervisor knows the run finished)."""
+    r = _state()
+    r.ctx.heartbeat("saving", step)
+    yield r.ctx.rd.final
+    _barrier()
+    commit_final(step)
+
+
+def _fault(r: _Rank) -> Fault:
+    if r.fault is None:
+        r.fault = Fault(os.environ.get(FAULT_ENV), r.ctx)
+    return r.fault
+
+
+def _gather(part: Any, world_size: int) -> list[Any]:
+    import torch.distributed as dist
+
+    if world_size > 1 and dist.is_available() and dist.is_initialized():
+        parts: list[Any] = [None] * world_size
+        dist.all_gather_object(parts, part)  # every rank has finished writing: this is the barrier
+        return parts
+    return [part]
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
 
 
 def stopped_at() -> int | None:

@@ -73,7 +73,8 @@ def install() -> None:
     os.environ[HOOK_PID_ENV] = str(os.getpid())
     import ftkit.hf as hf
 
-    hf.start()
+    hf.context().hooked = True
+    hf.context().heartbeat("starting")
     _install_error_hooks()
     sys.meta_path.insert(
         0,

@@ -58,6 +58,11 @@ class RankContext:
         self.last_loss: float | None = None
         self.compute_ewma_s: float | None = None
         self.compute_n = 0
+        # How the supervisor can watch this rank: the import hook serves it, an HF Trainer was built (ftkit's
+        # callbacks), or the loop calls ftkit.hf.step(). A hooked rank with neither cannot be watched step by step.
+        self.hooked = False
+        self.trainer_built = False
+        self.loop_api = False
 
     def heartbeat(self, phase: str, step: int | None = None, **extra: Any) -> None:
         rec = {
@@ -72,6 +77,9 @@ class RankContext:
             "node": self.node_host,
             "compute_ewma_s": self.compute_ewma_s,
             "compute_n": self.compute_n,
+            "hooked": self.hooked,
+            "trainer": self.trainer_built,
+            "loop": self.loop_api,
             **extra,
         }
         atomic_write(self.rd.heartbeat(self.rank), json.dumps(rec), fsync=False)

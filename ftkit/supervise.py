@@ -145,6 +145,8 @@ class Supervisor:
         self._plan: Any = None
         self._universal_attempt = False
         self._exclude: list[str] = []  # stragglers a graceful stop is leaving out (resilience.exclude_stragglers)
+        self._unwatched = False  # this attempt's script built no Trainer and calls no ftkit.hf.step(): not restarted
+        self._beats: list[dict[str, Any]] = []  # the newest poll's heartbeats of the running attempt
         self.reports: Any = None  # ftkit.report.ReportRefresher: RUN/report.html after each attempt (set by the launch)
 
     # ------------------------------------------------------------------------------------------------ choose
@@ -219,6 +221,7 @@ class Supervisor:
                 return self._no_space_failure(self.events.write_error)
             now = time.monotonic()
             beats = [hb for hb in self.rd.heartbeats() if hb.get("attempt") == attempt]
+            self._beats = beats
             if self.stop_requested or self._exclude:  # decided on this poll's heartbeats, never an older poll's
                 stopping = self._stopping(attempt, beats)
                 if stopping is not None:
@@ -263,6 +266,11 @@ class Supervisor:
                 return None
             progress.observe(beats, now)
             found = progress.failure(now, self._step(attempt))
+            if found and found[0] is FailureKind.STARTUP and unwatchable(beats, self.world_size):
+                self._unwatched = True  # healthy, just invisible: let it run to its end, do not restart it
+                progress.startup_timeout_s = float("inf")
+                self.events("unwatched", UNWATCHED)
+                found = None
             if found:
                 return Failure(found[0], found[1], step=self._step(attempt))
             time.sleep(self.poll_s)
@@ -368,7 +376,7 @@ class Supervisor:
                 return choice.exit_code
             if self.interrupted or self.stop_requested:
                 return self._stop_between_attempts()
-            self._exclude, self._stop_sent_at = [], None
+            self._exclude, self._stop_sent_at, self._unwatched = [], None, False
             self._start_fidelity(attempt, choice.step)
             inputs = LaunchInputs(**{**self.inputs.__dict__, "attempt": attempt, "resume": choice.resume})
             cmd = build_launch(inputs, self.base_env)
@@ -389,6 +397,9 @@ class Supervisor:
                 self.teardown(procs, attempt)  # whatever happened above: nothing of the run is left running
             record_step_times(self.rd, attempt, self.events)  # for ftkit report: the next attempt overwrites them
             if failure is None:
+                if not self._final_committed(attempt) and (self._unwatched or unwatchable(self._beats, 1)):
+                    self.events("finished", "the script ended (exit 0); " + UNWATCHED_END)
+                    return ExitCode.OK
                 if not self._final_committed(attempt):
                     self.events("failed", "the engine exited 0 but no committed final model was written")
                     return ExitCode.TRAINING_FAILED
@@ -605,6 +616,22 @@ class Supervisor:
                 if not is_alive(int(r["pid"]), r.get("start_time")):
                     dead.append(int(r["rank"]))
         return dead
+
+
+UNWATCHED = (
+    "the script has built no HF Trainer and does not call ftkit.hf.step(): ftkit cannot see its steps, so it cannot "
+    "detect a hang or resume it from a checkpoint; it keeps running to its end (a loop of your own can report its "
+    "steps, checkpoints and resume point through ftkit.hf.step / checkpoint / resume_checkpoint)"
+)
+UNWATCHED_END = "it built no HF Trainer and called no ftkit.hf.step(), so ftkit could not watch it or commit a model"
+
+
+def unwatchable(beats: list[dict[str, Any]], world_size: int) -> bool:
+    """Every rank runs under the import hook, and none built an HF Trainer or called ftkit.hf.step(): a script
+    ftkit can see start but never step (a plain PyTorch or Accelerate loop). Such a rank is healthy, not hung."""
+    return len(beats) >= world_size and all(
+        hb.get("hooked") and not hb.get("trainer") and not hb.get("loop") and hb.get("step") is None for hb in beats
+    )
 
 
 def _nearly_full(path: Path) -> bool:

@@ -260,6 +260,41 @@ def test_a_trainer_whose_save_writes_nothing_stops_at_once_with_one_line(fx, tmp
     assert_no_process_left(run)
 
 
+@pytest.mark.slow
+def test_a_loop_without_trainer_is_not_killed_as_hung(fx, tmp_path):
+    """A plain PyTorch loop under `ftkit launch -- ...` used to be reported as "no training step within
+    startup_timeout_s", killed and restarted from scratch (exit 4). The hook knows no Trainer was built: one line,
+    the healthy process runs on to its end, exit 0."""
+    recipe, run = _recipe(tmp_path, fx, cluster__engine="torchrun", resilience__startup_timeout_s=4)
+    r = launch(recipe, "--", "python", str(SCRIPTS / "plain_loop.py"), "12")
+    assert r.returncode == ExitCode.OK, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "has built no HF Trainer and does not call ftkit.hf.step()" in r.stdout, r.stdout[-3000:]
+    assert len(named(run, "spawn")) == 1 and not named(run, "restart") and not named(run, "failure")
+    assert "plain loop done" in (run / "logs" / "attempt-0" / "rank-0.log").read_text()
+    assert_no_process_left(run)
+
+
+@pytest.mark.slow
+def test_an_accelerate_loop_on_the_loop_api_survives_a_killed_rank(fx, tmp_path):
+    """ftkit.hf.step / checkpoint / resume_checkpoint / final serve a loop of one's own: a rank killed after the
+    last step's loss was logged, a restart from checkpoint-4, and steps 5-8 recomputed equal to what was logged
+    (resume_tolerance 0: any difference stops the run with exit 9)."""
+    recipe, run = _recipe(tmp_path, fx, cluster__engine="torchrun", resilience__resume_tolerance=0.0)
+    script = ["python", str(SCRIPTS / "accelerate_loop.py"), str(fx["model"]), str(fx["data"])]
+    r = launch(recipe, "--", *script, env={"FTKIT_FAULT_INJECT": f"kill:1:{STEPS}"})
+    assert r.returncode == ExitCode.OK, r.stdout[-4000:] + r.stderr[-3000:]
+    chosen = [Path(e["checkpoint"]).name for e in named(run, "checkpoint_chosen")]
+    assert chosen == ["checkpoint-4"] and len(named(run, "restart")) == 1, named(run, "checkpoint_chosen")
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    first = {m["step"]: m["loss"] for m in rows if "loss" in m and m["attempt"] == 0}
+    again = {m["step"]: m["loss"] for m in rows if "loss" in m and m["attempt"] == 1}
+    assert sorted(first) == list(range(1, STEPS + 1)) and sorted(again) == list(range(5, STEPS + 1)), (first, again)
+    assert all(first[s] == again[s] for s in again), (first, again)
+    assert (run / "checkpoint-8" / "ftkit_commit.json").is_file() and (run / "final" / "ftkit_commit.json").is_file()
+    assert not named(run, "unwatched")
+    assert_no_process_left(run)
+
+
 # ------------------------------------------------------------------------------------------------ quick (no ranks)
 
 
