@@ -8,7 +8,8 @@ Engines (all existing ones, never a home-made launcher):
 * ``deepspeed``: one ``deepspeed`` runner on the head node. It fans out over pdsh/ssh for several hosts and
   starts ``deepspeed.launcher.launch`` locally for one. ftkit passes ``--no_local_rank --module`` and an explicit
   ``--master_addr``; the environment for remote ranks goes through a fresh per-attempt ``DS_ENV_FILE`` (never
-  appended to ``.deepspeed_env``).
+  appended to ``.deepspeed_env``). Its pdsh runner puts the rank's command on one remote shell line unquoted, so
+  a user command travels in ``FTKIT_COMMAND`` instead (``launch/run_command.py`` runs it on the rank).
 * ``accelerate``: ``accelerate launch --config_file accelerate.yaml`` on every host (over ssh for remote ones)
   with its ``--machine_rank``.
 * ``torchrun``: one ``torchrun`` agent per host with c10d rendezvous at ``master_addr:master_port`` (over ssh for
@@ -35,6 +36,8 @@ from .errors import UserError
 from .procs import LOCAL_HOSTS
 
 TRAIN_MODULE = "ftkit.launch.train"
+RUN_COMMAND_MODULE = "ftkit.launch.run_command"  # the trampoline that runs a command carried in COMMAND_ENV
+COMMAND_ENV = "FTKIT_COMMAND"
 
 # Variables forwarded from the head's environment to every rank (glob patterns). Anything else stays behind:
 # a stale or secret variable must not leak into a remote job by accident.
@@ -277,6 +280,7 @@ class LaunchCommand:
     engine: str
     nodes: tuple[NodeCommand, ...]
     files: Mapping[str, str] = field(default_factory=dict)  # files to write before spawning (path -> text)
+    notes: tuple[str, ...] = ()  # what --dry-run also shows: the remote shell line an engine builds itself
 
 
 @dataclass(frozen=True)
@@ -440,6 +444,16 @@ def pdsh_problems(run_dir: str, python: str, master_addr: str) -> list[str]:
     return out
 
 
+def encode_command(kind: str, target: str, args: list[str], workdir: str) -> str:
+    """The user's command for :data:`COMMAND_ENV`: base64 of JSON (the encoding ``launch/run_command.py`` reads;
+    plain letters, so no shell on the way can change it)."""
+    import base64
+    import json
+
+    data = json.dumps({"kind": kind, "target": target, "args": list(args), "workdir": workdir})
+    return base64.b64encode(data.encode()).decode()
+
+
 def ds_env_value(value: str) -> str:
     r"""A value for DeepSpeed's env file that reaches the remote shell as itself.
 
@@ -512,9 +526,51 @@ def _deepspeed(inp: LaunchInputs, base_env: Mapping[str, str], attempt_dir: Path
         env["PDSH_RCMD_TYPE"] = "ssh"
         if inp.ssh_config:
             env["PDSH_SSH_ARGS_APPEND"] = f"-F {inp.ssh_config}"
-    argv += program
-    argv = _in_workdir(inp, argv)  # DeepSpeed's pdsh runner starts remote ranks in its own working directory
-    return LaunchCommand("deepspeed", (NodeCommand(inp.hosts[0][0], 0, tuple(argv), env, remote=False),), files)
+    notes: tuple[str, ...] = ()
+    if remote and inp.command is not None:
+        # DeepSpeed's pdsh runner joins `cd CWD; python ... SCRIPT ARGS` into one remote shell line and quotes only
+        # arguments with spaces: the command (and the directory it runs in) travel in the environment instead,
+        # base64-encoded, and every rank runs ftkit's trampoline from the (validated) run directory.
+        c = inp.command
+        encoded = encode_command(c.kind, c.target, list(c.args), inp.workdir or inp.run_dir)
+        env[COMMAND_ENV] = encoded
+        files[str(env_file)] += f"{COMMAND_ENV}={encoded}\n"
+        at = argv.index("--no_local_rank") + 1
+        argv[at : at + len(flags)] = ["--module"]
+        flags, program = ["--module"], [RUN_COMMAND_MODULE]
+        argv = ["env", "-C", inp.run_dir, *argv, *program]
+        notes = (f"{COMMAND_ENV} carries: {shlex.join(c.display(inp.python))}  (run in {inp.workdir})",)
+    else:
+        argv = _in_workdir(inp, [*argv, *program])
+    if remote:
+        line = pdsh_line(inp, files[str(env_file)], flags, program)
+        notes = (f"remote shell line (DeepSpeed's pdsh runner, on each host): {line}", *notes)
+    node = NodeCommand(inp.hosts[0][0], 0, tuple(argv), env, remote=False)
+    return LaunchCommand("deepspeed", (node,), files, notes)
+
+
+def pdsh_line(inp: LaunchInputs, env_file: str, flags: list[str], program: list[str]) -> str:
+    """The shell line DeepSpeed's pdsh runner has every remote host run (``multinode_runner.PDSHRunner``): the
+    env file's exports (quoted as its ``add_export`` does), ``cd`` to the runner's directory, its launcher and the
+    program. ``%n`` is pdsh's node index."""
+    import base64
+    import json
+
+    exports = ""
+    for line in env_file.splitlines():
+        key, _, value = line.partition("=")
+        value = value.strip()
+        if re.search(r"[^\w@%+=:,./-]", value):
+            value = '"' + value + '"'
+        exports += f"export {key.strip()}={value}; "
+    world = {h: list(inp.devices.get(h) or range(n)) for h, n in inp.hosts}
+    info = base64.urlsafe_b64encode(json.dumps(world).encode()).decode()
+    cwd = inp.run_dir if inp.command is not None else (inp.workdir or inp.run_dir)
+    launch = [inp.python, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={info}", "--node_rank=%n"]
+    launch += [f"--master_addr={inp.master_addr}", f"--master_port={inp.master_port}"]
+    order = ("--no_python", "--module", "--no_local_rank")  # the order DeepSpeed appends them in
+    launch += [f for f in order if f in (*flags, "--no_local_rank")]
+    return f"{exports}cd {cwd}; " + " ".join([*launch, *program])
 
 
 def _accelerate(inp: LaunchInputs, base_env: Mapping[str, str], meta: Path) -> LaunchCommand:
@@ -586,6 +642,7 @@ def describe(cmd: LaunchCommand) -> str:
         for k, v in redact(node.env).items():
             lines.append(f"    {k}={v}")
         lines.append("    " + shlex.join(redact_argv(node.argv)))
+    lines += [redact_file(note) for note in cmd.notes]
     return "\n".join(lines)
 
 

@@ -170,3 +170,50 @@ def test_partition_detected_by_heartbeat_then_shrink_or_stop(tmp_path, fixtures,
     netns2.link_up(1)
     netns2.kill_node(1)  # what the lost host's operator does; then nothing of the run may be left anywhere
     assert_no_process_left(run_dir)
+
+
+@pytest.mark.timeout(600)
+def test_deepspeed_over_pdsh_runs_any_argument_and_directory_as_itself(tmp_path, fixtures, netns2):
+    """DeepSpeed's pdsh runner puts `cd CWD; python ... SCRIPT ARGS` on one remote shell line and quotes only
+    arguments with spaces: `{"min_lr":1e-5}` arrived as `{min_lr:1e-5}`, `Q: $x` as `Q: `, `a&b` ran `b`, and
+    `$(touch ...)` in an argument or in the launch directory's name ran on the hosts. Every value now arrives
+    byte for byte and nothing runs; --dry-run shows the remote line as DeepSpeed builds it."""
+    import secrets
+
+    token = secrets.token_hex(4)
+    markers = [Path(f"/tmp/ftkit-pwned-{token}-{i}") for i in range(4)] + [Path.home() / f"ftkit-pwned-{token}-dir"]
+    launch_dir = tmp_path / f"dir$(touch ftkit-pwned-{token}-dir)"
+    launch_dir.mkdir()
+    args = [
+        '{"min_lr":1e-5}',
+        "Q: $x",
+        "a&b",
+        f"$(touch {markers[0]})",
+        f"`touch {markers[1]}`",
+        f"x;touch {markers[2]}",
+        f"y|touch {markers[3]}",
+        "it's",
+        "tab\there",
+    ]
+    recipe = _recipe(tmp_path, fixtures, netns2, train__max_steps=1, cluster__engine="deepspeed")
+    script = str(Path(__file__).parent / "scripts" / "argv_probe.py")
+    try:
+        dry = ftkit("launch", str(recipe), "--dry-run", "--", "python", script, *args, env=ENV, cwd=launch_dir)
+        assert dry.returncode == 0, dry.stderr
+        assert "remote shell line (DeepSpeed's pdsh runner, on each host):" in dry.stdout, dry.stdout
+        remote = next(x for x in dry.stdout.splitlines() if x.startswith("remote shell line"))
+        assert "ftkit.launch.run_command" in remote and "min_lr" not in remote and "touch" not in remote, remote
+        with mp_lock():
+            out = ftkit("launch", str(recipe), "--", "python", script, *args, env=ENV, cwd=launch_dir, timeout=300)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        run = tmp_path / "run"
+        got = [json.loads(p.read_text()) for p in sorted(run.glob("argv-rank-*.json"))]
+        assert [g["host"] for g in got] == ["node0", "node1"], got
+        for g in got:
+            assert g["argv"] == args, g["argv"]
+            assert g["cwd"] == str(launch_dir), g["cwd"]
+        assert not [m for m in markers if m.exists()], "a shell ran a command from an argument or a directory name"
+        assert_no_process_left(run)
+    finally:
+        for m in markers:
+            m.unlink(missing_ok=True)
