@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ftkit-installed
 PYTEST := DS_ACCELERATOR=cpu $(PY) -m pytest
 
-.PHONY: install test test-fast test-slow test-multinode test-slurm demo bench lint format templates docs clean
+.PHONY: install test test-fast test-slow test-multinode test-slurm test-matrix demo bench lint format templates docs clean
 
 # pip can sit on one package for minutes (building deepspeed): a ticker keeps the output moving.
 TICK = ( while sleep 20; do echo "    ... still installing ($$(date +%T))"; done ) & tick=$$!;
@@ -47,6 +47,10 @@ test-multinode: install
 
 test-slurm: install
 	$(PYTEST) -q -m "slurm" tests
+
+# Every cell of entry x ZeRO stage x optimizer offload x engine (make test runs a pairwise-covering subset).
+test-matrix: install
+	FTKIT_MATRIX=full $(PYTEST) -q -rA --durations=0 tests/test_matrix.py
 
 demo: install
 	$(PY) -m ftkit.demo

@@ -32,6 +32,7 @@ class FailureKind(Enum):
     INTERRUPTED = "interrupted"  # SIGINT/SIGTERM/SIGHUP to ftkit launch
     RESUME_MISMATCH = "resume_mismatch"  # recomputed steps disagree with the logged run beyond 10x the tolerance
     STOPPED = "stopped"  # a graceful stop finished: every rank saved the same step and it is committed
+    NOT_RESUMED = "not_resumed"  # resumed from checkpoint K, the script trained from an earlier step anyway
     SCRIPT_ERROR = "script_error"  # a script failure that repeats: before its first step, or a save of nothing
 
 
@@ -64,6 +65,7 @@ class Situation:
     lost_hosts: tuple[str, ...] = ()  # hosts the probe after teardown could not reach
     nodes: int = 1  # nodes of the attempt that failed
     min_nodes: int | None = None  # cluster.min_nodes (None: every node must stay)
+    detail: str = ""  # the failure's own one line, where the decision repeats it (NOT_RESUMED)
 
 
 @dataclass
@@ -143,6 +145,8 @@ def decide(s: Situation, policy: RestartPolicy) -> Decision:
             "not restarting: the disk is full; free space (committed checkpoints are intact) and launch again",
             ExitCode.NO_SPACE,
         )
+    if s.kind is FailureKind.NOT_RESUMED:
+        return Decision(Action.STOP, f"not restarting: {s.detail}", ExitCode.RESUME_MISMATCH)
     if s.kind is FailureKind.RESUME_MISMATCH:
         return Decision(
             Action.STOP,

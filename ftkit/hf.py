@@ -43,8 +43,25 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ExitCode, FtkitError
-from .rank import FAULT_ENV, STOP_FILE, Fault, RankContext, StopRequest, _env_int, _redirect_output
-from .rankcallback import COMPUTE_EWMA, apply_resume_overrides, callback_class, install_train_guard
+from .rank import (
+    FAULT_ENV,
+    STOP_FILE,
+    Fault,
+    RankContext,
+    StopRequest,
+    _env_int,
+    _redirect_output,
+    install_startup,
+    on_import,
+)
+from .rankcallback import (
+    COMPUTE_EWMA,
+    Trackers,
+    apply_resume_overrides,
+    callback_class,
+    guard_trackers,
+    install_train_guard,
+)
 from .rundir import RunDir, append_jsonl, atomic_write
 from .runspec import RunSpec
 
@@ -84,6 +101,7 @@ class _Rank:
         self.changes_recorded = False
         self.dog: Any = None  # the supervisor watchdog (None: no supervisor owns the run)
         self.fault: Fault | None = None  # test fault injection for a loop that calls step()
+        self.trackers: Trackers | None = None  # wandb/mlflow/...: one run across attempts
         self.final_step: int | None = None  # set once final/ is committed by this rank's run
         self.outcome_recorded = False  # an orphaned run's outcome, written once
 
@@ -132,6 +150,11 @@ def start(
         r.ctx.record_pid(watchdog=watched)
         r.ctx.heartbeat("starting")
         atexit.register(_at_exit, r)
+        install_startup()
+        r.trackers = Trackers(r.ctx.rd, attempt, r.resume)
+        for key, value in r.trackers.environment().items():
+            os.environ.setdefault(key, value)  # before any tracker starts; the user's own values win
+        on_import("transformers.integrations.integration_utils", guard_trackers(r.trackers))
         _rank = r
     print(
         f"ftkit rank {r.ctx.rank}/{r.ctx.world_size} on {r.ctx.host} pid {os.getpid()} attempt {attempt} "
@@ -259,11 +282,14 @@ def step(step: int, loss: float | None = None, **metrics: float) -> bool:
     if loss is not None:
         ctx.last_loss = float(loss)
     ctx.loop_api = True
+    if ctx.started_at_step is None:
+        ctx.started_at_step = step - 1  # the step the loop continued from (the resume proof)
     ctx.heartbeat("train", step)
     every = int(r.spec.training_args.get("logging_steps") or 1)
     if ctx.rank == 0 and loss is not None and step % max(every, 1) == 0:
         rec = {"step": step, "loss": float(loss), **{k: float(v) for k, v in metrics.items()}}
         append_jsonl(ctx.rd.metrics, {**rec, "attempt": ctx.attempt, "time": time.time()})
+    _fault(r).after_log(step)
     _fault(r).after_step(step)
     if r.stop.stopped_at is None and r.stop.agreed():
         r.stop.stopped_at = step

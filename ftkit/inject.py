@@ -14,8 +14,8 @@ of an ftkit run (``FTKIT_RUN_DIR`` and ``RANK``/``LOCAL_RANK`` set, and not a ch
   the trainer's global step). Before the first step the supervisor stops at once instead of restarting a
   script that cannot start; after it, the failure is restarted and the no-progress rule stops a repeating one,
   the traceback shown either way;
-* a post-import hook on two modules of ``transformers``, wrapping once (whichever class the script uses: TRL's
-  trainers and configs are subclasses):
+* a post-import hook (:func:`ftkit.rank.on_import`) on two modules of ``transformers``, wrapping once
+  (whichever class the script uses: TRL's trainers and configs are subclasses):
 
   - ``TrainingArguments.__post_init__``: the recipe's values (:func:`ftkit.hf.recipe_arguments`) are set on the
     object *before* HF's own ``__post_init__`` runs, so the DeepSpeed config HF builds there is ftkit's, and
@@ -37,12 +37,13 @@ Importing this module costs nothing heavy: transformers is patched when the scri
 from __future__ import annotations
 
 import functools
-import importlib.abc
 import os
 import sys
 import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from .rank import on_import
 
 HOOK_PID_ENV = "FTKIT_HOOK_PID"  # the pid of the rank the hook serves: its child processes leave it alone
 TRACEBACK_LINES = 20  # the last lines of a traceback kept in the error record
@@ -76,54 +77,12 @@ def install() -> None:
     hf.context().hooked = True
     hf.context().heartbeat("starting")
     _install_error_hooks()
-    sys.meta_path.insert(
-        0,
-        PostImportHook({"transformers.training_args": _patch_training_args, "transformers.trainer": _patch_trainer}),
-    )
-    for name, patch in (("transformers.training_args", _patch_training_args), ("transformers.trainer", _patch_trainer)):
-        if name in sys.modules:  # imported before us (another sitecustomize): patch now
-            patch(sys.modules[name])
+    on_import("transformers.training_args", _patch_training_args)
+    on_import("transformers.trainer", _patch_trainer)
     print(f"ftkit: import hook installed ({__name__}): TrainingArguments, Trainer.__init__, Trainer.train", flush=True)
 
 
 # ------------------------------------------------------------------------------------------------ post-import
-
-
-class PostImportHook(importlib.abc.MetaPathFinder):
-    """Runs ``patches[name](module)`` right after module ``name`` executed, whoever imports it and however
-    (``transformers`` loads its submodules lazily). The module's own loader stays in place (``inspect`` and
-    ``linecache`` keep finding its source); only that loader's ``exec_module`` is wrapped for this one import."""
-
-    def __init__(self, patches: Mapping[str, Callable[[Any], None]]):
-        self.patches = dict(patches)
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        patch = self.patches.get(fullname)
-        if patch is None:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        loader = spec.loader
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        original = loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            original(module)
-            try:
-                del loader.exec_module  # back to the class's method: the wrapper serves this import only
-            except AttributeError:
-                pass
-            patch(module)
-
-        loader.exec_module = exec_module
-        return spec
 
 
 def _patch_training_args(mod: Any) -> None:

@@ -10,6 +10,7 @@ Standard library only at import time (torch inside the functions that need it).
 
 from __future__ import annotations
 
+import importlib.abc
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +65,7 @@ class RankContext:
         self.hooked = False
         self.trainer_built = False
         self.loop_api = False
+        self.started_at_step: int | None = None  # the global step training began at in this attempt (resume proof)
 
     def heartbeat(self, phase: str, step: int | None = None, **extra: Any) -> None:
         rec = {
@@ -80,6 +83,7 @@ class RankContext:
             "hooked": self.hooked,
             "trainer": self.trainer_built,
             "loop": self.loop_api,
+            "started_at_step": self.started_at_step,
             **extra,
         }
         atomic_write(self.rd.heartbeat(self.rank), json.dumps(rec), fsync=False)
@@ -182,11 +186,114 @@ def _redirect_output(path: Path) -> None:
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
 
 
+# ------------------------------------------------------------------------------------------------ post-import hooks
+
+
+class PostImportHook(importlib.abc.MetaPathFinder):
+    """Runs ``patches[name]`` right after module ``name`` executed, whoever imports it and however (``transformers``
+    loads its submodules lazily). The module's own loader stays in place (``inspect`` and ``linecache`` keep finding
+    its source); only that loader's ``exec_module`` is wrapped for this one import. One instance per process
+    (:func:`on_import` registers with it)."""
+
+    def __init__(self) -> None:
+        self.patches: dict[str, list[Callable[[Any], None]]] = {}
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        patches = self.patches.get(fullname)
+        if not patches:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        original = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            original(module)
+            try:
+                del loader.exec_module  # back to the class's method: the wrapper serves this import only
+            except AttributeError:
+                pass
+            for patch in list(patches):
+                patch(module)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+_HOOK: PostImportHook | None = None
+
+
+def on_import(name: str, patch: Callable[[Any], None]) -> None:
+    """``patch(module)`` once module ``name`` is imported (at once when it already is)."""
+    global _HOOK
+    if _HOOK is None:
+        _HOOK = PostImportHook()
+        sys.meta_path.insert(0, _HOOK)
+    _HOOK.patches.setdefault(name, []).append(patch)
+    if name in sys.modules:  # imported before us (another sitecustomize, or the script itself): patch now
+        patch(sys.modules[name])
+
+
+# ------------------------------------------------------------------------------------------------ rank start-up
+
+
+def install_startup() -> None:
+    """What every rank needs before any model is built, whatever its entry (the built-in one, the import hook or a
+    script calling ftkit.hf): once TrainingArguments exist, DeepSpeed sees the real process group (ZeRO-3's
+    partitioned ``from_pretrained`` reads its world size)."""
+    on_import("transformers.training_args", _share_after_training_args)
+
+
+def _share_after_training_args(mod: Any) -> None:
+    import functools
+
+    cls = mod.TrainingArguments
+    if getattr(cls.__post_init__, "_ftkit_share", False):
+        return
+    original = cls.__post_init__
+
+    @functools.wraps(original)
+    def __post_init__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        share_process_group_with_deepspeed(self)
+        return out
+
+    __post_init__._ftkit_share = True  # type: ignore[attr-defined]
+    cls.__post_init__ = __post_init__
+
+
+def share_process_group_with_deepspeed(targs: Any) -> None:
+    """On CPU (``use_cpu``) TrainingArguments starts torch.distributed through Accelerate's MULTI_CPU path, which
+    leaves ``deepspeed.comm`` uninitialized; ZeRO-3's ``zero.Init`` inside ``from_pretrained`` then reads world size
+    1 and fails DeepSpeed's batch-size check (16 != 4 x 2 x 1). Hand the existing group to DeepSpeed (a no-op where
+    Accelerate already went through DeepSpeed, as on GPUs, and without a DeepSpeed config)."""
+    if not getattr(targs, "deepspeed", None):
+        return
+    import torch.distributed as tdist
+
+    if not (tdist.is_available() and tdist.is_initialized()):
+        return
+    import deepspeed
+    from deepspeed import comm
+
+    if not comm.is_initialized():
+        deepspeed.init_distributed(dist_backend=getattr(targs, "ddp_backend", None) or None)
+
+
 class Fault:
     """Test-only fault injection, from ``FTKIT_FAULT_INJECT=ACTION:RANK:STEP[:ATTEMPT]`` (ATTEMPT: a number or
     ``every``; default 0, so a restarted attempt runs clean).
 
-    ACTION is ``exit`` (exit 13 after that step), ``kill`` (SIGKILL itself after that step), ``stop`` (SIGSTOP
+    ACTION is ``exit`` (exit 13 after that step), ``kill`` (SIGKILL itself after that step), ``kill_logged``
+    (SIGKILL itself right after that step's loss was logged), ``stop`` (SIGSTOP
     itself: a hang), ``raise`` (an exception after that step) or ``kill_in_save`` (SIGKILL itself in the middle of
     saving checkpoint STEP, after DeepSpeed wrote its shards and before the RNG state and trainer_state.json: a torn
     checkpoint). The processes are real and really die; only the moment is chosen, so tests are not races against a
@@ -203,8 +310,15 @@ class Fault:
         if rank == ctx.rank and (attempt == "every" or int(attempt) == ctx.attempt):
             self.action, self.step = action, step
 
+    def after_log(self, step: int) -> None:
+        """``kill_logged``: SIGKILL after the loss of STEP was logged (rank 0 logs it; kill another rank), so every
+        step the killed attempt trained is in metrics.jsonl and a resume recomputes each of them."""
+        if self.action == "kill_logged" and step == self.step:
+            print(f"ftkit fault injection: SIGKILL after logging step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def after_step(self, step: int) -> None:
-        if self.action is None or step != self.step:
+        if self.action is None or self.action == "kill_logged" or step != self.step:
             return
         print(f"ftkit fault injection: {self.action} at step {step}", flush=True)
         if self.action == "exit":

@@ -49,14 +49,21 @@ def callback_class() -> Any:
                 # Resumed from a checkpoint at the recipe's last step (a crash in the final save, final/ removed):
                 # HF would train one more step before checking. The weights are loaded: stop here, the caller's
                 # Trainer.train returns (train_guard) and the final model is saved from them.
-                self.ctx.heartbeat("train", state.global_step, started_at_step=state.global_step)
+                self.ctx.started_at_step = state.global_step
+                self.ctx.heartbeat("train", state.global_step)
                 raise AtMaxSteps(state.global_step, args.max_steps)
             overrides = self.spec.resume_overrides
             if self.r.resume and overrides:  # after the checkpoint's optimizer and scheduler state were loaded
                 for line in apply_resume_overrides(overrides, kw.get("optimizer"), kw.get("lr_scheduler")):
                     print(f"ftkit: resume override {line}", flush=True)
             self._hook_forward(kw.get("model"))
-            self.ctx.heartbeat("train", state.global_step, started_at_step=state.global_step)
+            self.ctx.started_at_step = state.global_step  # in every heartbeat from now on: the resume proof
+            self.ctx.heartbeat("train", state.global_step)
+            if self.r.trackers is not None:
+                try:
+                    self.r.trackers.start_attempt(self.ctx.rank, state.global_step)
+                except Exception as e:  # noqa: BLE001 - a tracker's trouble never ends the training
+                    print(f"ftkit: warning: could not record the attempt on the tracker run: {e}", flush=True)
             # DeepSpeed has built its ops by now: back to dying at once on SIGTERM, so a rank blocked in a
             # collective (a dead peer) does not hold teardown for its whole grace period.
             if threading.current_thread() is threading.main_thread():
@@ -108,6 +115,8 @@ def callback_class() -> Any:
             if rec is not None and self.ctx.rank == 0:
                 append_jsonl(self.ctx.rd.metrics, {**rec, "attempt": self.ctx.attempt, "time": time.time()})
             self.ctx.heartbeat("train", state.global_step)
+            if "loss" in logs:
+                self.fault.after_log(state.global_step)
 
         def on_save(self, args, state, control, **kw):  # noqa: ANN001
             import torch.distributed as dist
@@ -202,6 +211,167 @@ def callback_class() -> Any:
 
     _CALLBACK = FtkitCallback
     return _CALLBACK
+
+
+# ------------------------------------------------------------------------------------------------ trackers
+# wandb and mlflow through HF's own integration callbacks: one tracker run across restarts, each step's values on it
+# once (what a resumed attempt recomputes is logged only where the tracker lacks it, what a killed attempt's tracker
+# lost is logged again from metrics.jsonl), and each attempt (restart, resume, shrink) recorded on the run.
+
+TRACKERS_FILE = "trackers.json"  # in RUN/ftkit/: the tracker runs' ids, so every attempt continues the same run
+_TRACKER_OF = {"WandbCallback": "wandb", "MLflowCallback": "mlflow"}  # HF's integration callback -> tracker
+_LOGGED = ("loss", "grad_norm", "learning_rate")  # what metrics.jsonl keeps of a step, in HF's names
+
+
+class Trackers:
+    """Per rank: the tracker runs' ids (wandb's derived from the run directory, mlflow's as its first attempt created
+    it), and, once the trackers started, which steps each already holds."""
+
+    def __init__(self, rd: Any, attempt: int, resume: str | None):
+        import hashlib
+        import json
+
+        self.rd, self.attempt, self.resume = rd, attempt, resume
+        self.path = rd.meta / TRACKERS_FILE
+        try:
+            ids = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            ids = {}
+        self.ids: dict[str, Any] = ids if isinstance(ids, dict) else {}
+        digest = hashlib.sha1(str(Path(rd.path).resolve()).encode()).hexdigest()
+        self.ids.setdefault("wandb_run_id", f"ftkit{digest[:15]}")
+        self.held: dict[str, set[int]] = {}  # tracker -> steps it holds (known once the trackers started)
+
+    def environment(self) -> dict[str, str]:
+        """Set before any tracker starts (the user's own values win): wandb resumes its run by id; mlflow resumes
+        the run an earlier attempt created."""
+        env = {"WANDB_RUN_ID": self.ids["wandb_run_id"], "WANDB_RESUME": "allow"}
+        if self.ids.get("mlflow_run_id"):
+            env["MLFLOW_RUN_ID"] = str(self.ids["mlflow_run_id"])
+        return env
+
+    def skip(self, tracker: str | None, step: int) -> bool:
+        return tracker is not None and step in self.held.get(tracker, set())
+
+    def start_attempt(self, rank: int, step: int) -> None:
+        """Rank 0, once the trackers started (on_train_begin): record this attempt on each tracker run, find which
+        steps each holds, and give it the logged steps it lacks up to the step this attempt resumes at (a killed
+        attempt's wandb offline run, for one, never reached the disk: wandb writes it at its end)."""
+        if rank != 0:
+            return
+        import json
+
+        start = f"resumed at step {step} ({self._why()})" if self.resume else "fresh start"
+        line = f"attempt {self.attempt}: {start}"
+        history = _logged_history(self.rd.metrics, self.attempt)
+        wandb = sys.modules.get("wandb")
+        if wandb is not None and getattr(wandb, "run", None) is not None:
+            run = wandb.run
+            run.summary.update({"ftkit/attempt": self.attempt, "ftkit/last_start": line})
+            run.tags = tuple(dict.fromkeys([*run.tags, f"ftkit-attempt-{self.attempt}"]))
+            if run.offline:  # a finished attempt's offline run is on disk; a failed one's was lost with its process
+                done = _clean_attempts(self.rd.events)
+                held = {s for s, (_, a) in history.items() if a in done}
+            else:
+                last = run.summary.get("train/global_step")
+                held = set(range(1, int(last) + 1)) if isinstance(last, (int, float)) else set()
+            self.held["wandb"] = held
+            for s in sorted(set(history) - held):
+                if s <= step:
+                    values = history[s][0]
+                    run.log({**{f"train/{k}": v for k, v in values.items()}, "train/global_step": s})
+                    held.add(s)
+        mlflow = sys.modules.get("mlflow")
+        if mlflow is not None and mlflow.active_run() is not None:
+            run_id = mlflow.active_run().info.run_id
+            mlflow.set_tag(f"ftkit.attempt.{self.attempt}", line)
+            self.ids.setdefault("mlflow_run_id", run_id)
+            client = mlflow.tracking.MlflowClient()
+            held = {int(m.step) for m in client.get_metric_history(run_id, "loss")}
+            self.held["mlflow"] = held
+            for s in sorted(set(history) - held):
+                if s <= step:
+                    mlflow.log_metrics(history[s][0], step=s)
+                    held.add(s)
+        from .rundir import atomic_write
+
+        atomic_write(self.path, json.dumps(self.ids, indent=1))
+
+    def _why(self) -> str:
+        """The supervisor's reason for this attempt: its last failure, shrink or stop in events.jsonl."""
+        why = "relaunched"
+        for e in _read_jsonl(self.rd.events):
+            if e.get("event") in ("failure", "shrink", "stopped", "orphan_stopped") and e.get("message"):
+                why = str(e["message"])[:300]
+        return why
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    import json
+
+    out = []
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+def _logged_history(metrics: Path, attempt: int) -> dict[int, tuple[dict[str, float], int]]:
+    """step -> (values in HF's names, attempt) as earlier attempts logged them (the newest attempt's wins)."""
+    out: dict[int, tuple[dict[str, float], int]] = {}
+    names = {"loss": "loss", "grad_norm": "grad_norm", "lr": "learning_rate"}
+    for m in _read_jsonl(metrics):
+        step, a = m.get("step"), m.get("attempt")
+        if "loss" in m and isinstance(step, int) and isinstance(a, int) and a != attempt:
+            values = {names[k]: float(m[k]) for k in names if isinstance(m.get(k), (int, float))}
+            out[step] = (values, a)
+    return out
+
+
+def _clean_attempts(events: Path) -> set[int]:
+    """Attempts whose ranks ended by themselves (finished, or saved and stopped on request): their trackers
+    wrote everything out. An attempt that failed (killed, hung, torn down) did not."""
+    failed, seen = set(), set()
+    for e in _read_jsonl(events):
+        a = e.get("attempt")
+        if isinstance(a, int):
+            seen.add(a)
+            if e.get("event") in ("failure", "interrupted", "orphan_stopped", "orphan_finished"):
+                failed.add(a)
+    return seen - failed
+
+
+def guard_trackers(trackers: Trackers) -> Any:
+    """A patch for ``transformers.integrations.integration_utils``: wandb's and mlflow's ``on_log`` skip a step
+    their run already holds (a resumed attempt recomputes steps an earlier attempt logged)."""
+    import functools
+
+    def patch(mod: Any) -> None:
+        def make(original: Any, tracker: str) -> Any:
+            @functools.wraps(original)
+            def guarded(self: Any, args: Any, state: Any, control: Any, *a: Any, **kw: Any) -> Any:
+                if trackers.skip(tracker, state.global_step):
+                    return None
+                return original(self, args, state, control, *a, **kw)
+
+            guarded._ftkit = True  # type: ignore[attr-defined]
+            return guarded
+
+        for name, tracker in _TRACKER_OF.items():
+            cls = getattr(mod, name, None)
+            original = cls.__dict__.get("on_log") if cls is not None else None
+            if original is not None and not getattr(original, "_ftkit", False):
+                cls.on_log = make(original, tracker)
+
+    return patch
 
 
 class AtMaxSteps(Exception):  # noqa: N818 - a signal to train_guard, not an error

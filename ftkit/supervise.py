@@ -146,6 +146,7 @@ class Supervisor:
         self._universal_attempt = False
         self._exclude: list[str] = []  # stragglers a graceful stop is leaving out (resilience.exclude_stragglers)
         self._unwatched = False  # this attempt's script built no Trainer and calls no ftkit.hf.step(): not restarted
+        self._resumed_from: tuple[int | None, str] | None = None  # (step, checkpoint name) this attempt resumed from
         self._beats: list[dict[str, Any]] = []  # the newest poll's heartbeats of the running attempt
         self.reports: Any = None  # ftkit.report.ReportRefresher: RUN/report.html after each attempt (set by the launch)
 
@@ -229,6 +230,9 @@ class Supervisor:
             mismatch = self.observer.poll(attempt, beats, now, progress.phases)
             if mismatch:
                 return Failure(FailureKind.RESUME_MISMATCH, mismatch, step=self._step(attempt))
+            earlier = not_resumed(beats, self._resumed_from)
+            if earlier:
+                return Failure(FailureKind.NOT_RESUMED, earlier, step=self._step(attempt))
             self._exclude_stragglers()
             codes = [p.proc.poll() for p in procs]
             errors = self.rd.records("errors", attempt)
@@ -377,6 +381,7 @@ class Supervisor:
             if self.interrupted or self.stop_requested:
                 return self._stop_between_attempts()
             self._exclude, self._stop_sent_at, self._unwatched = [], None, False
+            self._resumed_from = (choice.step, Path(choice.resume).name) if choice.resume else None
             self._start_fidelity(attempt, choice.step)
             inputs = LaunchInputs(**{**self.inputs.__dict__, "attempt": attempt, "resume": choice.resume})
             cmd = build_launch(inputs, self.base_env)
@@ -473,6 +478,7 @@ class Supervisor:
                 )
         situation = Situation(
             failure.kind,
+            detail=failure.message,
             step=failure.step,
             newest_commit=self._newest_commit(),
             signum=self.interrupted or self.stop_requested,
@@ -624,6 +630,26 @@ UNWATCHED = (
     "steps, checkpoints and resume point through ftkit.hf.step / checkpoint / resume_checkpoint)"
 )
 UNWATCHED_END = "it built no HF Trainer and called no ftkit.hf.step(), so ftkit could not watch it or commit a model"
+
+
+def not_resumed(beats: list[dict[str, Any]], resumed_from: tuple[int | None, str] | None) -> str | None:
+    """One line when a rank of an attempt ftkit resumed from checkpoint K began training before step K (its
+    heartbeat's ``started_at_step``, or a step it trained): it retrains from scratch and would pass for a resume."""
+    if resumed_from is None or resumed_from[0] is None:
+        return None
+    k, name = resumed_from
+    for hb in beats:
+        started, step = hb.get("started_at_step"), hb.get("step")
+        began = started if isinstance(started, int) else None
+        if began is None and hb.get("phase") == "train" and isinstance(step, int) and step < k:
+            began = step - 1
+        if began is not None and began < k:
+            return (
+                f"the script trained step {began + 1} after ftkit resumed it from {name}: it does not pass "
+                "ftkit.hf.resume_checkpoint() to trainer.train() (or resets the Trainer's state); relaunching would "
+                "train from scratch again, so ftkit stops here"
+            )
+    return None
 
 
 def unwatchable(beats: list[dict[str, Any]], world_size: int) -> bool:

@@ -84,22 +84,6 @@ def _probe(trainer: Any, example: dict[str, Any], ctx: RankContext) -> None:
         atomic_write(ctx.rd.meta / "probe.json", json.dumps({"input_ids": ids.tolist(), "logits": logits.tolist()}))
 
 
-def _share_process_group_with_deepspeed(targs: Any) -> None:
-    """On CPU (``use_cpu``) TrainingArguments starts torch.distributed through Accelerate's MULTI_CPU path, which
-    leaves ``deepspeed.comm`` uninitialized; ZeRO-3's ``zero.Init`` inside ``from_pretrained`` then reads world
-    size 1 and fails DeepSpeed's batch-size check (16 != 4 x 2 x 1). Hand the existing group to DeepSpeed first
-    (a no-op on GPU, where Accelerate already went through DeepSpeed)."""
-    import torch.distributed as tdist
-
-    if not (targs.deepspeed and tdist.is_available() and tdist.is_initialized()):
-        return
-    import deepspeed
-    from deepspeed import comm
-
-    if not comm.is_initialized():
-        deepspeed.init_distributed(dist_backend=targs.ddp_backend or None)
-
-
 def train(ctx: RankContext, resume: str | None) -> int | None:
     """Train; return the step a graceful stop saved (None: trained to the end and saved the final model)."""
     spec = hf.spec()
@@ -111,8 +95,8 @@ def train(ctx: RankContext, resume: str | None) -> int | None:
     from .data import collate, prepare
 
     set_seed(spec.training_args["seed"])
-    targs = TrainingArguments(**spec.training_args)  # before the model: enables ZeRO-3 partitioned loading
-    _share_process_group_with_deepspeed(targs)
+    # before the model: enables ZeRO-3 partitioned loading (the rank's start-up hands DeepSpeed the process group)
+    targs = TrainingArguments(**spec.training_args)
     tok_path = spec.tokenizer_path
     try:
         tok_rev = spec.tokenizer_revision

@@ -261,6 +261,30 @@ def test_a_trainer_whose_save_writes_nothing_stops_at_once_with_one_line(fx, tmp
 
 
 @pytest.mark.slow
+def test_a_script_that_ignores_the_resume_is_stopped_at_its_first_step(fx, tmp_path):
+    """On CPU a run that silently restarted from step 1 logs the same losses as one that resumed: the README script
+    without the resume argument used to retrain from scratch after a failure and pass. The resumed attempt's rank
+    reports the global step it began at; anything before checkpoint-K stops the run at once with exit 9."""
+    recipe = write_recipe(tmp_path, fx, train__max_steps=40, cluster__engine="torchrun")
+    run = tmp_path / "run"
+    resume = "trainer.train(resume_from_checkpoint=ftkit.hf.resume_checkpoint())"
+    script = readme_example().replace(resume, "trainer.train()")
+    assert "trainer.train()" in script
+    (tmp_path / "train.py").write_text(script)
+    r = launch(recipe, "--no-inject", "--", "python", "train.py", str(fx["model"]), str(fx["data"]), env=KILL)
+    assert r.returncode == ExitCode.RESUME_MISMATCH, r.stdout[-3000:] + r.stderr[-3000:]
+    line = (
+        "the script trained step 1 after ftkit resumed it from checkpoint-4: it does not pass "
+        "ftkit.hf.resume_checkpoint()"
+    )
+    assert line in r.stdout, r.stdout[-3000:]
+    again = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert max((m["step"] for m in again if m.get("attempt") == 1 and "loss" in m), default=0) < 10, "stopped late"
+    assert not (run / "final").exists()
+    assert_no_process_left(run)
+
+
+@pytest.mark.slow
 def test_a_loop_without_trainer_is_not_killed_as_hung(fx, tmp_path):
     """A plain PyTorch loop under `ftkit launch -- ...` used to be reported as "no training step within
     startup_timeout_s", killed and restarted from scratch (exit 4). The hook knows no Trainer was built: one line,
