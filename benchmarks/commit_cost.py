@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import xxhash  # noqa: E402
 
-from ftkit.checkpoints import manifest_part, verify, write_commit  # noqa: E402
+from ftkit.checkpoint.checkpoints import manifest_part, verify, write_commit  # noqa: E402
 
 CHUNK = 16 * 1024 * 1024
 

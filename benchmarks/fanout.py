@@ -1,7 +1,7 @@
 """How long do preflight, teardown and the lost-host probe take on N hosts, with and without unreachable ones?
 
 Why: every one of them used to visit hosts one after another over ssh, each with its own 10-15 s timeout, so a
-recovery at 64 hosts with two down spent minutes in ssh alone (issue 13). ftkit.fanout runs them on all hosts at
+recovery at 64 hosts with two down spent minutes in ssh alone (issue 13). ftkit.cluster.fanout runs them on all hosts at
 once under one deadline. Acceptance: at N = 32 preflight and teardown each take <= 1.5x their N = 2 time, and two
 unreachable hosts add <= one ssh timeout (not two).
 
@@ -32,10 +32,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from ftkit.cluster.procs import targets_from_records, teardown  # noqa: E402
 from ftkit.errors import PreflightError  # noqa: E402
 from ftkit.preflight import run_preflight  # noqa: E402
-from ftkit.procs import targets_from_records, teardown  # noqa: E402
-from ftkit.rundir import RunDir  # noqa: E402
+from ftkit.rundir.layout import RunDir  # noqa: E402
 from ftkit.shrink import probe_hosts  # noqa: E402
 from tests.runs import mp_lock  # noqa: E402
 

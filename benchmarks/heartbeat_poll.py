@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ftkit.rundir import RunDir, atomic_write  # noqa: E402
+from ftkit.rundir.layout import RunDir, atomic_write  # noqa: E402
 
 
 def beat(rd: RunDir, rank: int, step: int) -> None:

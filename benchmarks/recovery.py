@@ -30,8 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ftkit.procs import is_alive  # noqa: E402
-from ftkit.rundir import RunDir  # noqa: E402
+from ftkit.cluster.procs import is_alive  # noqa: E402
+from ftkit.rundir.layout import RunDir  # noqa: E402
 from tests.runs import (  # noqa: E402
     assert_no_process_left,
     events,

@@ -22,7 +22,7 @@ def _rank(rank: int, world: int, port: int, run_dir: str, iters: int, out: str) 
     import torch.distributed as dist
 
     from ftkit.rank import StopRequest
-    from ftkit.rundir import RunDir
+    from ftkit.rundir.layout import RunDir
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

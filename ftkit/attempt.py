@@ -3,7 +3,7 @@
 * :func:`spawn` starts each node's command in its own session (its log under ``logs/attempt-N/``) and records a
   ``spawn`` event with the launcher's pid and start time (``ftkit stop --force`` and ``--takeover`` find it by them);
 * :func:`teardown_attempt` stops the whole attempt: the spawned process groups and every recorded rank and agent
-  pid on every host (SIGTERM + SIGCONT, grace, SIGKILL, verify: :func:`ftkit.procs.teardown`), waits until the
+  pid on every host (SIGTERM + SIGCONT, grace, SIGKILL, verify: :func:`ftkit.cluster.procs.teardown`), waits until the
   orphaned ranks are reaped, and only then removes the run's /dev/shm buffers. The supervisor calls it in a
   ``finally``: no exception between spawn and teardown leaves ranks holding the GPUs.
 """
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .command import LaunchCommand
-from .procs import group_exists, proc_start_time, remove_shm, targets_from_records, teardown
-from .rundir import RunDir, atomic_write
+from ftkit.cluster.procs import group_exists, proc_start_time, remove_shm, targets_from_records, teardown
+from ftkit.command import LaunchCommand
+from ftkit.rundir.layout import RunDir, atomic_write
 
 
 @dataclass

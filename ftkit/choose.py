@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .checkpoints import Selection, foreign_checkpoints, select_resume, verify
-from .errors import ExitCode
-from .rundir import RunDir
+from ftkit.checkpoint.checkpoints import Selection, foreign_checkpoints, select_resume, verify
+from ftkit.errors import ExitCode
+from ftkit.rundir.layout import RunDir
 
 
 @dataclass

@@ -32,8 +32,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import UserError
-from .procs import LOCAL_HOSTS
+from ftkit.cluster.procs import LOCAL_HOSTS
+from ftkit.errors import UserError
 
 TRAIN_MODULE = "ftkit.launch.train"
 RUN_COMMAND_MODULE = "ftkit.launch.run_command"  # the trampoline that runs a command carried in COMMAND_ENV
@@ -479,7 +479,7 @@ def build_launch(inp: LaunchInputs, base_env: Mapping[str, str]) -> LaunchComman
     if inp.engine == "torchrun":
         return _torchrun(inp, base_env)
     if inp.engine == "slurm":  # inside an allocation: srun starts the ranks (ftkit/slurm.py), no ssh
-        from .slurm import srun_launch
+        from ftkit.cluster.slurm import srun_launch
 
         return srun_launch(inp, base_env)
     raise ValueError(f"unknown engine {inp.engine!r}")

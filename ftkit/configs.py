@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .plan import Plan, build_plan
-from .recipe import Recipe, load_recipe
+from ftkit.plan import Plan, build_plan
+from ftkit.recipe import Recipe, load_recipe
 
 
 def default_out_dir(recipe: Recipe) -> Path:

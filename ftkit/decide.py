@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from .errors import ExitCode
+from ftkit.errors import ExitCode
 
 NO_PROGRESS_LIMIT = 2  # the same failure point this many times in a row, with no new commit: give up
 

@@ -1,6 +1,6 @@
 """``ftkit doctor``: find the host that will break a multi-node start, in seconds, before anything is launched.
 
-Steps (each host in parallel through :func:`ftkit.fanout.run_on_hosts`; the probes are
+Steps (each host in parallel through :func:`ftkit.cluster.fanout.run_on_hosts`; the probes are
 ``python -m ftkit.launch.doctor_probe``, run with the ranks' interpreter):
 
 1. everything :func:`ftkit.preflight.run_preflight` checks (reused as it is: hosts reachable over ssh, run
@@ -9,7 +9,7 @@ Steps (each host in parallel through :func:`ftkit.fanout.run_on_hosts`; the prob
    and driver (cuda), free space in the run directory, /dev/shm size and free space, clock skew against this
    machine, the interface the collectives use (``GLOO_SOCKET_IFNAME`` on cpu, ``NCCL_SOCKET_IFNAME`` on cuda, else
    the route to master_addr) and whether it exists there, stale torch extension build locks
-   (:mod:`ftkit.buildlocks`; stale only if no host holds it). Thresholds and rules: :mod:`ftkit.doctor_checks`;
+   (:mod:`ftkit.cluster.buildlocks`; stale only if no host holds it). Thresholds and rules: :mod:`ftkit.doctor_checks`;
 3. a real rendezvous and all-reduce across all hosts with the engine's backend (gloo on cpu, nccl on cuda), one
    process per host, bounded by ``RENDEZVOUS_TIMEOUT_S``; hosts that did not join are named with their own error.
    Skipped when a host is unreachable (it cannot join).
@@ -41,9 +41,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .doctor_checks import DoctorReport, check_facts, check_locks
-from .errors import PreflightError
-from .fanout import LOCAL_HOSTS, run_on_hosts
+from ftkit.cluster.fanout import LOCAL_HOSTS, run_on_hosts
+from ftkit.doctor_checks import DoctorReport, check_facts, check_locks
+from ftkit.errors import PreflightError
 
 FACTS_DEADLINE_S = 15.0
 RENDEZVOUS_TIMEOUT_S = 10.0
@@ -79,7 +79,7 @@ def _facts(
     plan: Any, rep: DoctorReport, ssh_args: list[str], python: str, env: dict[str, str], transport: Any = None
 ) -> set[str]:
     """Run the facts probe everywhere; returns the hosts that could not be reached."""
-    from .preflight import local_versions
+    from ftkit.preflight import local_versions
 
     r = plan.recipe
     hosts = rep.hosts
@@ -117,7 +117,7 @@ def _facts(
 
 def _preflight(plan: Any, hosts: list[str], ssh_args: list[str], python: str) -> tuple[Any, list[tuple[str, str]]]:
     """run_preflight as it is: (its report or None, [(host or "-", problem)])."""
-    from .preflight import run_preflight
+    from ftkit.preflight import run_preflight
 
     r = plan.recipe
     try:
@@ -220,7 +220,7 @@ def _rendezvous_fix(o: dict[str, Any], plan: Any) -> str:
 
 
 def _bandwidth(plan: Any, hosts: list[str], outs: dict[str, dict[str, Any]], backend: str) -> dict[str, Any]:
-    from .comm import BANDWIDTH_FILE_VERSION, NETWORK_PRESETS
+    from ftkit.comm import BANDWIDTH_FILE_VERSION, NETWORK_PRESETS
 
     r = plan.recipe
     rows = outs[hosts[0]].get("all", [])
@@ -231,7 +231,7 @@ def _bandwidth(plan: Any, hosts: list[str], outs: dict[str, dict[str, Any]], bac
             pairs.append({"hosts": [hosts[i], hosts[j]], **{k: p[k] for k in ("bytes", "seconds", "busbw_gbs")}})
     name = r["cluster.network"]
     if name == "auto":
-        from .comm import DEFAULT_NETWORK
+        from ftkit.comm import DEFAULT_NETWORK
 
         name = "loopback" if r["cluster.accelerator"] == "cpu" else DEFAULT_NETWORK
     intra = r["cluster.intra_node_gbs"] or NETWORK_PRESETS[name].intra_gbs
@@ -249,8 +249,8 @@ def _bandwidth(plan: Any, hosts: list[str], outs: dict[str, dict[str, Any]], bac
 
 
 def write_bandwidth(data: dict[str, Any], path: Path | None = None) -> Path:
-    from .comm import bandwidth_file
-    from .rundir import atomic_write
+    from ftkit.comm import bandwidth_file
+    from ftkit.rundir.layout import atomic_write
 
     p = path or bandwidth_file()
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -273,8 +273,8 @@ def run_doctor(
 ) -> DoctorReport:
     """All of doctor's checks for ``plan``'s hosts; the report carries every failure (nothing raised for them).
 
-    ``transport``: how the probes reach the hosts (:class:`ftkit.fanout.Transport`; default ssh with ``ssh_args``),
-    e.g. srun inside a Slurm allocation. run_preflight picks its own."""
+    ``transport``: how the probes reach the hosts (:class:`ftkit.cluster.fanout.Transport`; default ssh with
+    ``ssh_args``), e.g. srun inside a Slurm allocation. run_preflight picks its own."""
     t0 = time.monotonic()
     env = dict(os.environ if env is None else env)
     rep = DoctorReport(hosts=[h for h, _ in plan.hosts])

@@ -94,10 +94,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__
-from .errors import Problem, UserError
-from .pkgversions import versions as installed_versions
-from .schema import FIELD_BY_KEY
+from ftkit import __version__
+from ftkit.cluster.pkgversions import versions as installed_versions
+from ftkit.errors import Problem, UserError
+from ftkit.schema import FIELD_BY_KEY
 
 FORMAT = 1
 LIBRARIES = ("torch", "deepspeed", "transformers", "peft", "accelerate")
@@ -352,8 +352,8 @@ def _actual_config_file(plan: Any) -> str:
     r = plan.recipe
     file = getattr(plan, "model_config_file", "") or ""
     if r.get("model.config") and r.get("model.path"):
-        from .errors import UserError
-        from .hub import config_source
+        from ftkit.errors import UserError
+        from ftkit.hub import config_source
 
         try:
             return config_source(r, checked_in=False).file

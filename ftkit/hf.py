@@ -42,8 +42,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .errors import ExitCode, FtkitError
-from .rank import (
+from ftkit.errors import ExitCode, FtkitError
+from ftkit.rank import (
     FAULT_ENV,
     STOP_FILE,
     Fault,
@@ -54,7 +54,7 @@ from .rank import (
     install_startup,
     on_import,
 )
-from .rankcallback import (
+from ftkit.rankcallback import (
     COMPUTE_EWMA,
     Trackers,
     apply_resume_overrides,
@@ -62,8 +62,8 @@ from .rankcallback import (
     guard_trackers,
     install_train_guard,
 )
-from .rundir import RunDir, append_jsonl, atomic_write
-from .runspec import RunSpec
+from ftkit.rundir.layout import RunDir, append_jsonl, atomic_write
+from ftkit.rundir.spec import RunSpec
 
 RUN_DIR_ENV = "FTKIT_RUN_DIR"
 ATTEMPT_ENV = "FTKIT_ATTEMPT"
@@ -141,7 +141,7 @@ def start(
         r = _Rank(Path(run_dir), attempt, resume)
         if "tensorboard" in (r.spec.training_args.get("report_to") or []):
             # transformers 5.x has no logging_dir: its TensorBoard callback reads this variable (run directory only)
-            from .spec import tensorboard_dir
+            from ftkit.spec import tensorboard_dir
 
             os.environ.setdefault("TENSORBOARD_LOGGING_DIR", tensorboard_dir(r.spec.training_args["output_dir"]))
         if not log_to_console:
@@ -303,7 +303,7 @@ def checkpoint(step: int) -> Iterator[Path]:
     """``with ftkit.hf.checkpoint(step) as path: accelerator.save_state(path)`` on every rank: the save goes to
     ``RUN/checkpoint-<step>``, then every rank's files are hashed, rank 0 writes the commit record and rotates
     (``train.save_total_limit``). Only a committed checkpoint is ever resumed from (:func:`resume_checkpoint`)."""
-    from .checkpoints import manifest_part, record_save_begun, rotate, write_commit
+    from ftkit.checkpoint.checkpoints import manifest_part, record_save_begun, rotate, write_commit
 
     r = _state()
     ctx, spec = r.ctx, r.spec
@@ -388,7 +388,7 @@ def save_final(trainer: Any, output_dir: str | None = None) -> str:
     """Save the trained model as the run's final model (``RUN/final``) with its commit record, on every rank (ZeRO-3
     gathers the weights): how the supervisor knows the run finished. ``output_dir`` (not the run directory): saved
     there as well. Returns the final directory. (Under the import hook, the script's own ``save_model`` does this.)"""
-    from .inject import save_final as _save_final
+    from ftkit.inject import save_final as _save_final
 
     return _save_final(trainer, output_dir)
 
@@ -396,7 +396,7 @@ def save_final(trainer: Any, output_dir: str | None = None) -> str:
 def commit_final(step: int) -> None:
     """After every rank saved ``RUN/final`` (``save_model``): rank 0 writes its commit record, the sign the run
     finished; every rank says so in its heartbeat."""
-    from .checkpoints import manifest_part, write_commit
+    from ftkit.checkpoint.checkpoints import manifest_part, write_commit
 
     r = _state()
     ctx, spec = r.ctx, r.spec
@@ -420,7 +420,7 @@ def _watch_supervisor(r: _Rank) -> dict[str, float] | None:
     """Stop by itself when ftkit launch is gone (launch/watchdog.py): save first (the same graceful stop the
     supervisor would ask for), bounded by resilience.stop_timeout_s, then end the rank. Returns the watchdog's
     bounds for the pid record (a relaunch waits that long for ranks that stop themselves), None when unwatched."""
-    from .launch.watchdog import SupervisorWatchdog
+    from ftkit.launch.watchdog import SupervisorWatchdog
 
     timeout = float(r.spec.resilience("orphan_timeout_s", 60.0))
     grace = float(r.spec.resilience("stop_timeout_s", 120.0))
@@ -469,7 +469,7 @@ def _at_exit(r: _Rank) -> None:
             return
     except Exception:  # noqa: BLE001 - never turn a clean exit into a failure
         return
-    from .launch.watchdog import remove_own_shm
+    from ftkit.launch.watchdog import remove_own_shm
 
     remove_own_shm()
     _record_orphan_outcome(r, "orphan_finished" if r.final_step is not None else "orphan_stopped", "supervisor gone")

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ModelConfigError, Problem
+from ftkit.errors import ModelConfigError, Problem
 
 DEFAULT_REVISION = "main"
 # The hub's repo-id grammar (huggingface_hub.utils.validate_repo_id): namespace/name, letters, digits, '-', '_', '.'
@@ -178,7 +178,7 @@ def checked_in_drift(recipe: Any) -> str | None:
     checked = recipe.get("model.config")
     if not checked:
         return None
-    from .params import load_config_file, load_model_config
+    from ftkit.params import load_config_file, load_model_config
 
     try:
         mine = load_config_file(checked)

@@ -43,7 +43,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .rank import on_import
+from ftkit.rank import on_import
 
 HOOK_PID_ENV = "FTKIT_HOOK_PID"  # the pid of the rank the hook serves: its child processes leave it alone
 TRACEBACK_LINES = 20  # the last lines of a traceback kept in the error record

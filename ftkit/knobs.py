@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .plan import Plan
+    from ftkit.plan import Plan
 
 SUB_GROUP_SIZE = int(1e9)
 # fp16's dynamic loss scaling: (knob, value, why) for each train.fp16_* field left at auto

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .comm import (
+from ftkit.comm import (
     ZEROPP_MARGIN,
     Prediction,
     ZeroPP,
@@ -24,9 +24,9 @@ from .comm import (
     zeropp_candidates,
     zeropp_memory_bytes,
 )
-from .errors import RecipeError, UserError
-from .knobs import overlap_comm_auto, persistence_threshold
-from .memory import (
+from ftkit.errors import RecipeError, UserError
+from ftkit.knobs import overlap_comm_auto, persistence_threshold
+from ftkit.memory import (
     Candidate,
     Choice,
     Estimate,
@@ -38,7 +38,7 @@ from .memory import (
     judge,
     suggestions,
 )
-from .params import ModelShape, count_params, count_params_meta, lora_trainable_params
+from ftkit.params import ModelShape, count_params, count_params_meta, lora_trainable_params
 
 HEADROOM = 0.10  # fraction of GPU memory and host RAM kept free
 TIGHT = 0.80  # above this share of the (headroom-reduced) limit, memory counts as tight for buffer sizing

@@ -11,7 +11,7 @@ heartbeats the poll read anyway, and says what it saw:
   by rank 0 through :mod:`ftkit.hf`), listed once per name as ``name: from -> to`` and put in ``events.jsonl``;
 * **stragglers** (:mod:`ftkit.stragglers`): a host whose ranks compute consistently slower, named once per attempt
   with numbers; the latest report serves ``resilience.exclude_stragglers``;
-* **a stale JIT build lock** (:mod:`ftkit.buildlocks`): a rank stuck in its loading phase for a minute while a
+* **a stale JIT build lock** (:mod:`ftkit.cluster.buildlocks`): a rank stuck in its loading phase for a minute while a
   torch extension build lock nobody holds exists: named with the fix, once, instead of a silent wait for
   ``startup_timeout_s``.
 
@@ -27,12 +27,12 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .buildlocks import loading_hint
-from .fidelity import FidelityCheck
-from .procs import exit_meaning
-from .progress import MetricsTail, Progress
-from .rundir import RunDir
-from .stragglers import StragglerReport, StragglerWatch, hosts_by_rank
+from ftkit.cluster.buildlocks import loading_hint
+from ftkit.cluster.procs import exit_meaning
+from ftkit.fidelity import FidelityCheck
+from ftkit.progress import MetricsTail, Progress
+from ftkit.rundir.layout import RunDir
+from ftkit.stragglers import StragglerReport, StragglerWatch, hosts_by_rank
 
 
 class Observer:

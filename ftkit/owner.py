@@ -36,9 +36,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import Problem, RunBusy, UserError, os_error
-from .procs import Target, is_alive, is_this_machine, proc_start_time, remote_signal, signal_hosts, targets_from_records
-from .rundir import RunDir, atomic_write
+from ftkit.cluster.procs import (
+    Target,
+    is_alive,
+    is_this_machine,
+    proc_start_time,
+    remote_signal,
+    signal_hosts,
+    targets_from_records,
+)
+from ftkit.errors import Problem, RunBusy, UserError, os_error
+from ftkit.rundir.layout import RunDir, atomic_write
 
 HEARTBEAT_S = 2.0  # how often the supervisor rewrites supervisor.json
 ORPHAN_POLL_S = 1.0  # how often a relaunch looks whether a dead supervisor's ranks have stopped
@@ -398,7 +406,7 @@ class Ownership:
 def stop_leftovers(left: Leftovers, ssh_args: list[str], echo: Callable[[str], None] = print) -> bool:
     """Tear down what a dead supervisor left on every host (ranks, their per-node agents, the engine launchers it
     spawned here), then the run's /dev/shm buffers. True when nothing is left."""
-    from .procs import group_exists, remove_shm, targets_from_records, teardown
+    from ftkit.cluster.procs import group_exists, remove_shm, targets_from_records, teardown
 
     records = left.records
     res = teardown(left.groups, targets_from_records(records), grace_s=10.0, ssh_args=ssh_args)
@@ -444,7 +452,7 @@ def stop_run(
     reached), tear the ranks down by their pid records. Exit 0 when nothing of
     the run is left, 11 (RUN_BUSY) when something is. Other hosts are reached with the caller's ssh configuration
     (:func:`caller_ssh_args`)."""
-    from .errors import ExitCode
+    from ftkit.errors import ExitCode
 
     rd = RunDir(run_dir)
     if not rd.meta.is_dir():

@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import Problem, RecipeError, UserError
-from .procs import LOCAL_HOSTS
-from .recipe import CLI, DEFAULT, Recipe
+from ftkit.cluster.procs import LOCAL_HOSTS
+from ftkit.errors import Problem, RecipeError, UserError
+from ftkit.recipe import CLI, DEFAULT, Recipe
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .memory_plan import MemoryReport
+    from ftkit.memory_plan import MemoryReport
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def resolve_cluster(
     if recipe["cluster.engine"] == "slurm":  # the allocation's nodes (ftkit launch refuses outside one)
         import os
 
-        from .slurm import allocation_hosts, in_allocation
+        from ftkit.cluster.slurm import allocation_hosts, in_allocation
 
         if include or exclude:
             raise RecipeError(Problem("--include/--exclude do not apply to engine slurm (use sbatch -w/-x)", file=CLI))
@@ -113,7 +113,7 @@ def resolve_cluster(
         if n == 1:
             return [("localhost", recipe["cluster.gpus_per_node"])], {}
         return [(f"node{i}", recipe["cluster.gpus_per_node"]) for i in range(n)], {}
-    from .hostfile import apply_filters, parse_hostfile
+    from ftkit.cluster.hostfile import apply_filters, parse_hostfile
 
     hf = parse_hostfile(hostfile)
     if include or exclude:
@@ -131,7 +131,7 @@ def _master_port(recipe: Recipe) -> int:
 
     port = recipe["cluster.master_port"]
     if recipe["cluster.engine"] == "slurm" and recipe.sources.get("cluster.master_port", DEFAULT) == DEFAULT:
-        from .slurm import job_port
+        from ftkit.cluster.slurm import job_port
 
         return job_port(os.environ, port)
     return port
@@ -155,9 +155,9 @@ def build_plan(
     command, which loads its own model): a config.json that cannot be read is no error; the plan uses DeepSpeed's
     default bucket sizes, estimates no memory, and says so in ``Plan.unknown`` (``zero.stage: auto`` still needs it).
     """
-    from .hub import config_source
-    from .knobs import decide_config_knobs
-    from .params import hidden_size, load_config_file, load_model_config
+    from ftkit.hub import config_source
+    from ftkit.knobs import decide_config_knobs
+    from ftkit.params import hidden_size, load_config_file, load_model_config
 
     problems: list[Problem] = []
     if hosts is None:
@@ -280,7 +280,7 @@ def build_plan(
 
 def note_zeropp(plan: Plan, chosen: Any, why: str) -> None:
     """ZeRO++'s knobs when ``auto`` chose a ZeRO++ candidate (by predicted speed across nodes, ftkit.comm)."""
-    from .comm import ZeroPP
+    from ftkit.comm import ZeroPP
 
     if isinstance(chosen, ZeroPP):
         plan.note("zero_hpz_partition_size", chosen.hpz, f"hpZ over one node's {chosen.hpz} ranks: {why}")
@@ -293,8 +293,8 @@ def _ints(values: tuple[int, ...]) -> str:
 
 
 def _resolve_zero(plan: Plan, with_memory: bool, strict: bool = True) -> None:
-    from .knobs import decide_zero_knobs
-    from .memory import Candidate
+    from ftkit.knobs import decide_zero_knobs
+    from ftkit.memory import Candidate
 
     r = plan.recipe
     stage, opt = r["zero.stage"], r["zero.offload_optimizer"]
@@ -306,7 +306,7 @@ def _resolve_zero(plan: Plan, with_memory: bool, strict: bool = True) -> None:
     )
     report = None
     if needs_memory and with_memory:
-        from .memory_plan import plan_memory
+        from ftkit.memory_plan import plan_memory
 
         report = plan_memory(plan)
         plan.memory = report

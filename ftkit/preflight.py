@@ -13,11 +13,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import PreflightError, Problem
-from .fanout import LOCAL_HOSTS, run_on_hosts
-from .pkgversions import PACKAGES, probe_source, versions
+from ftkit.cluster.fanout import LOCAL_HOSTS, run_on_hosts
+from ftkit.cluster.pkgversions import PACKAGES, probe_source, versions
+from ftkit.errors import PreflightError, Problem
 
-KEY_PACKAGES = PACKAGES  # the versions every host must agree on (ftkit.pkgversions)
+KEY_PACKAGES = PACKAGES  # the versions every host must agree on (ftkit.cluster.pkgversions)
 
 
 def resolve_probe(addr: str, port: int) -> str:
@@ -118,7 +118,7 @@ def run_preflight(
             problems.append(Problem(f"{name} is not installed on this machine (pip install {name})"))
     remote = [h for h, _ in hosts if h not in LOCAL_HOSTS]
     if engine == "deepspeed" and remote:
-        from .command import pdsh_problems
+        from ftkit.command import pdsh_problems
 
         problems += [Problem(p, key="train.output_dir") for p in pdsh_problems(str(run_dir), python, master_addr)]
     # Every rank connects to master_addr: a name that does not resolve hangs each attempt until startup_timeout_s.
@@ -142,7 +142,7 @@ def run_preflight(
     # Every value is quoted once, here, where the remote shell line is built (the probes hold them as Python
     # literals inside one quoted -c argument).
     port_line = f"{q(python)} -c {q(port_probe(master_addr, master_port, prefix='master_port='))}"
-    # -S: the version scan needs no site processing (ftkit.pkgversions), ~10 ms of CPU per host instead of ~90.
+    # -S: the version scan needs no site processing (ftkit.cluster.pkgversions), ~10 ms of CPU per host instead of ~90.
     probe = probe_source() + resolve_probe(master_addr, master_port)
     version_line = f"{q(python)} -S -c {q(probe)} && test -w {q(str(run_dir))} && echo run_dir=writable"
 
@@ -152,7 +152,9 @@ def run_preflight(
         return f"{version_line}; {port_line}" if host == port_host else version_line
 
     fan = [*remote, *([port_host] if port_host and port_host not in remote else [])]
-    from .slurm import transport_for  # inside a Slurm allocation the other nodes are reached by srun, not ssh
+    from ftkit.cluster.slurm import (
+        transport_for,  # inside a Slurm allocation the other nodes are reached by srun, not ssh
+    )
 
     transport = transport_for(engine, os.environ)
     results = run_on_hosts(fan, line, ssh_args, deadline_s=17, connect_timeout_s=15, transport=transport)

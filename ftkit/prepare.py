@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .plan import Plan
-from .render import render_files, write_files
-from .rundir import RunDir, atomic_write
-from .spec import build_spec
+from ftkit.plan import Plan
+from ftkit.render import render_files, write_files
+from ftkit.rundir.layout import RunDir, atomic_write
+from ftkit.spec import build_spec
 
 
 def prepare_run(

@@ -22,9 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .errors import FtkitError
-from .rundir import RunDir, atomic_write
-from .runspec import RunSpec
+from ftkit.errors import FtkitError
+from ftkit.rundir.layout import RunDir, atomic_write
+from ftkit.rundir.spec import RunSpec
 
 FAULT_ENV = "FTKIT_FAULT_INJECT"  # test-only fault injection, see Fault
 STOP_FILE = "stop.json"  # in RUN/ftkit/: the supervisor's save-and-stop request
@@ -94,8 +94,8 @@ class RankContext:
         bounds of this rank's supervisor watchdog (it stops itself when its supervisor is gone)."""
         import fnmatch
 
-        from .command import ENV_ALLOW, SECRET
-        from .procs import proc_start_time
+        from ftkit.cluster.procs import proc_start_time
+        from ftkit.command import ENV_ALLOW, SECRET
 
         pid, ppid = os.getpid(), os.getppid()
         env = {

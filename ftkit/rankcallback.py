@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .errors import ExitCode
-from .rundir import append_jsonl
+from ftkit.errors import ExitCode
+from ftkit.rundir.layout import append_jsonl
 
 COMPUTE_EWMA = 0.2  # weight of the newest step in the per-rank compute-time average
 
@@ -30,7 +30,7 @@ def callback_class() -> Any:
         return _CALLBACK
     from transformers import TrainerCallback
 
-    from .checkpoints import manifest_part, record_save_begun, rotate, write_commit
+    from ftkit.checkpoint.checkpoints import manifest_part, record_save_begun, rotate, write_commit
 
     class FtkitCallback(TrainerCallback):
         """Heartbeat, metrics, commit records, graceful stop and resume overrides, on HF Trainer's own events."""
@@ -159,7 +159,7 @@ def callback_class() -> Any:
             self.ctx.heartbeat("train", state.global_step, committed=state.global_step)
 
         def _save_wrote_nothing(self, ckpt: Path) -> None:
-            from .errors import SaveWroteNothing
+            from ftkit.errors import SaveWroteNothing
 
             e = SaveWroteNothing(
                 f"rank {self.ctx.rank}: the Trainer's save wrote nothing at {ckpt} (does the script's Trainer override "
@@ -293,7 +293,7 @@ class Trackers:
                 if s <= step:
                     mlflow.log_metrics(history[s][0], step=s)
                     held.add(s)
-        from .rundir import atomic_write
+        from ftkit.rundir.layout import atomic_write
 
         atomic_write(self.path, json.dumps(self.ids, indent=1))
 
@@ -427,7 +427,7 @@ def apply_resume_overrides(overrides: dict[str, Any], optimizer: Any, lr_schedul
     a new peak lr is applied by replacing ``base_lrs`` and recomputing the current lr at the restored step.
     Keys this function does not know took effect through the new spec (TrainingArguments, ds_config.json).
     """
-    from .fingerprint import RANK_APPLIED
+    from ftkit.fingerprint import RANK_APPLIED
 
     sched = _lr_scheduler_of(lr_scheduler)
     groups = sched.optimizer.param_groups if sched is not None else optimizer.param_groups

@@ -24,10 +24,10 @@ from typing import Any
 
 import yaml
 
-from .errors import Problem, RecipeError
-from .hub import is_hub_id
-from .memory import offload_problems
-from .schema import REQUIRED, SECTION_BY_NAME, SECTIONS, TOP_LEVEL, Field
+from ftkit.errors import Problem, RecipeError
+from ftkit.hub import is_hub_id
+from ftkit.memory import offload_problems
+from ftkit.schema import REQUIRED, SECTION_BY_NAME, SECTIONS, TOP_LEVEL, Field
 
 try:  # the C loader is ~10x faster; fall back quietly where libyaml is missing
     from yaml import CSafeLoader as _Loader
@@ -518,7 +518,7 @@ def load_recipe(path: str | os.PathLike[str] | None, overrides: list[str] | tupl
 
 
 def _field(key: str) -> Field | None:
-    from .schema import FIELD_BY_KEY
+    from ftkit.schema import FIELD_BY_KEY
 
     return FIELD_BY_KEY.get(key)
 

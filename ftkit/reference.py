@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .scaffold import format_value
-from .schema import REQUIRED, SECTIONS, TOP_LEVEL, Field
+from ftkit.scaffold import format_value
+from ftkit.schema import REQUIRED, SECTIONS, TOP_LEVEL, Field
 
 
 def _json_type(f: Field) -> dict[str, Any]:

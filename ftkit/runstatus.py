@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checkpoints import list_checkpoints, list_set_aside, read_commit, verify
-from .errors import ExitCode, FtkitError, NoSpace, Problem, UserError
-from .report.goodput import goodput
-from .rundir import RunDir
-from .stragglers import score_run
+from ftkit.checkpoint.checkpoints import list_checkpoints, list_set_aside, read_commit, verify
+from ftkit.errors import ExitCode, FtkitError, NoSpace, Problem, UserError
+from ftkit.report.goodput import goodput
+from ftkit.rundir.layout import RunDir
+from ftkit.stragglers import score_run
 
 
 class VerifyFailed(FtkitError):

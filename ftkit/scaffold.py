@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from .schema import REQUIRED, SECTIONS, TOP_LEVEL, Field
+from ftkit.schema import REQUIRED, SECTIONS, TOP_LEVEL, Field
 
 
 def field_comment(f: Field) -> str:
@@ -112,9 +112,9 @@ def sized_for_model(text: str) -> tuple[str, str]:
     import tempfile
     from pathlib import Path
 
-    from .errors import FtkitError
-    from .plan import build_plan
-    from .recipe import load_recipe
+    from ftkit.errors import FtkitError
+    from ftkit.plan import build_plan
+    from ftkit.recipe import load_recipe
 
     values = yaml.safe_load(text) or {}
     micro = int((values.get("train") or {}).get("micro_batch_size") or 1)

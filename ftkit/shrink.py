@@ -13,9 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .checkpoints import Selection, Verdict, set_aside_newer
-from .errors import ExitCode
-from .fanout import LOCAL_HOSTS, run_on_hosts
+from ftkit.checkpoint.checkpoints import Selection, Verdict, set_aside_newer
+from ftkit.cluster.fanout import LOCAL_HOSTS, run_on_hosts
+from ftkit.errors import ExitCode
 
 
 def probe_hosts(
@@ -33,7 +33,7 @@ def convert_newest(
 ) -> str | int | None:
     """Convert the newest intact checkpoint saved with another world size (newer than any compatible one) to the
     universal format. Returns its path, an exit code (refused), or None when a compatible checkpoint is newer."""
-    from .universal import ConversionError, convert_to_universal
+    from ftkit.universal import ConversionError, convert_to_universal
 
     v = max(incompatible, key=lambda x: x.step or -1)
     if sel.step is not None and (v.step or -1) <= sel.step:

@@ -8,11 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from . import __version__
-from .fingerprint import compute as compute_fingerprint
-from .hub import DEFAULT_REVISION, model_is_hub
-from .plan import Plan
-from .runspec import DataSpec, RunSpec
+from ftkit import __version__
+from ftkit.fingerprint import compute as compute_fingerprint
+from ftkit.hub import DEFAULT_REVISION, model_is_hub
+from ftkit.plan import Plan
+from ftkit.rundir.spec import DataSpec, RunSpec
 
 # TrainingArguments a wrapped script always gets from the recipe (DESIGN §8: the recipe is the source of truth for
 # what it states): the batch triple, precision, seed, save cadence, step limit, output directory, DeepSpeed config

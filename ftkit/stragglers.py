@@ -33,7 +33,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .rundir import RunDir
+from ftkit.rundir.layout import RunDir
 
 SLOW_FACTOR = 1.5  # a host this many times slower than the other hosts' median is a straggler
 MIN_STEPS = 10  # steps every rank of a host must have measured before it is judged

@@ -32,20 +32,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .attempt import Spawned, spawn, teardown_attempt
-from .checkpoints import list_checkpoints, read_commit, select_resume, set_aside_newer, verify
-from .choose import Choice, select
-from .command import LaunchCommand, LaunchInputs, build_launch
-from .decide import Action, Decision, FailureKind, Progress, RestartPolicy, Situation, decide
-from .errors import ExitCode
-from .fidelity import FidelityCheck
-from .observe import Observer, log_tail, root_cause
-from .procs import exit_meaning
-from .rank import STOP_FILE
-from .report.live import record_step_times
-from .rundir import NEARLY_FULL, RunDir, append_jsonl, atomic_write
-from .shrink import convert_newest, probe_hosts
-from .stragglers import hosts_to_exclude
+from ftkit.attempt import Spawned, spawn, teardown_attempt
+from ftkit.checkpoint.checkpoints import list_checkpoints, read_commit, select_resume, set_aside_newer, verify
+from ftkit.choose import Choice, select
+from ftkit.cluster.procs import exit_meaning
+from ftkit.command import LaunchCommand, LaunchInputs, build_launch
+from ftkit.decide import Action, Decision, FailureKind, Progress, RestartPolicy, Situation, decide
+from ftkit.errors import ExitCode
+from ftkit.fidelity import FidelityCheck
+from ftkit.observe import Observer, log_tail, root_cause
+from ftkit.rank import STOP_FILE
+from ftkit.report.live import record_step_times
+from ftkit.rundir.layout import NEARLY_FULL, RunDir, append_jsonl, atomic_write
+from ftkit.shrink import convert_newest, probe_hosts
+from ftkit.stragglers import hosts_to_exclude
 
 # A closed terminal (SIGHUP) is handled like SIGTERM; SIGUSR1 is Slurm's advance notice (--signal=B:USR1@T).
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
@@ -127,7 +127,9 @@ class Supervisor:
         self.max_steps = max_steps
         self.logging_steps = logging_steps
         self.ssh_args = ssh_args
-        from .slurm import transport_for  # srun reaches the allocation's other nodes (no ssh there); else None
+        from ftkit.cluster.slurm import (
+            transport_for,  # srun reaches the allocation's other nodes (no ssh there); else None
+        )
 
         self.transport = transport_for(inputs.engine, base_env)
         self.echo = echo
@@ -315,7 +317,7 @@ class Supervisor:
 
     def shrink(self, lost: list[str]) -> int | None:
         """Replan on the hosts that are left (keeping the global batch); an exit code when that is impossible."""
-        from .errors import UserError
+        from ftkit.errors import UserError
 
         remaining = [(h, n) for h, n in self.inputs.hosts if h not in lost]
         if self.replan is None:
@@ -500,7 +502,7 @@ class Supervisor:
     def _start_fidelity(self, attempt: int, resume_step: int | None) -> None:
         fidelity = None
         if resume_step is not None and self.check_fidelity:
-            from .runstatus import read_jsonl
+            from ftkit.runstatus import read_jsonl
 
             fidelity = FidelityCheck.from_metrics(
                 read_jsonl(self.rd.metrics),
@@ -614,7 +616,7 @@ class Supervisor:
             )
 
     def _dead_ranks(self, attempt: int) -> list[int]:
-        from .procs import is_alive, is_this_machine
+        from ftkit.cluster.procs import is_alive, is_this_machine
 
         dead = []
         for r in self.rd.records("pids", attempt):

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .rundir import atomic_write
+from ftkit.rundir.layout import atomic_write
 
 LATEST_UNIVERSAL = "latest_universal"
 

@@ -2,7 +2,7 @@
 
 ``facts`` (standard library only, well under a second): versions, GPU model and driver (cuda), free space in the
 run directory, /dev/shm size and free space, this host's clock, the network interface the collectives will use
-and whether it exists here, torch extension build locks (``ftkit.buildlocks``).
+and whether it exists here, torch extension build locks (``ftkit.cluster.buildlocks``).
 
 ``rendezvous``: a real ``torch.distributed`` rendezvous and all-reduce across all hosts with the engine's backend
 (gloo on cpu, nccl on cuda), one process per host, bounded by ``--timeout``: rank 0 serves a TCPStore on
@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 
-from ftkit.pkgversions import versions
+from ftkit.cluster.pkgversions import versions
 
 MARK = "FTKIT_DOCTOR "
 
@@ -91,7 +91,7 @@ def _route_dev(addr: str) -> dict:
 
 
 def facts(args: argparse.Namespace) -> dict:
-    from ftkit.buildlocks import lock_states
+    from ftkit.cluster.buildlocks import lock_states
 
     shm = _disk("/dev/shm") if os.path.isdir("/dev/shm") else {"error": "no /dev/shm"}
     names = sorted(name for _, name in socket.if_nameindex())

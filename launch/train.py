@@ -3,7 +3,7 @@
 Every engine starts this same module on every rank (``python -m ftkit.launch.train RUN_DIR``): the deepspeed
 launcher (``--module --no_local_rank``), ``accelerate launch -m`` and ``torchrun -m``. It reads the rank from the
 environment those engines set (RANK, LOCAL_RANK, WORLD_SIZE), and everything else from ``RUN_DIR/ftkit/spec.json``
-(:class:`ftkit.runspec.RunSpec`) written by ``ftkit launch`` from the same plan as the DeepSpeed config.
+(:class:`ftkit.rundir.spec.RunSpec`) written by ``ftkit launch`` from the same plan as the DeepSpeed config.
 
 It is one client of :mod:`ftkit.hf`, like any wrapped script: commit records, heartbeats, metrics, pid records,
 graceful stop and resume all come from there. What it adds: the model, tokenizer and data of the recipe (with an
@@ -25,8 +25,8 @@ from typing import Any
 from ftkit import hf
 from ftkit.errors import NoSpace, UserError
 from ftkit.hf import FAULT_ENV, RankContext, apply_resume_overrides  # noqa: F401 - re-exported for tests
-from ftkit.rundir import NEARLY_FULL, atomic_write
-from ftkit.runspec import RunSpec
+from ftkit.rundir.layout import NEARLY_FULL, atomic_write
+from ftkit.rundir.spec import RunSpec
 
 PROBE_TOKENS = 16  # logits of the first tokens of the first example, saved after training to check the final model
 
@@ -92,7 +92,7 @@ def train(ctx: RankContext, resume: str | None) -> int | None:
 
     from transformers import AutoTokenizer, Trainer, TrainingArguments, set_seed
 
-    from .data import collate, prepare
+    from ftkit.launch.data import collate, prepare
 
     set_seed(spec.training_args["seed"])
     # before the model: enables ZeRO-3 partitioned loading (the rank's start-up hands DeepSpeed the process group)

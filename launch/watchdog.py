@@ -31,9 +31,9 @@ import threading
 import time
 from pathlib import Path
 
+from ftkit.cluster.procs import SHM_DIR, SHM_PREFIX, is_alive
 from ftkit.owner import HEARTBEAT_S, Owner
-from ftkit.procs import SHM_DIR, SHM_PREFIX, is_alive
-from ftkit.rundir import RunDir
+from ftkit.rundir.layout import RunDir
 
 POLL_S = 2.0
 

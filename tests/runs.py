@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ftkit.procs import is_alive
-from ftkit.rundir import RunDir
+from ftkit.cluster.procs import is_alive
+from ftkit.rundir.layout import RunDir
 
 REPO = Path(__file__).resolve().parent.parent
 LOCK = "/tmp/ftkit-mp.lock"
@@ -197,7 +197,7 @@ def assert_no_process_left(run_dir: Path, extra_pids: tuple[int, ...] = ()) -> N
     # ... and no shared memory: DeepSpeed's CPU collectives leave ~70 MB per rank in /dev/shm unless removed.
     import fnmatch
 
-    from ftkit.procs import SHM_DIR, shm_patterns
+    from ftkit.cluster.procs import SHM_DIR, shm_patterns
 
     records = [r for a in sorted((rd.meta / "attempts").glob("*")) for r in rd.records("pids", int(a.name))]
     local = shm_patterns([r for r in records if r["host"] == "localhost"]).get("localhost", set())

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ftkit import checkpoints as ck
-from ftkit.checkpoints import (
+from ftkit.checkpoint import checkpoints as ck
+from ftkit.checkpoint.checkpoints import (
     COMMIT_FILE,
     CommitError,
     VerdictKind,
@@ -30,7 +30,7 @@ from ftkit.checkpoints import (
     verify,
     write_commit,
 )
-from ftkit.checksums import SampleSpec, blake2b_checksum, full_checksum, sampled_checksum
+from ftkit.checkpoint.checksums import SampleSpec, blake2b_checksum, full_checksum, sampled_checksum
 
 MiB = 1024 * 1024
 
@@ -622,7 +622,8 @@ def test_crash_mid_delete_never_leaves_a_checkpoint_lookalike(tmp_path: Path, mo
 
 def test_module_is_import_light() -> None:
     code = (
-        "import sys, ftkit.checkpoints; heavy = {'torch', 'transformers', 'deepspeed', 'accelerate', 'peft'}; "
+        "import sys, ftkit.checkpoint.checkpoints; "
+        "heavy = {'torch', 'transformers', 'deepspeed', 'accelerate', 'peft'}; "
         "print(sorted(heavy & set(sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)

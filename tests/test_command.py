@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from ftkit.cluster.procs import exit_meaning
 from ftkit.command import LaunchInputs, build_launch, describe, forwarded_env
-from ftkit.procs import exit_meaning
 
 BASE_ENV = {
     "PATH": "/usr/bin",

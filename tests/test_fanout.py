@@ -1,4 +1,4 @@
-"""One place runs a command on many hosts (ftkit.fanout, issue 13): in parallel, under one overall deadline.
+"""One place runs a command on many hosts (ftkit.cluster.fanout, issue 13): in parallel, under one overall deadline.
 
 Every fan-out used to visit hosts one after another, each with its own ssh timeout, so k unreachable hosts cost k
 timeouts. Here "unreachable" hosts are real loopback addresses (127.0.0.2, …) whose port accepts the TCP
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from ftkit.fanout import HostResult, is_this_machine, run_on_hosts
-from ftkit.procs import Target, proc_start_time, remove_shm, teardown, teardown_script
+from ftkit.cluster.fanout import HostResult, is_this_machine, run_on_hosts
+from ftkit.cluster.procs import Target, proc_start_time, remove_shm, teardown, teardown_script
 from ftkit.shrink import probe_hosts
 
 SSH_BASE = ["-F", "/dev/null", "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null"]

@@ -1,4 +1,5 @@
-"""Tier 0 tests of ftkit.hostfile: the strict DeepSpeed hostfile grammar, --include/--exclude, local-only detection.
+"""Tier 0 tests of ftkit.cluster.hostfile: the strict DeepSpeed hostfile grammar, --include/--exclude, local-only
+detection.
 
 The comparison tests run DeepSpeed's own hostfile and filter functions. They are taken from the installed
 ``deepspeed/launcher/runner.py`` by source (ast) rather than imported, because importing ``deepspeed`` imports
@@ -25,9 +26,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from ftkit import hostfile as hf_mod
-from ftkit.errors import HostfileError, Problem, UserError
-from ftkit.hostfile import (
+from ftkit.cluster import hostfile as hf_mod
+from ftkit.cluster.hostfile import (
     Host,
     Hostfile,
     apply_filters,
@@ -36,6 +36,7 @@ from ftkit.hostfile import (
     parse_hostfile,
     parse_hostfile_text,
 )
+from ftkit.errors import HostfileError, Problem, UserError
 
 # --------------------------------------------------------------------------------------------------------------
 # valid hostfiles
@@ -338,7 +339,7 @@ def test_real_hostname_is_local() -> None:
 
 
 def test_import_is_light() -> None:
-    code = "import sys, ftkit.hostfile; print(sorted({'torch', 'deepspeed', 'yaml'} & set(sys.modules)))"
+    code = "import sys, ftkit.cluster.hostfile; print(sorted({'torch', 'deepspeed', 'yaml'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True)
     assert out.stdout.strip() == "[]"
 

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from ftkit.cluster.procs import SHM_DIR, SHM_PREFIX, Target, proc_start_time, remove_shm, teardown
 from ftkit.command import LaunchInputs, build_launch
 from ftkit.errors import PreflightError, UserError
 from ftkit.preflight import run_preflight
-from ftkit.procs import SHM_DIR, SHM_PREFIX, Target, proc_start_time, remove_shm, teardown
 
 MARK = "ftkit-injected-MARK"  # relative: the stand-in runs remote commands in the test's directory
 

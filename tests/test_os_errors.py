@@ -334,7 +334,7 @@ def test_plan_nothing_fits_is_exit_10(tmp_path: Path, model_dir: Path) -> None:
 @pytest.mark.parametrize("umask", [0o022, 0o002])
 def test_written_files_get_the_umask_mode(tmp_path: Path, umask: int) -> None:
     from ftkit.render import write_files
-    from ftkit.rundir import atomic_write
+    from ftkit.rundir.layout import atomic_write
 
     old = os.umask(umask)
     try:
@@ -361,7 +361,7 @@ def test_init_and_render_files_get_the_umask_mode(tmp_path: Path, umask: str) ->
 
 
 def test_atomic_write_names_the_target_and_leaves_no_temp_file(full_dir: Path) -> None:
-    from ftkit.rundir import atomic_write
+    from ftkit.rundir.layout import atomic_write
 
     target = full_dir / "sub" / "spec.json"
     target.parent.mkdir()

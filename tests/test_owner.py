@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from ftkit.cluster.procs import proc_start_time
 from ftkit.errors import ExitCode, RunBusy
 from ftkit.owner import Leftovers, Owner, Ownership, leftovers, owner_state, read_owner
-from ftkit.procs import proc_start_time
-from ftkit.rundir import RunDir
+from ftkit.rundir.layout import RunDir
 from launch.watchdog import SupervisorWatchdog
 
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from ftkit.cluster.procs import is_alive
 from ftkit.errors import ExitCode
-from ftkit.procs import is_alive
-from ftkit.rundir import RunDir
+from ftkit.rundir.layout import RunDir
 from tests.runs import (
     assert_no_process_left,
     events,

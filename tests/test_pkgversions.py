@@ -1,5 +1,5 @@
-"""ftkit.pkgversions: the fast version scan agrees with importlib.metadata, in process and as the ``python -S -c``
-probe preflight sends to every host."""
+"""ftkit.cluster.pkgversions: the fast version scan agrees with importlib.metadata, in process and as the ``python -S
+-c`` probe preflight sends to every host."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from ftkit.pkgversions import PACKAGES, probe_source, versions
+from ftkit.cluster.pkgversions import PACKAGES, probe_source, versions
 
 
 def _importlib(names, path=None) -> dict[str, str]:

@@ -23,10 +23,10 @@ from typing import Any
 
 import pytest
 
-from ftkit.checkpoints import verify
+from ftkit.checkpoint.checkpoints import verify
+from ftkit.cluster.procs import is_alive
 from ftkit.errors import ExitCode
-from ftkit.procs import is_alive
-from ftkit.rundir import RunDir
+from ftkit.rundir.layout import RunDir
 from tests.runs import (
     assert_no_process_left,
     events,

@@ -14,7 +14,7 @@ import pytest
 
 from ftkit.configs import load_and_plan
 from ftkit.prepare import prepare_run
-from ftkit.rundir import RunDir
+from ftkit.rundir.layout import RunDir
 
 from runs import free_port, ftkit, losses, mp_lock, write_recipe
 

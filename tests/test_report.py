@@ -25,7 +25,7 @@ import pytest
 from ftkit.errors import ExitCode
 from ftkit.report import goodput
 from ftkit.report.goodput import parse_metrics
-from ftkit.rundir import RunDir
+from ftkit.rundir.layout import RunDir
 from ftkit.runstatus import read_jsonl
 
 from conftest import RUN_ENV, run_ftkit

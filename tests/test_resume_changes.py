@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from ftkit.checkpoints import read_commit
+from ftkit.checkpoint.checkpoints import read_commit
 from ftkit.fingerprint import compare
-from ftkit.rundir import RunDir
+from ftkit.rundir.layout import RunDir
 from tests.runs import assert_no_process_left, events, free_port, ftkit, mp_lock
 from tests.runs import write_recipe as _write_recipe  # conftest has a fixture of the same name
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from ftkit.fanout import run_on_hosts
-from ftkit.procs import targets_from_records, teardown
-from ftkit.rundir import RunDir, atomic_write
+from ftkit.cluster.fanout import run_on_hosts
+from ftkit.cluster.procs import targets_from_records, teardown
+from ftkit.rundir.layout import RunDir, atomic_write
 from tests.runs import mp_lock
 
 from netns import netns_cluster, require_netns, start_standins

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from ftkit.errors import ExitCode
-from ftkit.rundir import RunDir
+from ftkit.rundir.layout import RunDir
 from ftkit.runstatus import read_jsonl
 from tests.runs import heartbeat_step, losses, mp_lock, processes_left, wait_for
 from tests.runs import write_recipe as recipe_for
@@ -180,8 +180,8 @@ HOSTLISTS = [
 
 @pytest.mark.slurm
 def test_hostlist_expansion_agrees_with_scontrol(tmp_path: Path) -> None:
+    from ftkit.cluster.slurm import expand_hostlist
     from ftkit.errors import UserError
-    from ftkit.slurm import expand_hostlist
 
     require_slurm()
     conf = tmp_path / "slurm.conf"  # scontrol needs a configuration, not a running cluster, to expand a list
@@ -251,7 +251,7 @@ def _nothing_left(c: SlurmCluster, run: Path) -> None:
     import fnmatch
     import os
 
-    from ftkit.procs import SHM_DIR, shm_patterns
+    from ftkit.cluster.procs import SHM_DIR, shm_patterns
 
     wait_for(lambda: not processes_left(run), 20, f"no process of {run} left")
     # no shared-memory buffer of any attempt on any node (the namespaces share this machine's /dev/shm)
@@ -269,8 +269,8 @@ def _nothing_left(c: SlurmCluster, run: Path) -> None:
 
 PROBE = """
 import json
-from ftkit.fanout import run_on_hosts
-from ftkit.slurm import SrunTransport, srun_run
+from ftkit.cluster.fanout import run_on_hosts
+from ftkit.cluster.slurm import SrunTransport, srun_run
 out = {"n2": srun_run("n2", "hostname; echo $FTKIT_PROBE", 20), "n9": srun_run("n9", "hostname", 20)}
 res = run_on_hosts(["n1", "n2", "n9"], "hostname; exit 1", [], deadline_s=20, transport=SrunTransport())
 out["fan"] = {h: [r.reachable, r.out.strip(), r.rc] for h, r in res.items()}

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from test_checkpoints import MiB, commit, flip_byte, make_ckpt
 
-from ftkit.checkpoints import manifest_part, set_aside_newer, write_commit
+from ftkit.checkpoint.checkpoints import manifest_part, set_aside_newer, write_commit
 from ftkit.errors import ExitCode
 
 from conftest import run_ftkit
@@ -234,7 +234,7 @@ def test_verify_failure_exits_13_after_the_summary(
 def test_set_aside_checkpoints_do_not_fail_verify(tmp_path: Path) -> None:
     run = make_run(tmp_path)
     make_ckpt(run, 30)
-    from ftkit.checkpoints import select_resume
+    from ftkit.checkpoint.checkpoints import select_resume
 
     assert len(set_aside_newer(run, select_resume(run))) == 1
     out = run_ftkit("status", str(run), "--verify")
@@ -332,7 +332,7 @@ def test_slurm_events_in_status(tmp_path: Path) -> None:
 def test_status_names_a_straggling_host_with_numbers(tmp_path: Path) -> None:
     from test_stragglers import write_rank
 
-    from ftkit.rundir import RunDir
+    from ftkit.rundir.layout import RunDir
 
     run = make_run(tmp_path)
     rd = RunDir(run)

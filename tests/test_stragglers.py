@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ftkit.rundir import RunDir, atomic_write
+from ftkit.rundir.layout import RunDir, atomic_write
 from ftkit.stragglers import MIN_STEPS, SLOW_FACTOR, StragglerWatch, hosts_to_exclude, score, score_run
 
 

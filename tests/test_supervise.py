@@ -170,9 +170,9 @@ def test_an_exception_between_spawn_and_teardown_still_tears_the_run_down(tmp_pa
     import sys
 
     from ftkit import supervise
+    from ftkit.cluster.procs import group_exists
     from ftkit.command import LaunchCommand, NodeCommand
-    from ftkit.procs import group_exists
-    from ftkit.rundir import RunDir
+    from ftkit.rundir.layout import RunDir
 
     started: list[int] = []
 
@@ -203,7 +203,7 @@ def test_an_exception_between_spawn_and_teardown_still_tears_the_run_down(tmp_pa
 def test_a_stop_is_immediate_only_when_no_rank_has_begun_training(tmp_path, phases, at_once):
     """The defect: the decision used the previous poll's view, so a stop right after the first steps ended at once
     and lost them. It is taken on this poll's heartbeats; a rank in training gets the save request."""
-    from ftkit.rundir import RunDir
+    from ftkit.rundir.layout import RunDir
 
     rd = RunDir(tmp_path / "run")
     rd.meta.mkdir(parents=True)

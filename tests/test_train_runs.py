@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from ftkit.checkpoints import COMMIT_FILE, verify
+from ftkit.checkpoint.checkpoints import COMMIT_FILE, verify
 from tests import runs
 
 pytestmark = pytest.mark.slow

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import click
 
-from ..configs import default_out_dir, load_and_plan
-from ..errors import ExitCode, os_error
-from ..render import render_files
-from .options import out_option, overrides_argument, recipe_argument
+from ftkit.cli.options import out_option, overrides_argument, recipe_argument
+from ftkit.configs import default_out_dir, load_and_plan
+from ftkit.errors import ExitCode, os_error
+from ftkit.render import render_files
 
 
 @click.command(
@@ -39,7 +39,7 @@ def command(recipe: str, out: str | None, against: tuple[str, ...], overrides: t
     """Re-render RECIPE in memory and compare with the files in OUT; print a unified diff per drifted file."""
     plan = load_and_plan(recipe, overrides)
     if against:
-        from ..imports.against import check_against
+        from ftkit.imports.against import check_against
 
         lines, differences = check_against(plan, against)
         for line in lines:

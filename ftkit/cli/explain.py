@@ -6,9 +6,9 @@ import json
 
 import click
 
-from ..configs import load_and_plan
-from ..recipe import DEFAULT
-from .options import json_option, overrides_argument, recipe_argument
+from ftkit.cli.options import json_option, overrides_argument, recipe_argument
+from ftkit.configs import load_and_plan
+from ftkit.recipe import DEFAULT
 
 
 @click.command(

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import click
 
-from ..errors import Problem, UserError
-from ..imports import import_configs
-from .options import hostfile_option
+from ftkit.cli.options import hostfile_option
+from ftkit.errors import Problem, UserError
+from ftkit.imports import import_configs
 
 
 @click.command(
@@ -43,7 +43,7 @@ def command(
     """Read SOURCE... (deepspeed, accelerate, trainer, axolotl, llamafactory configs) and write one commented
     recipe. Every source key is reported once: mapped, equal to ftkit's default, "auto" resolved, or not carried
     (why). A key that changes training and cannot be carried stops the import (exit 2) unless named in --accept."""
-    from ..render import write_files
+    from ftkit.render import write_files
 
     target = Path(out) if out else None
     if target is not None and target.exists() and not force:

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from .options import (
+from ftkit.cli.options import (
     cli_overrides,
     engine_option,
     exclude_option,
@@ -97,7 +97,7 @@ def command(
     """Launch RECIPE: validate, plan, own the run directory, preflight, render into it, start, supervise, recover.
 
     With `-- CMD [ARGS]`, every rank runs CMD instead of ftkit's built-in training entry."""
-    from ..launcher import LaunchRequest, launch
+    from ftkit.launcher import LaunchRequest, launch
 
     request = LaunchRequest(
         recipe=recipe,

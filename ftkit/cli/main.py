@@ -14,8 +14,8 @@ import sys
 
 import click
 
-from .. import __version__
-from ..errors import ExitCode, FtkitError, Problem, UserError, os_error
+from ftkit import __version__
+from ftkit.errors import ExitCode, FtkitError, Problem, UserError, os_error
 
 EPILOG = """\b
 Examples:
@@ -107,7 +107,21 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from . import check, doctor, explain, import_, init, launch, plan, render, report, schema, status, stop, submit
+    from ftkit.cli import (
+        check,
+        doctor,
+        explain,
+        import_,
+        init,
+        launch,
+        plan,
+        render,
+        report,
+        schema,
+        status,
+        stop,
+        submit,
+    )
 
     for mod in (init, import_, render, check, explain, plan, doctor, launch, submit, status, report, stop, schema):
         cli.add_command(mod.command)

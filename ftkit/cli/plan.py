@@ -7,11 +7,11 @@ import sys
 
 import click
 
-from ..comm import fmt_bytes, plan_candidate
-from ..configs import load_and_plan
-from ..errors import ExitCode
-from ..memory_plan import HEADROOM, full_table
-from .options import json_option, overrides_argument, recipe_argument
+from ftkit.cli.options import json_option, overrides_argument, recipe_argument
+from ftkit.comm import fmt_bytes, plan_candidate
+from ftkit.configs import load_and_plan
+from ftkit.errors import ExitCode
+from ftkit.memory_plan import HEADROOM, full_table
 
 SHORT = {
     "weights": "weights",

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import click
 
-from ..configs import default_out_dir, load_and_plan
-from ..render import render_files, write_files
-from .options import out_option, overrides_argument, recipe_argument
+from ftkit.cli.options import out_option, overrides_argument, recipe_argument
+from ftkit.configs import default_out_dir, load_and_plan
+from ftkit.render import render_files, write_files
 
 
 @click.command(

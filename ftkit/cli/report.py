@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ..report import write_report
+from ftkit.report import write_report
 
 
 @click.command(

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import click
 
-from ..errors import Problem, UserError
-from ..owner import liveness
-from ..runstatus import VerifyFailed, format_summary, plot_losses, summarize
-from .options import json_option, ssh_config_option
+from ftkit.cli.options import json_option, ssh_config_option
+from ftkit.errors import Problem, UserError
+from ftkit.owner import liveness
+from ftkit.runstatus import VerifyFailed, format_summary, plot_losses, summarize
 
 
 @click.command(

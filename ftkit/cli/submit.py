@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from .options import overrides_argument, recipe_argument
+from ftkit.cli.options import overrides_argument, recipe_argument
 
 
 class _SbatchAfterDashes(click.Command):
@@ -55,7 +55,7 @@ def command(
     dry_run: bool,
 ) -> None:
     """Submit RECIPE as a Slurm batch job that saves on Slurm's notice and requeues itself."""
-    from ..submit import SubmitRequest, submit
+    from ftkit.submit import SubmitRequest, submit
 
     req = SubmitRequest(
         recipe=recipe,

@@ -7,8 +7,8 @@ One module per source format (:mod:`.deepspeed`, :mod:`.accelerate`, :mod:`.trai
 :mod:`.build`, the diff in :mod:`.against`. Import-light: no torch, transformers, deepspeed, accelerate or peft.
 """
 
-from .against import Difference, check_against, diff_against
-from .build import ImportResult, import_configs
-from .read import KINDS
+from ftkit.imports.against import Difference, check_against, diff_against
+from ftkit.imports.build import ImportResult, import_configs
+from ftkit.imports.read import KINDS
 
 __all__ = ["KINDS", "Difference", "ImportResult", "check_against", "diff_against", "import_configs"]

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .fsdp import fsdp_version, refuse_fsdp
-from .mapping import ACCUM, BF16, FP16, NODES, WORLD, Sink, fmt
-from .values import is_auto, to_bool, to_float, to_int, to_mapping, to_str, unset
+from ftkit.imports.fsdp import fsdp_version, refuse_fsdp
+from ftkit.imports.mapping import ACCUM, BF16, FP16, NODES, WORLD, Sink, fmt
+from ftkit.imports.values import is_auto, to_bool, to_float, to_int, to_mapping, to_str, unset
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .build import Context
+    from ftkit.imports.build import Context
 
 NONE = "no effect on training"
 DEVICE_ONLY = (

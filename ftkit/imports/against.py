@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import Problem, UserError
-from .deepspeed import DEFAULTS, canonical, default_clipping, relevant
-from .mapping import fmt
-from .read import load
+from ftkit.errors import Problem, UserError
+from ftkit.imports.deepspeed import DEFAULTS, canonical, default_clipping, relevant
+from ftkit.imports.mapping import fmt
+from ftkit.imports.read import load
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..plan import Plan
+    from ftkit.plan import Plan
 
 MISSING: Any = type("Missing", (), {"__repr__": lambda self: "(absent)"})()
 
@@ -88,8 +88,8 @@ def _show(value: Any) -> str:
 def diff_against(plan: Plan, file: str, ds_path_in_yaml: str = "ds_config.json") -> tuple[list[Difference], list[str]]:
     """(differences, notes) between ``file`` (a DeepSpeed JSON or an Accelerate YAML, whose deepspeed_config_file is
     compared too) and what ``plan`` renders."""
-    from ..render.accelerate import accelerate_dict
-    from ..render.deepspeed import render_deepspeed
+    from ftkit.render.accelerate import accelerate_dict
+    from ftkit.render.deepspeed import render_deepspeed
 
     loaded = load(file)
     if loaded.kind == "deepspeed":

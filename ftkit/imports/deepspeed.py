@@ -17,8 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .mapping import ACCUM, BF16, DS_OPTIMIZER, FP16, GLOBAL, MICRO, Sink, fmt
-from .values import is_auto, to_bool, to_float, to_int, to_mapping, to_str
+from ftkit.imports.mapping import ACCUM, BF16, DS_OPTIMIZER, FP16, GLOBAL, MICRO, Sink, fmt
+from ftkit.imports.values import is_auto, to_bool, to_float, to_int, to_mapping, to_str
 
 # zero_optimization keys: DeepSpeed's aliases and deprecated spellings -> the spelling ftkit renders.
 ZERO_ALIASES = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .mapping import Sink
+from ftkit.imports.mapping import Sink
 
 WHY = "FSDP (version {v}) is not supported: ftkit supports DeepSpeed only so far"
 

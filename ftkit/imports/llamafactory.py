@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from . import trainer_args as ta
-from .mapping import Sink
-from .values import to_bool, to_int, to_str, unset
+from ftkit.imports import trainer_args as ta
+from ftkit.imports.mapping import Sink
+from ftkit.imports.values import to_bool, to_int, to_str, unset
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .build import Context
+    from ftkit.imports.build import Context
 
 NONE = "no effect on training"
 DATA = "convert it to a local jsonl (text, prompt+completion or messages fields) and set data.train"
@@ -136,7 +136,7 @@ KEYS: dict[str, ta.Handler] = {
 
 
 def read(sink: Sink, data: Any, ctx: Context) -> None:
-    from .read import Command
+    from ftkit.imports.read import Command
 
     if isinstance(data, Command) and data.launcher == "llamafactory-cli":
         for path in data.positional:

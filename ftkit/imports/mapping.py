@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import Problem
+from ftkit.errors import Problem
 
 MAPPED, DEFAULT, AUTO, NO_EFFECT, REFUSED, HARD = "mapped", "default", "auto", "no effect", "refused", "hard"
 FOLLOWED = "followed"  # a key naming another file, read as a source of its own

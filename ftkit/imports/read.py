@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import Problem, RecipeError, UserError
+from ftkit.errors import Problem, RecipeError, UserError
 
 KINDS = ("deepspeed", "accelerate", "trainer", "axolotl", "llamafactory")
 MAX_BYTES = 1 << 20  # a config is a few KiB
@@ -178,7 +178,7 @@ def _parse_json(text: str, label: str) -> Any:
 
 
 def _parse_yaml(text: str, label: str) -> tuple[Any, dict[str, int]]:
-    from ..recipe import _compose, _to_python, _walk
+    from ftkit.recipe import _compose, _to_python, _walk
 
     try:
         node = _compose(text, label)

@@ -12,12 +12,12 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .mapping import ACCUM, BF16, FP16, MICRO, NODES, TA_OPTIM, WORLD, Sink, fmt
-from .read import Command
-from .values import to_bool, to_float, to_int, to_str, unset
+from ftkit.imports.mapping import ACCUM, BF16, FP16, MICRO, NODES, TA_OPTIM, WORLD, Sink, fmt
+from ftkit.imports.read import Command
+from ftkit.imports.values import to_bool, to_float, to_int, to_str, unset
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .build import Context
+    from ftkit.imports.build import Context
 
 Handler = Callable[[Sink, str, Any, dict, "Context"], None]
 ROUNDING = "same update up to floating-point rounding"
@@ -201,7 +201,7 @@ def _deepspeed(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> No
 
 
 def _fsdp(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
-    from .fsdp import refuse_fsdp
+    from ftkit.imports.fsdp import refuse_fsdp
 
     if unset(value) or value is False or str(value).strip().lower() in ("", "false", "none", "[]"):
         sink.same(key, "FSDP off")

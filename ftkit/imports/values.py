@@ -10,7 +10,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .mapping import Sink
+    from ftkit.imports.mapping import Sink
 
 AUTO = "auto"
 

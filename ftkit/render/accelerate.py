@@ -10,8 +10,8 @@ from typing import Any
 
 import yaml
 
-from .. import __version__
-from ..plan import Plan
+from ftkit import __version__
+from ftkit.plan import Plan
 
 
 def accelerate_dict(plan: Plan, ds_config_path: str, machine_rank: int = 0) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..plan import Plan
+from ftkit.plan import Plan
 
 
 def to_json(cfg: dict[str, Any]) -> str:

@@ -4,9 +4,9 @@ plan), made from ``events.jsonl`` and ``metrics.jsonl``, for any run directory, 
 Import-light: matplotlib is imported only when a page is drawn (:mod:`ftkit.report.charts`).
 """
 
-from .goodput import CATEGORIES, DEFINITION, Attempt, Goodput, goodput
-from .live import ReportRefresher, plan_record, record_step_times
-from .page import build_report, write_report
+from ftkit.report.goodput import CATEGORIES, DEFINITION, Attempt, Goodput, goodput
+from ftkit.report.live import ReportRefresher, plan_record, record_step_times
+from ftkit.report.page import build_report, write_report
 
 __all__ = [
     "CATEGORIES",

@@ -13,8 +13,8 @@ import io
 import re
 from typing import Any
 
-from .goodput import CATEGORIES, Attempt, Goodput
-from .timeline import MARKS, PHASES, Timeline
+from ftkit.report.goodput import CATEGORIES, Attempt, Goodput
+from ftkit.report.timeline import MARKS, PHASES, Timeline
 
 # Okabe-Ito (colour-blind safe), then greys
 ATTEMPT_COLOURS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000")
@@ -59,7 +59,7 @@ def _figure(width: float, height: float) -> Any:
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        from ..errors import UserError
+        from ftkit.errors import UserError
 
         raise UserError("ftkit report needs matplotlib: pip install 'ftkit[plot]'") from None
     return Figure(figsize=(width, height), dpi=96)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..rundir import RunDir
+from ftkit.rundir.layout import RunDir
 
 REPORT_NAME = "report.html"
 FINISH_TIMEOUT_S = 30.0  # the launch's wait for its last render (one takes ~1-2 s here)
@@ -49,8 +49,8 @@ def plan_record(plan: Any) -> dict[str, Any]:
         "lora": bool(r.has_peft),
     }
     try:
-        from ..comm import predict_plan
-        from ..params import count_params
+        from ftkit.comm import predict_plan
+        from ftkit.params import count_params
 
         if plan.unknown:
             raise ValueError("; ".join(plan.unknown))
@@ -84,7 +84,7 @@ def plan_record(plan: Any) -> dict[str, Any]:
 def record_step_times(rd: RunDir, attempt: int, events: Callable[..., None]) -> None:
     """One ``step_times`` event: each rank's compute time per step (its heartbeat's EWMA of the forward passes) and
     each host's median, as :mod:`ftkit.stragglers` scores them. Nothing when no rank measured a step."""
-    from ..stragglers import hosts_by_rank, score
+    from ftkit.stragglers import hosts_by_rank, score
 
     try:
         beats = [b for b in rd.heartbeats() if b.get("attempt") == attempt]

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .goodput import Attempt, Goodput, fmt_s, timed_events
+from ftkit.report.goodput import Attempt, Goodput, fmt_s, timed_events
 
 # phase bars and what they mean
 PHASES = {

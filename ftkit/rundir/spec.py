@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import Problem, UserError
+from ftkit.errors import Problem, UserError
 
 
 @dataclass(frozen=True)

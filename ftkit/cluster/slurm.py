@@ -25,8 +25,8 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .command import LaunchCommand, LaunchInputs, NodeCommand, forwarded_env, program_argv, run_env
-from .errors import Problem, UserError
+from ftkit.command import LaunchCommand, LaunchInputs, NodeCommand, forwarded_env, program_argv, run_env
+from ftkit.errors import Problem, UserError
 
 NOT_IN_ALLOCATION = (
     "cluster.engine slurm: not inside a Slurm allocation (SLURM_JOB_ID is not set): submit the job with "
@@ -183,7 +183,7 @@ def srun_run(host: str, script: str, timeout: float, env: Mapping[str, str] | No
 
 @dataclass(frozen=True)
 class SrunTransport:
-    """:class:`ftkit.fanout.Transport` for the nodes of the current allocation: ``run_on_hosts(hosts, script,
+    """:class:`ftkit.cluster.fanout.Transport` for the nodes of the current allocation: ``run_on_hosts(hosts, script,
     [], deadline_s=..., transport=SrunTransport(job_id))``. srun exits 1 when it cannot start the task (a node
     that is down or not in the job: "Unable to create step"), else with the task's status; the line's own 1 is
     reported as 125 so that 1 always means unreachable."""

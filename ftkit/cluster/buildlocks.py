@@ -148,7 +148,7 @@ def loading_hint(
     )
 
 
-if __name__ == "__main__":  # python -m ftkit.buildlocks: list stale locks, exit 1 if any
+if __name__ == "__main__":  # python -m ftkit.cluster.buildlocks: list stale locks, exit 1 if any
     found = stale_build_locks()
     for p in found:
         print(p)

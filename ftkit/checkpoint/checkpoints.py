@@ -20,8 +20,8 @@ are rejected (``require_commit=True``) or, for runs not written by ftkit, checke
 (:func:`rotate`) counts only committed checkpoints, never removes the newest one, and deletes checkpoints a restart
 set aside (``checkpoint-N.rejected-*``) once a committed checkpoint of step N or later exists.
 
-Checksums (:mod:`ftkit.checksums`): XXH3-128 (xxHash) over the whole content by default, ``xxh3_128:<hex>`` in
-the record. It is not cryptographic (nor need it be: it guards against torn writes and bit rot, not an attacker)
+Checksums (:mod:`ftkit.checkpoint.checksums`): XXH3-128 (xxHash) over the whole content by default, ``xxh3_128:<hex>``
+in the record. It is not cryptographic (nor need it be: it guards against torn writes and bit rot, not an attacker)
 and runs at several GB/s per core, so hashing a file right after writing it, while it is still in the page cache,
 costs little next to the write (``benchmarks/commit_cost.py`` measures it). ``checksum="sampled"``
 (``resilience.checksum``) is an explicit opt-in for checkpoints too large to read once per save: it reads about
@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from ftkit import __version__
-from ftkit.checksums import (
+from ftkit.checkpoint.checksums import (
     ALGORITHMS,
     CHECKSUM_MODES,
     DEFAULT_SPEC,

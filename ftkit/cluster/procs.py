@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from .fanout import LOCAL_HOSTS as LOCAL_HOSTS  # re-exported: callers import these from procs
-from .fanout import is_this_machine, run_on_hosts
+from ftkit.cluster.fanout import LOCAL_HOSTS as LOCAL_HOSTS  # re-exported: callers import these from procs
+from ftkit.cluster.fanout import is_this_machine, run_on_hosts
 
 
 def exit_meaning(code: int | None) -> str:
@@ -197,8 +197,8 @@ def _pids(out: str, word: str) -> list[int]:
 def ssh_run(host: str, script: str, ssh_args: list[str], timeout: float) -> tuple[bool, str]:
     """Run ``script`` (a shell line whose values are already quoted) on ``host``; (reachable, stdout or why not).
 
-    One host of :func:`ftkit.fanout.run_on_hosts`: this machine runs it locally, others over ssh. When unreachable
-    the reason is one line (ssh's last words), so a caller's error stays one line per problem.
+    One host of :func:`ftkit.cluster.fanout.run_on_hosts`: this machine runs it locally, others over ssh. When
+    unreachable the reason is one line (ssh's last words), so a caller's error stays one line per problem.
     """
     r = run_on_hosts([host], script, ssh_args, deadline_s=timeout + 2, connect_timeout_s=timeout)[host]
     return r.reachable, r.out
@@ -268,7 +268,7 @@ def teardown(
             ssh_args,
             deadline_s=ssh_timeout + grace_s + 10,  # connect, grace, 5 s to verify, slack
             connect_timeout_s=ssh_timeout,
-            transport=transport,  # srun inside a Slurm allocation (ftkit.slurm.transport_for); None: ssh
+            transport=transport,  # srun inside a Slurm allocation (ftkit.cluster.slurm.transport_for); None: ssh
         )
         # SIGTERM, then SIGCONT: a stopped process (SIGSTOP, a debugger, a frozen rank) keeps SIGTERM pending until
         # it is continued, so without SIGCONT it would use up the whole grace period and need SIGKILL.
@@ -382,6 +382,6 @@ def remove_shm(
         ssh_args,
         deadline_s=timeout + 2,
         connect_timeout_s=timeout,
-        transport=transport,  # srun inside a Slurm allocation (ftkit.slurm.transport_for); None: ssh
+        transport=transport,  # srun inside a Slurm allocation (ftkit.cluster.slurm.transport_for); None: ssh
     )
     return [h for h, r in res.items() if not r.reachable]
