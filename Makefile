@@ -67,7 +67,7 @@ format: install
 
 # Refresh the comments in the shipped templates and the generated docs after editing ftkit/schema.py.
 templates: install
-	$(PY) -m ftkit.scaffold templates/*.yaml
+	$(PY) -m ftkit.recipe.scaffold templates/*.yaml
 
 docs: install
 	$(PY) -m ftkit schema --markdown > docs/recipe.md

@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ftkit.memory import Candidate, GiB, Workload, estimate  # noqa: E402
-from ftkit.params import count_params  # noqa: E402
+from ftkit.model.shape import count_params  # noqa: E402
 
 
 def _free_port() -> int:

@@ -600,7 +600,7 @@ def plan_context(recipe: Any, hosts: list[tuple[str, int]], shape: Any) -> dict[
     net = resolve_network(r, [h for h, _ in hosts])
     lora = None
     if r.has_peft:
-        from ftkit.params import lora_tensors
+        from ftkit.model.shape import lora_tensors
 
         try:
             lora = lora_tensors(shape, r["peft.r"], r["peft.target_modules"])

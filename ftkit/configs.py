@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ftkit.plan import Plan, build_plan
-from ftkit.recipe import Recipe, load_recipe
+from ftkit.recipe.load import Recipe, load_recipe
 
 
 def default_out_dir(recipe: Recipe) -> Path:

@@ -97,7 +97,7 @@ from typing import Any
 from ftkit import __version__
 from ftkit.cluster.pkgversions import versions as installed_versions
 from ftkit.errors import Problem, UserError
-from ftkit.schema import FIELD_BY_KEY
+from ftkit.recipe.schema import FIELD_BY_KEY
 
 FORMAT = 1
 LIBRARIES = ("torch", "deepspeed", "transformers", "peft", "accelerate")
@@ -353,7 +353,7 @@ def _actual_config_file(plan: Any) -> str:
     file = getattr(plan, "model_config_file", "") or ""
     if r.get("model.config") and r.get("model.path"):
         from ftkit.errors import UserError
-        from ftkit.hub import config_source
+        from ftkit.model.config import config_source
 
         try:
             return config_source(r, checked_in=False).file

@@ -96,7 +96,7 @@ def ssh_args_of(plan: Plan) -> list[str]:
 def launch(req: LaunchRequest, echo: Callable[[str], None] = print, warn: Callable[[str], None] | None = None) -> int:
     """Run the job; returns the exit code (README "Exit codes"). Raises FtkitError for what ends it before start.
     ``warn`` gets warnings (stderr on the command line)."""
-    from ftkit.recipe import load_recipe
+    from ftkit.recipe.load import load_recipe
 
     recipe = load_recipe(req.recipe, list(req.overrides))
     if recipe["cluster.engine"] == "slurm":  # hosts, ranks and teardown come from the allocation: none, none here
@@ -106,7 +106,7 @@ def launch(req: LaunchRequest, echo: Callable[[str], None] = print, warn: Callab
     # A user command loads its own model: a config.json the plan cannot read limits the plan, not the launch.
     custom = req.command is not None or recipe.values.get("train.command") is not None
     plan = build_plan(recipe, include=req.include, exclude=req.exclude, unknown_model_ok=custom)
-    from ftkit.hub import checked_in_drift
+    from ftkit.model.config import checked_in_drift
 
     warning = checked_in_drift(plan.recipe)  # model.config (checked in) differs from the model's real config.json
     if warning:

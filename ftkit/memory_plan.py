@@ -38,7 +38,7 @@ from ftkit.memory import (
     judge,
     suggestions,
 )
-from ftkit.params import ModelShape, count_params, count_params_meta, lora_trainable_params
+from ftkit.model.shape import ModelShape, count_params, count_params_meta, lora_trainable_params
 
 HEADROOM = 0.10  # fraction of GPU memory and host RAM kept free
 TIGHT = 0.80  # above this share of the (headroom-reduced) limit, memory counts as tight for buffer sizing

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ftkit.cluster.procs import LOCAL_HOSTS
 from ftkit.errors import Problem, RecipeError, UserError
-from ftkit.recipe import CLI, DEFAULT, Recipe
+from ftkit.recipe.load import CLI, DEFAULT, Recipe
 
 if TYPE_CHECKING:  # pragma: no cover
     from ftkit.memory_plan import MemoryReport
@@ -155,9 +155,9 @@ def build_plan(
     command, which loads its own model): a config.json that cannot be read is no error; the plan uses DeepSpeed's
     default bucket sizes, estimates no memory, and says so in ``Plan.unknown`` (``zero.stage: auto`` still needs it).
     """
-    from ftkit.hub import config_source
     from ftkit.knobs import decide_config_knobs
-    from ftkit.params import hidden_size, load_config_file, load_model_config
+    from ftkit.model.config import config_source
+    from ftkit.model.shape import hidden_size, load_config_file, load_model_config
 
     problems: list[Problem] = []
     if hosts is None:
@@ -329,7 +329,7 @@ def _resolve_zero(plan: Plan, with_memory: bool, strict: bool = True) -> None:
         plan.stage = plan.note("zero_optimization.stage", stage, _src(r, "zero.stage"))
         plan.offload_optimizer = plan.note("offload_optimizer", opt, _src(r, "zero.offload_optimizer"))
         plan.offload_params = plan.note("offload_param", r["zero.offload_params"], _src(r, "zero.offload_params"))
-    # No copy of the stage/offload rules here: the recipe loader reports a user's mistake (ftkit.recipe), a
+    # No copy of the stage/offload rules here: the recipe loader reports a user's mistake (ftkit.recipe.load), a
     # Candidate refuses an impossible pairing (ftkit.memory), and auto only ever chooses among valid candidates.
     Candidate(plan.stage, plan.offload_optimizer, plan.offload_params)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from ftkit import __version__
 from ftkit.fingerprint import compute as compute_fingerprint
-from ftkit.hub import DEFAULT_REVISION, model_is_hub
+from ftkit.model.config import DEFAULT_REVISION, model_is_hub
 from ftkit.plan import Plan
 from ftkit.rundir.spec import DataSpec, RunSpec
 

@@ -128,7 +128,7 @@ def submit(req: SubmitRequest, echo: Callable[[str], None] = print, env: Mapping
     """Write RUN/slurm/submit.sbatch and run ``sbatch`` on it (``--dry-run``: print it, submit nothing)."""
     import shutil
 
-    from ftkit.recipe import load_recipe
+    from ftkit.recipe.load import load_recipe
 
     env = dict(os.environ if env is None else env)
     overrides = list(req.overrides)
@@ -252,7 +252,7 @@ class _SignalLog:
 def batch(recipe: str, overrides: Sequence[str], echo: Callable[[str], None] = print) -> int:
     """The Python side of the sbatch script: launch in-process, then requeue on USR1 within the budget."""
     from ftkit.launcher import LaunchRequest, launch
-    from ftkit.recipe import load_recipe
+    from ftkit.recipe.load import load_recipe
 
     env = os.environ
     job = env.get("SLURM_JOB_ID", "")

@@ -4,6 +4,7 @@ import-light commands, the shipped package, the generated reference."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -13,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ftkit.reference import json_schema, markdown_reference
-from ftkit.scaffold import RECIPE_TEMPLATES, regenerated
+from ftkit.recipe.reference import json_schema, markdown_reference
+from ftkit.recipe.scaffold import RECIPE_TEMPLATES, regenerated
 
 from conftest import REPO, run_ftkit
 
@@ -169,8 +170,30 @@ def test_config_commands_import_no_heavy_stack(tmp_path, model_dir, args):
     assert heavy == ["HEAVY="], out.stderr[-2000:]
 
 
+def test_every_package_is_in_setup_cfg():
+    """A folder of the library missing from setup.cfg's packages would be missing from a plain install."""
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    listed = set(cfg["options"]["packages"].split())
+    found = {
+        ".".join(p.parent.relative_to(REPO).parts)
+        for p in (REPO / "ftkit").rglob("__init__.py")
+        if "__pycache__" not in p.parts
+    }
+    assert found <= listed, sorted(found - listed)
+
+
 def test_wheel_ships_templates_and_launch(tmp_path):
-    """A plain (non-editable) install must carry templates/ and launch/ as package data."""
+    """A plain (non-editable) install must carry templates/ and launch/ as package data. Built from the tracked
+    files only (a build/ directory left in the checkout would otherwise leak stale modules into the wheel)."""
+    src = tmp_path / "src"
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    for rel in files:
+        if (REPO / rel).is_file():
+            (src / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, src / rel)
     out = subprocess.run(
         [
             sys.executable,
@@ -182,7 +205,7 @@ def test_wheel_ships_templates_and_launch(tmp_path):
             "-q",
             "-w",
             str(tmp_path),
-            str(REPO),
+            str(src),
         ],
         capture_output=True,
         text=True,
@@ -213,7 +236,7 @@ def test_wheel_ships_templates_and_launch(tmp_path):
         [
             sys.executable,
             "-c",
-            "import ftkit.scaffold as s; print(s.__file__); print(s.read_template('lora.yaml')[:20])",
+            "import ftkit.recipe.scaffold as s; print(s.__file__); print(s.read_template('lora.yaml')[:20])",
         ],
         capture_output=True,
         text=True,

@@ -24,7 +24,7 @@ from ftkit.comm import (
     zeropp_candidates,
 )
 from ftkit.memory import Candidate, Workload
-from ftkit.params import count_params, lora_tensors
+from ftkit.model.shape import count_params, lora_tensors
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = {
@@ -252,7 +252,7 @@ def test_plan_prints_and_exports_the_step_time(write_recipe, tmp_path: Path) -> 
 
 def test_bandwidth_file_overrides_the_recipe(write_recipe, tmp_path: Path, monkeypatch) -> None:
     from ftkit.comm import BANDWIDTH_FILE_ENV, resolve_network
-    from ftkit.recipe import load_recipe
+    from ftkit.recipe.load import load_recipe
 
     p = write_recipe()
     r = load_recipe(str(p), ["cluster.network=pcie-eth25", "cluster.inter_node_gbs=4"])

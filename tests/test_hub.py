@@ -248,7 +248,7 @@ def test_fingerprint_records_the_resolved_hub_commit_and_config(tmp_path, hf_hom
     from types import SimpleNamespace
 
     from ftkit.fingerprint import compare, compute
-    from ftkit.recipe import load_recipe
+    from ftkit.recipe.load import load_recipe
 
     repo = hf_home / "hub" / "models--acme--tiny-llama"
     recipe = load_recipe(_recipe(tmp_path))

@@ -426,7 +426,7 @@ def test_without_out_the_recipe_goes_to_stdout_and_loads(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
     from ftkit.cli.main import cli
-    from ftkit.recipe import load_recipe
+    from ftkit.recipe.load import load_recipe
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 1}, "bf16": {"enabled": true}}')

@@ -46,7 +46,7 @@ from ftkit.memory import (
     suggestions,
     trainer_param_groups,
 )
-from ftkit.params import count_params, lora_trainable_params
+from ftkit.model.shape import count_params, lora_trainable_params
 
 REPO = Path(__file__).resolve().parent.parent
 

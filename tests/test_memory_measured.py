@@ -125,7 +125,7 @@ def _free_port() -> int:
 
 def _predict(variant: str, stage: int):
     from ftkit.memory import rank_partition, trainer_param_groups
-    from ftkit.params import count_params, lora_tensors
+    from ftkit.model.shape import count_params, lora_tensors
 
     spec = VARIANTS[variant]
     shape = count_params(spec["config"])
@@ -205,7 +205,7 @@ def test_rank_partition_matches_deepspeed(measured, variant, stage):
 def test_odd_variant_really_pads(measured):
     """Guard the test itself: the odd model must need padding, or it proves nothing about it."""
     from ftkit.memory import trainer_param_groups
-    from ftkit.params import count_params
+    from ftkit.model.shape import count_params
 
     groups = trainer_param_groups(count_params(VARIANTS["odd"]["config"]).tensors)
     assert any(sum(g) % (2 * WORLD_SIZE) for g in groups)

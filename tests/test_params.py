@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ftkit.errors import ModelConfigError
-from ftkit.params import (
+from ftkit.model.shape import (
     ModelShape,
     count_params,
     count_params_any,
@@ -202,7 +202,7 @@ def _assert_same(closed: ModelShape, meta: ModelShape) -> None:
 
 def test_params_and_memory_do_not_import_the_heavy_stack():
     code = (
-        "import sys, ftkit.params, ftkit.memory; "
+        "import sys, ftkit.model.shape, ftkit.memory; "
         "heavy = [m for m in ('torch', 'transformers', 'deepspeed', 'peft', 'accelerate') if m in sys.modules]; "
         "print(heavy); sys.exit(1 if heavy else 0)"
     )
@@ -308,7 +308,7 @@ def test_count_params_any_uses_the_meta_device_for_other_families(tmp_path):
 
 
 def test_count_params_any_prefers_the_closed_form(tmp_path, monkeypatch):
-    import ftkit.params as params
+    import ftkit.model.shape as params
 
     def boom(path):
         raise AssertionError("slow path used for a known family")

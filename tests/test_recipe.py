@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ftkit.errors import RecipeError
-from ftkit.recipe import CLI, DEFAULT, load_recipe, parse_override
+from ftkit.recipe.load import CLI, DEFAULT, load_recipe, parse_override
 
 
 def test_precedence_cli_over_file_over_default(write_recipe):

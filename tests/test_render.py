@@ -11,10 +11,10 @@ import pytest
 import yaml
 
 from ftkit.configs import load_and_plan
-from ftkit.recipe import load_recipe
+from ftkit.recipe.load import load_recipe
+from ftkit.recipe.scaffold import RECIPE_TEMPLATES
 from ftkit.render import ACCELERATE_FILE, DS_FILE, render_files
 from ftkit.render.deepspeed import render_deepspeed
-from ftkit.scaffold import RECIPE_TEMPLATES
 
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = REPO / "tests" / "golden"

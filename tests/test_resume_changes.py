@@ -84,7 +84,7 @@ def test_rank_applies_allowed_change(tmp_path: Path, fx: dict[str, Path]):
     """The supervisor's part done by hand: new spec with resume_overrides, ranks resumed from checkpoint-4."""
     from ftkit.plan import build_plan
     from ftkit.prepare import prepare_run
-    from ftkit.recipe import load_recipe
+    from ftkit.recipe.load import load_recipe
 
     with mp_lock():
         rec, run = first_run(tmp_path, fx)

@@ -396,7 +396,7 @@ def test_a_model_the_plan_cannot_read_still_launches_a_command(write_recipe, tmp
     assert r.returncode == 0, r.stderr
     assert "could not estimate" in r.stderr and "memory and step time not estimated" in r.stderr
     from ftkit.plan import build_plan
-    from ftkit.recipe import load_recipe
+    from ftkit.recipe.load import load_recipe
 
     plan = build_plan(load_recipe(str(recipe), []), unknown_model_ok=True)
     assert plan.knobs["reduce_bucket_size"].value == int(5e8) and plan.unknown

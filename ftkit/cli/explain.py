@@ -8,7 +8,7 @@ import click
 
 from ftkit.cli.options import json_option, overrides_argument, recipe_argument
 from ftkit.configs import load_and_plan
-from ftkit.recipe import DEFAULT
+from ftkit.recipe.load import DEFAULT
 
 
 @click.command(

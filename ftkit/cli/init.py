@@ -8,8 +8,8 @@ from pathlib import Path
 import click
 
 from ftkit.errors import Problem, UserError
+from ftkit.recipe.scaffold import HOSTFILE_TEMPLATE, RECIPE_TEMPLATES, read_template, sized_for_model, with_model
 from ftkit.render import write_files
-from ftkit.scaffold import HOSTFILE_TEMPLATE, RECIPE_TEMPLATES, read_template, sized_for_model, with_model
 
 TEMPLATE_HELP = "; ".join(f"{name}: {desc}" for name, (_, desc) in RECIPE_TEMPLATES.items())
 

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from ftkit.reference import json_schema, markdown_reference
+from ftkit.recipe.reference import json_schema, markdown_reference
 
 
 @click.command(

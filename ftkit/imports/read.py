@@ -178,7 +178,7 @@ def _parse_json(text: str, label: str) -> Any:
 
 
 def _parse_yaml(text: str, label: str) -> tuple[Any, dict[str, int]]:
-    from ftkit.recipe import _compose, _to_python, _walk
+    from ftkit.recipe.load import _compose, _to_python, _walk
 
     try:
         node = _compose(text, label)

@@ -50,7 +50,7 @@ def plan_record(plan: Any) -> dict[str, Any]:
     }
     try:
         from ftkit.comm import predict_plan
-        from ftkit.params import count_params
+        from ftkit.model.shape import count_params
 
         if plan.unknown:
             raise ValueError("; ".join(plan.unknown))

@@ -2,7 +2,7 @@
 
 Precedence, stated once: **command-line ``key=value`` > recipe file > defaults.** A value given on the command
 line replaces the file's value for that key; a key absent from both takes the default declared in
-:mod:`ftkit.schema`. (Pinned by ``tests/test_recipe.py::test_precedence``.)
+:mod:`ftkit.recipe.schema`. (Pinned by ``tests/test_recipe.py::test_precedence``.)
 
 Every problem is collected before anything fails, each reported as ``FILE:LINE KEY: problem`` with the fix, and
 raised once as :class:`ftkit.errors.RecipeError` (exit 2, no traceback). Each resolved value remembers where it
@@ -25,9 +25,9 @@ from typing import Any
 import yaml
 
 from ftkit.errors import Problem, RecipeError
-from ftkit.hub import is_hub_id
-from ftkit.memory import offload_problems
-from ftkit.schema import REQUIRED, SECTION_BY_NAME, SECTIONS, TOP_LEVEL, Field
+from ftkit.model.config import is_hub_id
+from ftkit.recipe.rules import offload_problems
+from ftkit.recipe.schema import REQUIRED, SECTION_BY_NAME, SECTIONS, TOP_LEVEL, Field
 
 try:  # the C loader is ~10x faster; fall back quietly where libyaml is missing
     from yaml import CSafeLoader as _Loader
@@ -506,7 +506,7 @@ def load_recipe(path: str | os.PathLike[str] | None, overrides: list[str] | tupl
         if f and "path" in f.type.split("|") and isinstance(value, str):
             anchor = Path.cwd() if sources.get(key) == CLI else base
             if key in HUB_KEYS and is_hub_id(value, anchor):
-                continue  # org/name with no such local directory: a hub id, resolved by ftkit.hub
+                continue  # org/name with no such local directory: a hub id, resolved by ftkit.model.config
             values[key] = str((anchor / os.path.expanduser(value)).resolve()) if "://" not in value else value
 
     recipe = Recipe(path=rpath, values=values, sources=sources, has_peft=has_peft, explicit=explicit)
@@ -518,7 +518,7 @@ def load_recipe(path: str | os.PathLike[str] | None, overrides: list[str] | tupl
 
 
 def _field(key: str) -> Field | None:
-    from ftkit.schema import FIELD_BY_KEY
+    from ftkit.recipe.schema import FIELD_BY_KEY
 
     return FIELD_BY_KEY.get(key)
 

@@ -178,7 +178,7 @@ def checked_in_drift(recipe: Any) -> str | None:
     checked = recipe.get("model.config")
     if not checked:
         return None
-    from ftkit.params import load_config_file, load_model_config
+    from ftkit.model.shape import load_config_file, load_model_config
 
     try:
         mine = load_config_file(checked)

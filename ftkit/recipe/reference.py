@@ -1,11 +1,12 @@
-"""The recipe reference (Markdown) and JSON Schema, both generated from :mod:`ftkit.schema` so they cannot drift."""
+"""The recipe reference (Markdown) and JSON Schema, both generated from :mod:`ftkit.recipe.schema` so they cannot
+drift."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ftkit.scaffold import format_value
-from ftkit.schema import REQUIRED, SECTIONS, TOP_LEVEL, Field
+from ftkit.recipe.scaffold import format_value
+from ftkit.recipe.schema import REQUIRED, SECTIONS, TOP_LEVEL, Field
 
 
 def _json_type(f: Field) -> dict[str, Any]:

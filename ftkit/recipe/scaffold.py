@@ -1,4 +1,4 @@
-"""Commented recipes: every key with its one-line doc (from :mod:`ftkit.schema`) above it.
+"""Commented recipes: every key with its one-line doc (from :mod:`ftkit.recipe.schema`) above it.
 
 The shipped templates in ``templates/`` are exactly what :func:`commented_recipe` makes of their own values (a test
 holds them to it), so the comments a user reads after ``ftkit init`` never drift from the loader's docs.
@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from ftkit.schema import REQUIRED, SECTIONS, TOP_LEVEL, Field
+from ftkit.recipe.schema import REQUIRED, SECTIONS, TOP_LEVEL, Field
 
 
 def field_comment(f: Field) -> str:
@@ -114,7 +114,7 @@ def sized_for_model(text: str) -> tuple[str, str]:
 
     from ftkit.errors import FtkitError
     from ftkit.plan import build_plan
-    from ftkit.recipe import load_recipe
+    from ftkit.recipe.load import load_recipe
 
     values = yaml.safe_load(text) or {}
     micro = int((values.get("train") or {}).get("micro_batch_size") or 1)
@@ -147,7 +147,7 @@ def sized_for_model(text: str) -> tuple[str, str]:
     return commented_recipe(values, split_header(text)), why
 
 
-if __name__ == "__main__":  # python -m ftkit.scaffold templates/*.yaml  (make templates)
+if __name__ == "__main__":  # python -m ftkit.recipe.scaffold templates/*.yaml  (make templates)
     import sys
     from pathlib import Path
 
