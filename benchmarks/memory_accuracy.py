@@ -1,4 +1,4 @@
-"""How close is ftkit.memory's per-GPU estimate to what PyTorch really allocates?
+"""How close is ftkit.plan.memory's per-GPU estimate to what PyTorch really allocates?
 
 Builds a small Llama from a config (no downloads), runs a few DeepSpeed training steps at each ZeRO stage in a
 single process (world size 1) and compares ``torch.cuda.max_memory_allocated`` with the estimate. The estimate's
@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ftkit.memory import Candidate, GiB, Workload, estimate  # noqa: E402
 from ftkit.model.shape import count_params  # noqa: E402
+from ftkit.plan.memory import Candidate, GiB, Workload, estimate  # noqa: E402
 
 
 def _free_port() -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ftkit.cluster.procs import group_exists, proc_start_time, remove_shm, targets_from_records, teardown
-from ftkit.command import LaunchCommand
+from ftkit.command.engines import LaunchCommand
 from ftkit.rundir.layout import RunDir, atomic_write
 
 

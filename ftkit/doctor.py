@@ -15,7 +15,7 @@ Steps (each host in parallel through :func:`ftkit.cluster.fanout.run_on_hosts`; 
    Skipped when a host is unreachable (it cannot join).
 
 ``--bandwidth`` adds all-reduce bus bandwidth (NCCL's factor 2(n-1)/n) for a few sizes across all hosts and for
-every pair of hosts (three or more), and writes it where the planner reads it (:func:`ftkit.comm.bandwidth_file`,
+every pair of hosts (three or more), and writes it where the planner reads it (:func:`ftkit.plan.comm.bandwidth_file`,
 ``$FTKIT_BANDWIDTH_FILE`` or ``~/.cache/ftkit/bandwidth.json``). Format: comm's version-1 object
 (``version``, ``measured_at``, ``hosts``, ``inter_node_gbs``: the all-hosts bus bandwidth at the largest size,
 ``intra_node_gbs``: the recipe's value, doctor measures one process per host) plus what doctor measured::
@@ -220,7 +220,7 @@ def _rendezvous_fix(o: dict[str, Any], plan: Any) -> str:
 
 
 def _bandwidth(plan: Any, hosts: list[str], outs: dict[str, dict[str, Any]], backend: str) -> dict[str, Any]:
-    from ftkit.comm import BANDWIDTH_FILE_VERSION, NETWORK_PRESETS
+    from ftkit.plan.comm import BANDWIDTH_FILE_VERSION, NETWORK_PRESETS
 
     r = plan.recipe
     rows = outs[hosts[0]].get("all", [])
@@ -231,7 +231,7 @@ def _bandwidth(plan: Any, hosts: list[str], outs: dict[str, dict[str, Any]], bac
             pairs.append({"hosts": [hosts[i], hosts[j]], **{k: p[k] for k in ("bytes", "seconds", "busbw_gbs")}})
     name = r["cluster.network"]
     if name == "auto":
-        from ftkit.comm import DEFAULT_NETWORK
+        from ftkit.plan.comm import DEFAULT_NETWORK
 
         name = "loopback" if r["cluster.accelerator"] == "cpu" else DEFAULT_NETWORK
     intra = r["cluster.intra_node_gbs"] or NETWORK_PRESETS[name].intra_gbs
@@ -249,7 +249,7 @@ def _bandwidth(plan: Any, hosts: list[str], outs: dict[str, dict[str, Any]], bac
 
 
 def write_bandwidth(data: dict[str, Any], path: Path | None = None) -> Path:
-    from ftkit.comm import bandwidth_file
+    from ftkit.plan.comm import bandwidth_file
     from ftkit.rundir.layout import atomic_write
 
     p = path or bandwidth_file()

@@ -382,7 +382,7 @@ def _jsonable(value: Any) -> Any:
 
 
 def compute(plan: Any) -> dict[str, Any]:
-    """The fingerprint of ``plan`` (a :class:`ftkit.plan.Plan`; only ``plan.recipe`` is read). JSON-able."""
+    """The fingerprint of ``plan`` (a :class:`ftkit.plan.plan.Plan`; only ``plan.recipe`` is read). JSON-able."""
     t0 = time.perf_counter()
     r = plan.recipe
     has_peft = bool(getattr(r, "has_peft", False))

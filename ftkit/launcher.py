@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ftkit.command import LaunchInputs, UserCommand, build_launch, describe
+from ftkit.command.engines import LaunchInputs, build_launch, describe
+from ftkit.command.user_command import UserCommand
 from ftkit.errors import ExitCode, FtkitError, NoSpace, RecipeError, UserError
-from ftkit.plan import Plan, build_plan
+from ftkit.plan.plan import Plan, build_plan
 from ftkit.rundir.layout import RunDir
 
 
@@ -27,7 +28,7 @@ def launch_inputs(
     plan: Plan, attempt: int = 0, resume: str | None = None, command: UserCommand | None = None, inject: bool = True
 ) -> LaunchInputs:
     r = plan.recipe
-    from ftkit.command import inject_dir
+    from ftkit.command.user_command import inject_dir
 
     return LaunchInputs(
         engine=r["cluster.engine"],
@@ -199,7 +200,7 @@ def _user_command(
     import importlib.util
     import shutil
 
-    from ftkit.command import builtin_only_keys, module_exists, parse_command
+    from ftkit.command.user_command import builtin_only_keys, module_exists, parse_command
 
     r = plan.recipe
     argv = req.command if req.command is not None else r.values.get("train.command")

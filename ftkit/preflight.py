@@ -118,7 +118,7 @@ def run_preflight(
             problems.append(Problem(f"{name} is not installed on this machine (pip install {name})"))
     remote = [h for h, _ in hosts if h not in LOCAL_HOSTS]
     if engine == "deepspeed" and remote:
-        from ftkit.command import pdsh_problems
+        from ftkit.command.engines import pdsh_problems
 
         problems += [Problem(p, key="train.output_dir") for p in pdsh_problems(str(run_dir), python, master_addr)]
     # Every rank connects to master_addr: a name that does not resolve hangs each attempt until startup_timeout_s.

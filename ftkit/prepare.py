@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ftkit.plan import Plan
+from ftkit.plan.plan import Plan
 from ftkit.render import render_files, write_files
 from ftkit.rundir.layout import RunDir, atomic_write
 from ftkit.spec import build_spec

@@ -95,7 +95,7 @@ class RankContext:
         import fnmatch
 
         from ftkit.cluster.procs import proc_start_time
-        from ftkit.command import ENV_ALLOW, SECRET
+        from ftkit.command.engines import ENV_ALLOW, SECRET
 
         pid, ppid = os.getpid(), os.getppid()
         env = {

@@ -11,7 +11,7 @@ from typing import Any
 from ftkit import __version__
 from ftkit.fingerprint import compute as compute_fingerprint
 from ftkit.model.config import DEFAULT_REVISION, model_is_hub
-from ftkit.plan import Plan
+from ftkit.plan.plan import Plan
 from ftkit.rundir.spec import DataSpec, RunSpec
 
 # TrainingArguments a wrapped script always gets from the recipe (DESIGN §8: the recipe is the source of truth for

@@ -36,7 +36,7 @@ from ftkit.attempt import Spawned, spawn, teardown_attempt
 from ftkit.checkpoint.checkpoints import list_checkpoints, read_commit, select_resume, set_aside_newer, verify
 from ftkit.choose import Choice, select
 from ftkit.cluster.procs import exit_meaning
-from ftkit.command import LaunchCommand, LaunchInputs, build_launch
+from ftkit.command.engines import LaunchCommand, LaunchInputs, build_launch
 from ftkit.decide import Action, Decision, FailureKind, Progress, RestartPolicy, Situation, decide
 from ftkit.errors import ExitCode
 from ftkit.fidelity import FidelityCheck

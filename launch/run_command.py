@@ -4,10 +4,11 @@ DeepSpeed's pdsh runner joins ``cd CWD; python -u -m deepspeed.launcher.launch .
 shell line and quotes only arguments with spaces, so ``$(...)``, ``&``, quotes and the launch directory's name
 would reach the remote shell as shell syntax. ftkit therefore starts this module on every rank instead
 (``--module ftkit.launch.run_command``, no arguments, from the validated run directory) and carries the command in
-``FTKIT_COMMAND``: base64 of JSON ``{"kind", "target", "args", "workdir"}`` (:func:`ftkit.command.encode_command`
-writes it), plain letters on any shell line. Here it is decoded and run in this very process (the rank's pid is the
-one the engine started): a module with ``runpy.run_module``, a script with ``runpy.run_path``, an executable with
-``os.execv``, in the working directory the user launched from. Standard library only.
+``FTKIT_COMMAND``: base64 of JSON ``{"kind", "target", "args", "workdir"}``
+(:func:`ftkit.command.engines.encode_command` writes it), plain letters on any shell line. Here it is decoded and run in
+this very process (the rank's pid is the one the engine started): a module with ``runpy.run_module``, a script with
+``runpy.run_path``, an executable with ``os.execv``, in the working directory the user launched from. Standard library
+only.
 """
 
 from __future__ import annotations

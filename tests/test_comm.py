@@ -1,4 +1,4 @@
-"""Bytes and time per optimizer step (ftkit.comm): the prediction against DeepSpeed's comms logger.
+"""Bytes and time per optimizer step (ftkit.plan.comm): the prediction against DeepSpeed's comms logger.
 
 The quick tests pin the prediction for the fixtures' tiny Llama (2 layers, h 64, Ψ 128,320) to what DeepSpeed
 0.19.8's ``comms_logger`` logged on 2 CPU ranks (fp32, micro batch 4, steady-state step, start-up broadcasts
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from ftkit.comm import (
+from ftkit.model.shape import count_params, lora_tensors
+from ftkit.plan.comm import (
     NETWORK_PRESETS,
     ZeroPP,
     flops_per_token,
@@ -23,8 +24,7 @@ from ftkit.comm import (
     traffic,
     zeropp_candidates,
 )
-from ftkit.memory import Candidate, Workload
-from ftkit.model.shape import count_params, lora_tensors
+from ftkit.plan.memory import Candidate, Workload
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = {
@@ -178,7 +178,7 @@ def test_bandwidth_file_applies_to_its_hosts_only(tmp_path: Path) -> None:
 
 
 def test_comm_stays_import_light() -> None:
-    code = "import sys, ftkit.comm; print([m for m in ('torch','deepspeed','transformers') if m in sys.modules])"
+    code = "import sys, ftkit.plan.comm; print([m for m in ('torch','deepspeed','transformers') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -251,7 +251,7 @@ def test_plan_prints_and_exports_the_step_time(write_recipe, tmp_path: Path) -> 
 
 
 def test_bandwidth_file_overrides_the_recipe(write_recipe, tmp_path: Path, monkeypatch) -> None:
-    from ftkit.comm import BANDWIDTH_FILE_ENV, resolve_network
+    from ftkit.plan.comm import BANDWIDTH_FILE_ENV, resolve_network
     from ftkit.recipe.load import load_recipe
 
     p = write_recipe()

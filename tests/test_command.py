@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ftkit.cluster.procs import exit_meaning
-from ftkit.command import LaunchInputs, build_launch, describe, forwarded_env
+from ftkit.command.engines import LaunchInputs, build_launch, describe, forwarded_env
 
 BASE_ENV = {
     "PATH": "/usr/bin",
@@ -141,7 +141,7 @@ def test_exit_meanings():
 
 
 def _cmd(tmp_path, *argv, which=None, trl_dir=None):
-    from ftkit.command import parse_command
+    from ftkit.command.user_command import parse_command
 
     return parse_command(list(argv), str(tmp_path), which or (lambda name: None), trl_dir)
 
@@ -202,7 +202,7 @@ def test_user_command_mistakes_are_one_line_user_errors(tmp_path):
 
 
 def test_user_command_argv_per_engine(tmp_path):
-    from ftkit.command import UserCommand
+    from ftkit.command.user_command import UserCommand
 
     cases = {
         UserCommand("script", "/w/sft.py", ("--a", "1")): {
@@ -239,7 +239,7 @@ def _subseq(sub, seq) -> bool:
 
 
 def test_user_command_over_ssh_runs_in_the_launch_directory():
-    from ftkit.command import UserCommand
+    from ftkit.command.user_command import UserCommand
 
     inp = _inputs(
         "torchrun",
@@ -269,7 +269,7 @@ def test_user_command_over_ssh_runs_in_the_launch_directory():
 
 
 def test_builtin_only_keys():
-    from ftkit.command import builtin_only_keys
+    from ftkit.command.user_command import builtin_only_keys
 
     assert builtin_only_keys({"data.train", "peft.r", "train.seed", "model.path"}) == ["data.train", "peft.r"]
 
@@ -278,7 +278,7 @@ def test_module_lookup_finds_what_python_m_would_without_importing(tmp_path) -> 
     """`-- python -m missing_module` used to start three attempts (exit 4), its cause only in a rank log."""
     import sys
 
-    from ftkit.command import module_exists
+    from ftkit.command.user_command import module_exists
 
     (tmp_path / "mymod.py").write_text("raise SystemExit('imported!')\n")
     (tmp_path / "pkg" / "sub").mkdir(parents=True)

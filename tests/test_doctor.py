@@ -279,7 +279,7 @@ def test_doctor_stays_import_light():
 
 def test_cheap_checks_name_a_stale_build_lock(tmp_path):
     """What `ftkit launch` runs as its preflight: preflight + facts, no rendezvous, a second or two."""
-    from ftkit.configs import load_and_plan
+    from ftkit.plan.load import load_and_plan
 
     plan = load_and_plan(str(_local_recipe(tmp_path)), ())
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
@@ -456,7 +456,7 @@ def test_healthy_pair_passes_and_measures_bandwidth(tmp_path, pair):
     data = json.loads(bw.read_text())
     assert data["version"] == 1 and data["hosts"] == ["node0", "node1"] and data["inter_node_gbs"] > 0
     assert [r["bytes"] for r in data["all_reduce"]] == [2**20, 8 * 2**20, 32 * 2**20]
-    from ftkit.comm import read_bandwidth_file
+    from ftkit.plan.comm import read_bandwidth_file
 
     assert read_bandwidth_file(["node1", "node0"], bw).inter_gbs == data["inter_node_gbs"]  # the planner reads it
     print(f"healthy pair: {took:.1f}s; bus bandwidth {[round(r['busbw_gbs'], 3) for r in data['all_reduce']]} GB/s")

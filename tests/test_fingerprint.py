@@ -11,7 +11,7 @@ import pytest
 
 from ftkit.errors import ExitCode, UserError
 from ftkit.fingerprint import POLICY, RANK_APPLIED, ResumeRefused, compare, compute, policy
-from ftkit.plan import build_plan
+from ftkit.plan.plan import build_plan
 from ftkit.recipe.load import load_recipe
 from ftkit.recipe.schema import FIELD_BY_KEY
 

@@ -490,8 +490,8 @@ def test_slot_selection_reaches_the_ranks(
         from ftkit.launcher import launch_inputs
     except ImportError:  # before launch_inputs moved out of the CLI
         from ftkit.launcher import launch_inputs
-    from ftkit.command import build_launch
-    from ftkit.configs import load_and_plan
+    from ftkit.command.engines import build_launch
+    from ftkit.plan.load import load_and_plan
 
     hostfile = tmp_path / "hostfile"
     hostfile.write_text(text)
@@ -523,8 +523,8 @@ def test_deepspeed_runner_puts_the_selected_ranks_on_the_selected_devices(tmp_pa
         from ftkit.launcher import launch_inputs
     except ImportError:
         from ftkit.cli.launch import launch_inputs
-    from ftkit.command import TRAIN_MODULE, build_launch
-    from ftkit.configs import load_and_plan
+    from ftkit.command.engines import TRAIN_MODULE, build_launch
+    from ftkit.plan.load import load_and_plan
 
     (tmp_path / "stub").mkdir()
     (tmp_path / "stub" / "showdev.py").write_text(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ftkit.configs import load_and_plan
+from ftkit.plan.load import load_and_plan
 from ftkit.render.deepspeed import render_deepspeed
 
 # ---------------------------------------------------------------------------------------------------------------

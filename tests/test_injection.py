@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from ftkit.cluster.procs import SHM_DIR, SHM_PREFIX, Target, proc_start_time, remove_shm, teardown
-from ftkit.command import LaunchInputs, build_launch
+from ftkit.command.engines import LaunchInputs, build_launch
 from ftkit.errors import PreflightError, UserError
 from ftkit.preflight import run_preflight
 
@@ -252,7 +252,7 @@ def test_deepspeed_env_file_survives_deepspeeds_double_quotes(tmp_path):
     ftkit escapes what acts inside them; the line is evaluated by sh as DeepSpeed builds it (its add_export rule)."""
     import re
 
-    from ftkit.command import ds_env_value
+    from ftkit.command.engines import ds_env_value
 
     for value in [*PAYLOADS, "plain", "a b", "back\\slash", "", " padded"]:
         v = ds_env_value(value).strip()

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from ftkit.memory import (
+from ftkit.model.shape import count_params, lora_trainable_params
+from ftkit.plan.memory import (
     MARGIN_FIXED_BYTES,
     Candidate,
     GiB,
@@ -46,7 +47,6 @@ from ftkit.memory import (
     suggestions,
     trainer_param_groups,
 )
-from ftkit.model.shape import count_params, lora_trainable_params
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -367,7 +367,7 @@ def test_auto_takes_the_fastest_predicted_candidate_that_fits(network, gpu_gb, w
     """Memory rules unchanged (the choice fits; nothing faster fits), speed decides among what fits."""
     import shutil
 
-    from ftkit.configs import load_and_plan
+    from ftkit.plan.load import load_and_plan
 
     shutil.copy(REPO / "tests/fixtures/model_configs/Meta-Llama-3-8B.json", tmp_path / "model" / "config.json")
     p = write_recipe()

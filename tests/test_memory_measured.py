@@ -1,9 +1,9 @@
-"""ftkit.memory's per-rank partition sizes equal what DeepSpeed really allocates (2 CPU ranks, gloo).
+"""ftkit.plan.memory's per-rank partition sizes equal what DeepSpeed really allocates (2 CPU ranks, gloo).
 
 A real ``deepspeed.initialize`` + one optimizer step runs at ZeRO stages 1, 2 and 3 on tiny Llama models built
 from a config (no downloads). Each rank writes, per run, the elements it holds: fp32 master weights, Adam's
 exp_avg and exp_avg_sq, and at stage 3 its parameter partition (Σ ``param.ds_tensor.numel()``). The test predicts
-the same numbers with :func:`ftkit.memory.rank_partition` from the closed-form tensor list and compares exactly.
+the same numbers with :func:`ftkit.plan.memory.rank_partition` from the closed-form tensor list and compares exactly.
 
 Three models: the brief's tiny Llama, an "odd" one whose sizes are not multiples of 2·N (so DeepSpeed's padding
 shows), and the tiny Llama with a LoRA adapter (frozen base: only adapters get fp32 states, everything is
@@ -61,7 +61,7 @@ def _worker(out_dir: str) -> None:
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ftkit.memory import no_weight_decay
+    from ftkit.plan.memory import no_weight_decay
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
@@ -124,8 +124,8 @@ def _free_port() -> int:
 
 
 def _predict(variant: str, stage: int):
-    from ftkit.memory import rank_partition, trainer_param_groups
     from ftkit.model.shape import count_params, lora_tensors
+    from ftkit.plan.memory import rank_partition, trainer_param_groups
 
     spec = VARIANTS[variant]
     shape = count_params(spec["config"])
@@ -204,8 +204,8 @@ def test_rank_partition_matches_deepspeed(measured, variant, stage):
 @pytest.mark.slow
 def test_odd_variant_really_pads(measured):
     """Guard the test itself: the odd model must need padding, or it proves nothing about it."""
-    from ftkit.memory import trainer_param_groups
     from ftkit.model.shape import count_params
+    from ftkit.plan.memory import trainer_param_groups
 
     groups = trainer_param_groups(count_params(VARIANTS["odd"]["config"]).tensors)
     assert any(sum(g) % (2 * WORLD_SIZE) for g in groups)

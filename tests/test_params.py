@@ -202,7 +202,7 @@ def _assert_same(closed: ModelShape, meta: ModelShape) -> None:
 
 def test_params_and_memory_do_not_import_the_heavy_stack():
     code = (
-        "import sys, ftkit.model.shape, ftkit.memory; "
+        "import sys, ftkit.model.shape, ftkit.plan.memory; "
         "heavy = [m for m in ('torch', 'transformers', 'deepspeed', 'peft', 'accelerate') if m in sys.modules]; "
         "print(heavy); sys.exit(1 if heavy else 0)"
     )

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ftkit.configs import load_and_plan
+from ftkit.plan.load import load_and_plan
 from ftkit.recipe.load import load_recipe
 from ftkit.recipe.scaffold import RECIPE_TEMPLATES
 from ftkit.render import ACCELERATE_FILE, DS_FILE, render_files
@@ -124,8 +124,8 @@ def test_zeropp_candidates_accepted_by_deepspeed(
     variant, precision, world, write_recipe, tmp_path, ds_config_class, monkeypatch
 ):
     """Every ZeRO++ candidate the plan can choose renders a config DeepSpeed's own classes accept."""
-    from ftkit.comm import zeropp_candidates
-    from ftkit.plan import note_zeropp
+    from ftkit.plan.comm import zeropp_candidates
+    from ftkit.plan.plan import note_zeropp
 
     p = write_recipe()
     nodes, per = {16: (2, 8), 64: (8, 8)}[world]
@@ -278,7 +278,7 @@ def test_nested_config_hidden_size(write_recipe, model_dir):
 def test_a_hostfile_naming_only_this_machine_needs_no_ssh(write_recipe, tmp_path):
     import socket
 
-    from ftkit.command import build_launch
+    from ftkit.command.engines import build_launch
     from ftkit.launcher import launch_inputs
 
     hf = tmp_path / "hostfile"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ftkit.configs import load_and_plan
+from ftkit.plan.load import load_and_plan
 from ftkit.prepare import prepare_run
 from ftkit.rundir.layout import RunDir
 

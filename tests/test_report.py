@@ -269,7 +269,7 @@ def test_a_render_that_fails_is_one_warning_line(tmp_path):
 
 
 def test_plan_record_has_the_compute_model_and_the_memory(write_recipe):
-    from ftkit.plan import build_plan
+    from ftkit.plan.plan import build_plan
     from ftkit.recipe.load import load_recipe
     from ftkit.report import plan_record
 

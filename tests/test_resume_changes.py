@@ -82,7 +82,7 @@ def first_run(tmp_path: Path, fx: dict[str, Path], data: Path | None = None) -> 
 
 def test_rank_applies_allowed_change(tmp_path: Path, fx: dict[str, Path]):
     """The supervisor's part done by hand: new spec with resume_overrides, ranks resumed from checkpoint-4."""
-    from ftkit.plan import build_plan
+    from ftkit.plan.plan import build_plan
     from ftkit.prepare import prepare_run
     from ftkit.recipe.load import load_recipe
 

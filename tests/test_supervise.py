@@ -171,7 +171,7 @@ def test_an_exception_between_spawn_and_teardown_still_tears_the_run_down(tmp_pa
 
     from ftkit import supervise
     from ftkit.cluster.procs import group_exists
-    from ftkit.command import LaunchCommand, NodeCommand
+    from ftkit.command.engines import LaunchCommand, NodeCommand
     from ftkit.rundir.layout import RunDir
 
     started: list[int] = []
@@ -222,7 +222,7 @@ def test_a_stop_is_immediate_only_when_no_rank_has_begun_training(tmp_path, phas
 def _supervisor(rd, world_size: int, **kw):
     """A real Supervisor on one local host (nothing spawned until run())."""
     from ftkit import supervise
-    from ftkit.command import LaunchInputs
+    from ftkit.command.engines import LaunchInputs
 
     hosts = (("localhost", world_size),)
     inputs = LaunchInputs("deepspeed", hosts, "127.0.0.1", 29500, str(rd.path), 0, None, "cpu", "py", "t")

@@ -395,7 +395,7 @@ def test_a_model_the_plan_cannot_read_still_launches_a_command(write_recipe, tmp
     r = _dry(recipe, "--", "python", "t.py")
     assert r.returncode == 0, r.stderr
     assert "could not estimate" in r.stderr and "memory and step time not estimated" in r.stderr
-    from ftkit.plan import build_plan
+    from ftkit.plan.plan import build_plan
     from ftkit.recipe.load import load_recipe
 
     plan = build_plan(load_recipe(str(recipe), []), unknown_model_ok=True)

@@ -39,10 +39,10 @@ Examples:
 @json_option
 def command(recipe: str, overrides: tuple[str, ...], hostfile: str | None, bandwidth: bool, as_json: bool) -> None:
     """Find the host that would break a multi-node start of RECIPE, in seconds, before launching anything."""
-    from ftkit.configs import load_and_plan
     from ftkit.doctor import run_doctor
     from ftkit.errors import PreflightError
     from ftkit.launcher import ssh_args_of
+    from ftkit.plan.load import load_and_plan
 
     plan = load_and_plan(recipe, tuple(cli_overrides(overrides, hostfile)))
     report = run_doctor(plan, ssh_args=ssh_args_of(plan), bandwidth=bandwidth)

@@ -7,7 +7,7 @@ import json
 import click
 
 from ftkit.cli.options import json_option, overrides_argument, recipe_argument
-from ftkit.configs import load_and_plan
+from ftkit.plan.load import load_and_plan
 from ftkit.recipe.load import DEFAULT
 
 
@@ -24,7 +24,7 @@ Examples:
 @json_option
 def command(recipe: str, overrides: tuple[str, ...], as_json: bool) -> None:
     """Show each derived knob (value and why) and each recipe key that was set (value and where)."""
-    plan = load_and_plan(recipe, overrides)  # the plan decides every knob the configs carry (ftkit.knobs)
+    plan = load_and_plan(recipe, overrides)  # the plan decides every knob the configs carry (ftkit.plan.knobs)
     knobs = {k: {"value": v.value, "why": v.why} for k, v in plan.knobs.items()}
     keys = {k: {"value": plan.recipe.values[k], "source": s} for k, s in plan.recipe.sources.items() if s != DEFAULT}
     if as_json:

@@ -8,10 +8,10 @@ import sys
 import click
 
 from ftkit.cli.options import json_option, overrides_argument, recipe_argument
-from ftkit.comm import fmt_bytes, plan_candidate
-from ftkit.configs import load_and_plan
 from ftkit.errors import ExitCode
-from ftkit.memory_plan import HEADROOM, full_table
+from ftkit.plan.candidates import HEADROOM, full_table
+from ftkit.plan.comm import fmt_bytes, plan_candidate
+from ftkit.plan.load import load_and_plan
 
 SHORT = {
     "weights": "weights",

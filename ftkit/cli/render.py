@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from ftkit.cli.options import out_option, overrides_argument, recipe_argument
-from ftkit.configs import default_out_dir, load_and_plan
+from ftkit.plan.load import default_out_dir, load_and_plan
 from ftkit.render import render_files, write_files
 
 

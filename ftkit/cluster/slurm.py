@@ -1,8 +1,9 @@
-"""Slurm inside an allocation: hosts from the allocation, the ``srun`` engine, and commands on other nodes
-through ``srun`` instead of ssh. (``ftkit submit`` and the batch side of a job live in :mod:`ftkit.submit`.)
+"""Slurm inside an allocation: hosts from the allocation, and commands on other nodes through ``srun`` instead of
+ssh. The ``srun`` engine's command is built with the others (:mod:`ftkit.command.engines`); ``ftkit submit`` and the
+batch side of a job live in :mod:`ftkit.submit`.
 
-**One task per node, each running torchrun** (c10d rendezvous on the first host, a per-job rendezvous id and
-port), not one task per rank, because:
+The engine runs **one task per node, each running torchrun** (c10d rendezvous on the first host, a per-job rendezvous id
+and port), not one task per rank, because:
 
 * the ranks get exactly the environment torchrun gives them under every other engine (``RANK``, ``LOCAL_RANK``,
   ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``): HF Trainer, Accelerate and DeepSpeed need no Slurm-specific
@@ -25,8 +26,7 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ftkit.command import LaunchCommand, LaunchInputs, NodeCommand, forwarded_env, program_argv, run_env
-from ftkit.errors import Problem, UserError
+from ftkit.errors import UserError
 
 NOT_IN_ALLOCATION = (
     "cluster.engine slurm: not inside a Slurm allocation (SLURM_JOB_ID is not set): submit the job with "
@@ -79,61 +79,9 @@ def job_port(env: Mapping[str, str], base: int) -> int:
     return port if port <= 65535 else 1024 + port % (65536 - 1024)
 
 
-def _slurm_env(base_env: Mapping[str, str]) -> dict[str, str]:
+def slurm_env(base_env: Mapping[str, str]) -> dict[str, str]:
     """What the srun client needs to find its allocation and the cluster (SLURM_JOB_ID, SLURM_CONF, ...)."""
     return {k: v for k, v in base_env.items() if k.startswith(("SLURM_", "SLURMD_"))}
-
-
-def srun_launch(inp: LaunchInputs, base_env: Mapping[str, str]) -> LaunchCommand:
-    """One ``srun`` step over the allocation's hosts, one task per node, each running torchrun (see module doc)."""
-    require_allocation(base_env)
-    job = base_env["SLURM_JOB_ID"]
-    hosts = [h for h, _ in inp.hosts]
-    slots = {n for _, n in inp.hosts}
-    if len(slots) != 1:  # plan refuses it earlier; torchrun needs one count per node
-        raise UserError(Problem("the srun engine needs the same processes on every node", key="cluster.gpus_per_node"))
-    env = forwarded_env(base_env, inp.accelerator, run_env(inp, base_env))
-    env.update(_slurm_env(base_env))
-    n = len(hosts)
-    torchrun = [
-        inp.python,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        str(n),
-        "--nproc-per-node",
-        str(slots.pop()),
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"{inp.master_addr}:{inp.master_port}",
-        "--rdzv-id",
-        f"{inp.name}-slurm{job}-{inp.attempt}",
-        "--max-restarts",
-        "0",
-    ]
-    flags, program = program_argv(inp, "torchrun")
-    torchrun += [*flags, *program]
-    if inp.command is not None and inp.workdir:
-        torchrun = ["env", "-C", inp.workdir, *torchrun]
-    argv = [
-        "srun",
-        f"--jobid={job}",
-        f"--nodes={n}",
-        f"--ntasks={n}",
-        "--ntasks-per-node=1",
-        f"--nodelist={','.join(hosts)}",
-        "--kill-on-bad-exit=1",
-        "--export=ALL",
-        "--unbuffered",
-        # each task names its node (pid records, heartbeats) by Slurm's node name, as the allocation lists it
-        "sh",
-        "-c",
-        'FTKIT_NODE="${SLURMD_NODENAME:-$(hostname -s)}"; export FTKIT_NODE; exec "$@"',
-        "ftkit-node",
-        *torchrun,
-    ]
-    return LaunchCommand("slurm", (NodeCommand(hosts[0], 0, tuple(argv), env, remote=False),))
 
 
 def srun_argv(job_id: str, host: str, script: str) -> list[str]:

@@ -23,7 +23,7 @@ from ftkit.imports.mapping import fmt
 from ftkit.imports.read import load
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ftkit.plan import Plan
+    from ftkit.plan.plan import Plan
 
 MISSING: Any = type("Missing", (), {"__repr__": lambda self: "(absent)"})()
 

@@ -557,7 +557,8 @@ def _resolve(
 
 
 def _cross_checks(r: Recipe, add: Any) -> None:
-    """Rules that involve more than one field. World-size rules live in :mod:`ftkit.plan` (they need the hostfile)."""
+    """Rules that involve more than one field. World-size rules live in :mod:`ftkit.plan.plan` (they need the
+    hostfile)."""
 
     def src(key: str) -> str | None:
         return CLI if r.sources.get(key) == CLI else None

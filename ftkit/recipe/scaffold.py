@@ -113,7 +113,7 @@ def sized_for_model(text: str) -> tuple[str, str]:
     from pathlib import Path
 
     from ftkit.errors import FtkitError
-    from ftkit.plan import build_plan
+    from ftkit.plan.plan import build_plan
     from ftkit.recipe.load import load_recipe
 
     values = yaml.safe_load(text) or {}

@@ -7,7 +7,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from ftkit.plan import Plan
+from ftkit.plan.plan import Plan
 from ftkit.render.accelerate import render_accelerate
 from ftkit.render.deepspeed import render_deepspeed, to_json
 

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from ftkit import __version__
-from ftkit.plan import Plan
+from ftkit.plan.plan import Plan
 
 
 def accelerate_dict(plan: Plan, ds_config_path: str, machine_rank: int = 0) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """DeepSpeed config from a Plan: concrete numbers only (never "auto"), so a checked-in file can be reviewed.
 
-The plan decides every value (the rules, with their reasons, in :mod:`ftkit.knobs`; DESIGN.md §3); this module only
+The plan decides every value (the rules, with their reasons, in :mod:`ftkit.plan.knobs`; DESIGN.md §3); this module only
 formats ``plan.knobs`` and the recipe's plain values (learning rate, betas...) as DeepSpeed's JSON. A knob the plan
 did not record for the chosen stage (round_robin_gradients at stage 3, ZeRO++'s knobs when not chosen, pin_memory
 without offload...) is not written.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ftkit.plan import Plan
+from ftkit.plan.plan import Plan
 
 
 def to_json(cfg: dict[str, Any]) -> str:
@@ -82,7 +82,7 @@ def render_deepspeed(plan: Plan) -> dict[str, Any]:
             z["offload_optimizer"] = _offload(plan, plan.offload_optimizer, "offload_optimizer")
         if plan.offload_params != "none":
             z["offload_param"] = _offload(plan, plan.offload_params, "offload_param")
-        # ZeRO++ (the plan chooses it across nodes when the inter-node link is the bottleneck, ftkit.comm)
+        # ZeRO++ (the plan chooses it across nodes when the inter-node link is the bottleneck, ftkit.plan.comm)
         for key in ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients"):
             if key in k:
                 z[key] = k[key].value

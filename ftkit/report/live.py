@@ -49,8 +49,8 @@ def plan_record(plan: Any) -> dict[str, Any]:
         "lora": bool(r.has_peft),
     }
     try:
-        from ftkit.comm import predict_plan
         from ftkit.model.shape import count_params
+        from ftkit.plan.comm import predict_plan
 
         if plan.unknown:
             raise ValueError("; ".join(plan.unknown))

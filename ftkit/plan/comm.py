@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ftkit.memory import PRECISION_BYTES, Candidate, Workload
+from ftkit.plan.memory import PRECISION_BYTES, Candidate, Workload
 
 # ------------------------------------------------------------------------------------------------ hardware tables
 
@@ -612,7 +612,7 @@ def plan_context(recipe: Any, hosts: list[tuple[str, int]], shape: Any) -> dict[
 def predict_plan(plan: Any, candidate: Candidate | None = None) -> Prediction:
     """The prediction for the plan's own choice (or ``candidate``) with the plan's knobs."""
     if plan.memory is None:
-        from ftkit.memory_plan import plan_memory
+        from ftkit.plan.candidates import plan_memory
 
         plan.memory = plan_memory(plan)
     ctx = plan_context(plan.recipe, plan.hosts, plan.memory.shape)

@@ -1,17 +1,17 @@
 """Every knob the rendered configs carry, decided in one place with its reason (DESIGN.md §3).
 
-:func:`decide_zero_knobs` and :func:`decide_config_knobs` run inside :func:`ftkit.plan.build_plan`, after the stage
+:func:`decide_zero_knobs` and :func:`decide_config_knobs` run inside :func:`ftkit.plan.plan.build_plan`, after the stage
 and offload are resolved, and record each value with the rule or source that produced it in ``plan.knobs``. The
 renderers (:mod:`ftkit.render`) only format ``plan.knobs``; ``ftkit explain`` prints them without rendering
 anything. :func:`overlap_comm_auto` and :func:`persistence_threshold` are also what the step-time prediction of
-each candidate uses (:mod:`ftkit.memory_plan`), so the plan and the prediction apply the same rules.
+each candidate uses (:mod:`ftkit.plan.candidates`), so the plan and the prediction apply the same rules.
 
-Rules: the batch triple written in full (:mod:`ftkit.plan`); bucket sizes from the hidden size; overlap_comm at stage
-3 and at 1/2 when the plan has room; contiguous_gradients on; round_robin_gradients only with optimizer offload at
+Rules: the batch triple written in full (:mod:`ftkit.plan.plan`); bucket sizes from the hidden size; overlap_comm at
+stage 3 and at 1/2 when the plan has room; contiguous_gradients on; round_robin_gradients only with optimizer offload at
 1/2; offload_param only at stage 3; exactly one of bf16/fp16 enabled (both off for fp32); gradient_clipping from
 max_grad_norm; stage3_gather_16bit_weights_on_model_save on so HF-loadable weights come out; pinned offload buffers
 unless on the cpu accelerator or host RAM is tight; ZeRO++'s knobs only when ``auto`` chose them
-(:func:`ftkit.plan.note_zeropp`).
+(:func:`ftkit.plan.plan.note_zeropp`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ftkit.plan import Plan
+    from ftkit.plan.plan import Plan
 
 SUB_GROUP_SIZE = int(1e9)
 # fp16's dynamic loss scaling: (knob, value, why) for each train.fp16_* field left at auto

@@ -1,9 +1,9 @@
 """From a validated recipe (plus cluster and model config) to a Plan: every number the configs need, with its reason.
 
 The plan is the single place where derived values are computed: world size, the batch triple, the ZeRO stage and
-offload (resolving ``auto`` through :mod:`ftkit.memory`), bucket sizes from the model's hidden size. Renderers and
+offload (resolving ``auto`` through :mod:`ftkit.plan.memory`), bucket sizes from the model's hidden size. Renderers and
 the training entry only read it, so the DeepSpeed JSON, the Accelerate YAML and the TrainingArguments agree.
-Every knob the configs carry is decided here (the rules in :mod:`ftkit.knobs`) with where its value came from;
+Every knob the configs carry is decided here (the rules in :mod:`ftkit.plan.knobs`) with where its value came from;
 ``ftkit explain`` prints that without rendering anything.
 """
 
@@ -17,7 +17,7 @@ from ftkit.errors import Problem, RecipeError, UserError
 from ftkit.recipe.load import CLI, DEFAULT, Recipe
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ftkit.memory_plan import MemoryReport
+    from ftkit.plan.candidates import MemoryReport
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Plan:
     hidden_size: int
     model_config: dict[str, Any]
     knobs: dict[str, Knob] = field(default_factory=dict)
-    memory: MemoryReport | None = None  # the memory and step-time plan (ftkit.memory_plan), when computed
+    memory: MemoryReport | None = None  # the memory and step-time plan (ftkit.plan.candidates), when computed
     # host -> the device (slot) indices an --include/--exclude selection kept (empty without a filter): the command
     # builder hands them to the engine (deepspeed --include, else CUDA_VISIBLE_DEVICES on the node)
     devices: dict[str, tuple[int, ...]] = field(default_factory=dict)
@@ -155,9 +155,9 @@ def build_plan(
     command, which loads its own model): a config.json that cannot be read is no error; the plan uses DeepSpeed's
     default bucket sizes, estimates no memory, and says so in ``Plan.unknown`` (``zero.stage: auto`` still needs it).
     """
-    from ftkit.knobs import decide_config_knobs
     from ftkit.model.config import config_source
     from ftkit.model.shape import hidden_size, load_config_file, load_model_config
+    from ftkit.plan.knobs import decide_config_knobs
 
     problems: list[Problem] = []
     if hosts is None:
@@ -279,8 +279,8 @@ def build_plan(
 
 
 def note_zeropp(plan: Plan, chosen: Any, why: str) -> None:
-    """ZeRO++'s knobs when ``auto`` chose a ZeRO++ candidate (by predicted speed across nodes, ftkit.comm)."""
-    from ftkit.comm import ZeroPP
+    """ZeRO++'s knobs when ``auto`` chose a ZeRO++ candidate (by predicted speed across nodes, ftkit.plan.comm)."""
+    from ftkit.plan.comm import ZeroPP
 
     if isinstance(chosen, ZeroPP):
         plan.note("zero_hpz_partition_size", chosen.hpz, f"hpZ over one node's {chosen.hpz} ranks: {why}")
@@ -293,8 +293,8 @@ def _ints(values: tuple[int, ...]) -> str:
 
 
 def _resolve_zero(plan: Plan, with_memory: bool, strict: bool = True) -> None:
-    from ftkit.knobs import decide_zero_knobs
-    from ftkit.memory import Candidate
+    from ftkit.plan.knobs import decide_zero_knobs
+    from ftkit.plan.memory import Candidate
 
     r = plan.recipe
     stage, opt = r["zero.stage"], r["zero.offload_optimizer"]
@@ -306,7 +306,7 @@ def _resolve_zero(plan: Plan, with_memory: bool, strict: bool = True) -> None:
     )
     report = None
     if needs_memory and with_memory:
-        from ftkit.memory_plan import plan_memory
+        from ftkit.plan.candidates import plan_memory
 
         report = plan_memory(plan)
         plan.memory = report
@@ -330,7 +330,7 @@ def _resolve_zero(plan: Plan, with_memory: bool, strict: bool = True) -> None:
         plan.offload_optimizer = plan.note("offload_optimizer", opt, _src(r, "zero.offload_optimizer"))
         plan.offload_params = plan.note("offload_param", r["zero.offload_params"], _src(r, "zero.offload_params"))
     # No copy of the stage/offload rules here: the recipe loader reports a user's mistake (ftkit.recipe.load), a
-    # Candidate refuses an impossible pairing (ftkit.memory), and auto only ever chooses among valid candidates.
+    # Candidate refuses an impossible pairing (ftkit.plan.memory), and auto only ever chooses among valid candidates.
     Candidate(plan.stage, plan.offload_optimizer, plan.offload_params)
 
     decide_zero_knobs(plan, _src)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ftkit.plan import Plan, build_plan
+from ftkit.plan.plan import Plan, build_plan
 from ftkit.recipe.load import Recipe, load_recipe
 
 

@@ -1,10 +1,10 @@
 """Memory planning for a recipe: the Workload from the plan, every candidate's estimate, and the choice.
 
-:mod:`ftkit.memory` is the arithmetic; this module ties it to a recipe: parameter counts from the model's
+:mod:`ftkit.plan.memory` is the arithmetic; this module ties it to a recipe: parameter counts from the model's
 config.json (closed form, or the meta device for unknown families), LoRA trainable parameters from ``peft``,
 the batch, sequence length and buckets from the plan. ``zero.stage: auto`` / ``zero.offload_optimizer: auto``
 take the fastest candidate that fits ``cluster.gpu_memory_gb`` with :data:`HEADROOM` to spare, fastest by the step
-time :mod:`ftkit.comm` predicts (compute + exposed communication on the recipe's network; ZeRO++ candidates across
+time :mod:`ftkit.plan.comm` predicts (compute + exposed communication on the recipe's network; ZeRO++ candidates across
 nodes, with a margin; the DESIGN §4 order breaks ties); fixed choices are estimated too, so ``ftkit plan`` can warn
 when they will not fit.
 """
@@ -14,7 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ftkit.comm import (
+from ftkit.errors import RecipeError, UserError
+from ftkit.model.shape import ModelShape, count_params, count_params_meta, lora_trainable_params
+from ftkit.plan.comm import (
     ZEROPP_MARGIN,
     Prediction,
     ZeroPP,
@@ -24,9 +26,8 @@ from ftkit.comm import (
     zeropp_candidates,
     zeropp_memory_bytes,
 )
-from ftkit.errors import RecipeError, UserError
-from ftkit.knobs import overlap_comm_auto, persistence_threshold
-from ftkit.memory import (
+from ftkit.plan.knobs import overlap_comm_auto, persistence_threshold
+from ftkit.plan.memory import (
     Candidate,
     Choice,
     Estimate,
@@ -38,7 +39,6 @@ from ftkit.memory import (
     judge,
     suggestions,
 )
-from ftkit.model.shape import ModelShape, count_params, count_params_meta, lora_trainable_params
 
 HEADROOM = 0.10  # fraction of GPU memory and host RAM kept free
 TIGHT = 0.80  # above this share of the (headroom-reduced) limit, memory counts as tight for buffer sizing
@@ -237,7 +237,7 @@ def plan_context_for(plan: Any, shape: ModelShape) -> dict[str, Any]:
 
 
 def predict_for(c: Candidate, w: Workload, plan: Any, ctx: dict[str, Any], gpu_gb: float) -> Prediction:
-    """Step time of candidate ``c`` with the knobs the plan would give it (the rules of ftkit.knobs)."""
+    """Step time of candidate ``c`` with the knobs the plan would give it (the rules of ftkit.plan.knobs)."""
     oc = plan.recipe["zero.overlap_comm"]
     if oc == "auto":
         room = c.stage in (1, 2) and estimate(c, replace(w, overlap_comm=True)).total_gb <= gpu_gb * (1 - HEADROOM)
