@@ -36,7 +36,7 @@ from ftkit.cluster.procs import targets_from_records, teardown  # noqa: E402
 from ftkit.errors import PreflightError  # noqa: E402
 from ftkit.preflight import run_preflight  # noqa: E402
 from ftkit.rundir.layout import RunDir  # noqa: E402
-from ftkit.shrink import probe_hosts  # noqa: E402
+from ftkit.supervise.shrink import probe_hosts  # noqa: E402
 from tests.runs import mp_lock  # noqa: E402
 
 from netns import NetnsCluster, netns_cluster, require_netns, start_standins  # noqa: E402

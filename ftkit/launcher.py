@@ -134,7 +134,7 @@ def launch(req: LaunchRequest, echo: Callable[[str], None] = print, warn: Callab
 
 def _check_inputs(plan: Plan, command: UserCommand | None) -> None:
     """What would end the launch right after it starts, checked before anything is owned or started (read-only)."""
-    from ftkit.choose import foreign_refusal
+    from ftkit.supervise.choose import foreign_refusal
 
     r = plan.recipe
     if command is None:  # the built-in entry reads them: a missing file would fail every rank after its start-up
@@ -157,9 +157,9 @@ def _dry_run_verdict(plan: Plan, req: LaunchRequest, echo: Callable[[str], None]
     """The exit code the launch would have, from the same checks it makes before starting anything (read-only):
     the run directory's owner, the resume choice and what changed since that checkpoint. Not the preflight
     (ssh to every host): `ftkit doctor` runs that."""
-    from ftkit.choose import select, space_refusal
     from ftkit.fingerprint import compute
     from ftkit.owner import owner_state, read_owner
+    from ftkit.supervise.choose import select, space_refusal
 
     r = plan.recipe
     rd = RunDir(r["train.output_dir"])
@@ -227,9 +227,9 @@ def _user_command(
 def _owned_launch(
     plan: Plan, req: LaunchRequest, echo: Callable[[str], None], command: UserCommand | None = None
 ) -> int:
-    from ftkit.choose import space_refusal
     from ftkit.doctor import cheap_checks
     from ftkit.owner import Ownership, stop_leftovers
+    from ftkit.supervise.choose import space_refusal
 
     r = plan.recipe
     rd = RunDir(r["train.output_dir"])
@@ -327,7 +327,7 @@ def _supervisor(
     inject: bool = True,
 ):
     from ftkit.prepare import prepare_run
-    from ftkit.supervise import Supervisor
+    from ftkit.supervise.supervisor import Supervisor
 
     r = plan.recipe
     return Supervisor(

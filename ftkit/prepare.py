@@ -24,7 +24,7 @@ def prepare_run(
     The run's copy of the configs uses absolute paths (it is not meant to be checked in), and is rewritten at
     every launch so a changed recipe (e.g. more steps) takes effect when resuming. ``load_universal`` adds
     DeepSpeed's ``checkpoint.load_universal`` for the one attempt that resumes a converted checkpoint on a
-    different world size (see :mod:`ftkit.universal`). ``resume_overrides``: changed recipe values the user
+    different world size (see :mod:`ftkit.supervise.universal`). ``resume_overrides``: changed recipe values the user
     allowed (``--allow-changes``) that a resumed attempt applies after loading its checkpoint; kept across the
     attempts of one launch (a later shrink rewrites the spec with them too). ``fingerprint``: already computed by
     the caller (it hashes the data file), else computed here.

@@ -284,7 +284,7 @@ class Trackers:
         mlflow = sys.modules.get("mlflow")
         if mlflow is not None and mlflow.active_run() is not None:
             run_id = mlflow.active_run().info.run_id
-            mlflow.set_tag(f"ftkit.attempt.{self.attempt}", line)
+            mlflow.set_tag(f"ftkit.supervise.attempt.{self.attempt}", line)
             self.ids.setdefault("mlflow_run_id", run_id)
             client = mlflow.tracking.MlflowClient()
             held = {int(m.step) for m in client.get_metric_history(run_id, "loss")}

@@ -23,7 +23,7 @@ from ftkit.checkpoint.checkpoints import list_checkpoints, list_set_aside, read_
 from ftkit.errors import ExitCode, FtkitError, NoSpace, Problem, UserError
 from ftkit.report.goodput import goodput
 from ftkit.rundir.layout import RunDir
-from ftkit.stragglers import score_run
+from ftkit.supervise.stragglers import score_run
 
 
 class VerifyFailed(FtkitError):
@@ -101,7 +101,7 @@ class RunSummary:
     running: str | None = None  # who runs it now, or that its ranks run unsupervised (ftkit.owner.liveness)
     eval_losses: list[tuple[int, float, int]] = field(default_factory=list)  # (step, eval loss, attempt), latest
     slurm: list[dict[str, Any]] = field(default_factory=list)  # {"job_id", "restart_count", "reason"} events
-    stragglers: list[str] = field(default_factory=list)  # one line per slow host (ftkit.stragglers)
+    stragglers: list[str] = field(default_factory=list)  # one line per slow host (ftkit.supervise.stragglers)
     goodput: dict[str, Any] | None = None  # productive / wall time and the largest loss (ftkit.report.goodput)
 
     @property

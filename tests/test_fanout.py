@@ -22,7 +22,7 @@ import pytest
 
 from ftkit.cluster.fanout import HostResult, is_this_machine, run_on_hosts
 from ftkit.cluster.procs import Target, proc_start_time, remove_shm, teardown, teardown_script
-from ftkit.shrink import probe_hosts
+from ftkit.supervise.shrink import probe_hosts
 
 SSH_BASE = ["-F", "/dev/null", "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null"]
 

@@ -11,7 +11,7 @@ import termios
 
 import pytest
 
-from ftkit.progress import CLEAR_EOL, MetricsTail, Progress, format_duration, format_rate
+from ftkit.supervise.progress import CLEAR_EOL, MetricsTail, Progress, format_duration, format_rate
 
 
 class FakeClock:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ftkit.rundir.layout import RunDir, atomic_write
-from ftkit.stragglers import MIN_STEPS, SLOW_FACTOR, StragglerWatch, hosts_to_exclude, score, score_run
+from ftkit.supervise.stragglers import MIN_STEPS, SLOW_FACTOR, StragglerWatch, hosts_to_exclude, score, score_run
 
 
 def write_rank(rd: RunDir, rank: int, host: str, compute_s: float | None, n: int, attempt: int = 0, pid: bool = True):

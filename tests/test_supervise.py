@@ -8,7 +8,8 @@ import signal
 
 import pytest
 
-from ftkit.decide import (
+from ftkit.errors import ExitCode
+from ftkit.supervise.decide import (
     NO_PROGRESS_LIMIT,
     Action,
     FailureKind,
@@ -18,8 +19,7 @@ from ftkit.decide import (
     decide,
     interrupted_code,
 )
-from ftkit.errors import ExitCode
-from ftkit.fidelity import FidelityCheck
+from ftkit.supervise.fidelity import FidelityCheck
 
 
 def policy(**kw) -> RestartPolicy:
@@ -169,10 +169,10 @@ def test_an_exception_between_spawn_and_teardown_still_tears_the_run_down(tmp_pa
     import subprocess
     import sys
 
-    from ftkit import supervise
     from ftkit.cluster.procs import group_exists
     from ftkit.command.engines import LaunchCommand, NodeCommand
     from ftkit.rundir.layout import RunDir
+    from ftkit.supervise import supervisor as supervise
 
     started: list[int] = []
 
@@ -221,8 +221,8 @@ def test_a_stop_is_immediate_only_when_no_rank_has_begun_training(tmp_path, phas
 
 def _supervisor(rd, world_size: int, **kw):
     """A real Supervisor on one local host (nothing spawned until run())."""
-    from ftkit import supervise
     from ftkit.command.engines import LaunchInputs
+    from ftkit.supervise import supervisor as supervise
 
     hosts = (("localhost", world_size),)
     inputs = LaunchInputs("deepspeed", hosts, "127.0.0.1", 29500, str(rd.path), 0, None, "cpu", "py", "t")

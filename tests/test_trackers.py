@@ -124,8 +124,8 @@ def _check(r: subprocess.CompletedProcess, run: Path, tmp_path: Path) -> None:
     history = client.get_metric_history(ids["mlflow_run_id"], "loss")
     assert sorted(m.step for m in history) == list(range(1, STEPS + 1)), [(m.step, m.value) for m in history]
     tags = runs[0].data.tags
-    assert tags["ftkit.attempt.0"] == "attempt 0: fresh start", tags
-    assert tags["ftkit.attempt.1"].startswith("attempt 1: resumed at step 2 (attempt 0 failed"), tags
+    assert tags["ftkit.supervise.attempt.0"] == "attempt 0: fresh start", tags
+    assert tags["ftkit.supervise.attempt.1"].startswith("attempt 1: resumed at step 2 (attempt 0 failed"), tags
     assert_no_process_left(run)
 
 

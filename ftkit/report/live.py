@@ -83,8 +83,8 @@ def plan_record(plan: Any) -> dict[str, Any]:
 
 def record_step_times(rd: RunDir, attempt: int, events: Callable[..., None]) -> None:
     """One ``step_times`` event: each rank's compute time per step (its heartbeat's EWMA of the forward passes) and
-    each host's median, as :mod:`ftkit.stragglers` scores them. Nothing when no rank measured a step."""
-    from ftkit.stragglers import hosts_by_rank, score
+    each host's median, as :mod:`ftkit.supervise.stragglers` scores them. Nothing when no rank measured a step."""
+    from ftkit.supervise.stragglers import hosts_by_rank, score
 
     try:
         beats = [b for b in rd.heartbeats() if b.get("attempt") == attempt]

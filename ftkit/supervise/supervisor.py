@@ -1,11 +1,11 @@
 """Supervision as a fixed script: choose checkpoint → spawn → monitor → tear down → decide → (back off, again).
 
-* **choose** (:func:`ftkit.choose.select`, read-only) walks the checkpoints newest first and takes the first whose
-  commit record verifies, every byte checked; :meth:`Supervisor.apply` then logs the rejected ones and sets newer
+* **choose** (:func:`ftkit.supervise.choose.select`, read-only) walks the checkpoints newest first and takes the first
+whose   commit record verifies, every byte checked; :meth:`Supervisor.apply` then logs the rejected ones and sets newer
   torn ones aside, so the resumed run can write that step again.
-* **spawn** starts the engine's processes (:mod:`ftkit.attempt`); **monitor** watches their exits, every rank's
-  heartbeat (:class:`ftkit.decide.Progress`), error records, and what :mod:`ftkit.observe` reads (metrics, resume
-  fidelity, stragglers).
+* **spawn** starts the engine's processes (:mod:`ftkit.supervise.attempt`); **monitor** watches their exits, every
+rank's   heartbeat (:class:`ftkit.supervise.decide.Progress`), error records, and what :mod:`ftkit.supervise.observe`
+reads   (metrics, resume fidelity, stragglers).
 * **graceful stop**: the first SIGTERM/SIGINT/SIGHUP/SIGUSR1 (``ftkit stop``, Ctrl-C, Slurm's notice) writes
   ``ftkit/stop.json``; every rank sees it at the same optimizer step (:mod:`ftkit.hf`), saves and commits that
   step and ends; then teardown, and exit 8. Bounded by ``resilience.stop_timeout_s``; past it, or on a second
@@ -14,7 +14,7 @@
   removes its /dev/shm buffers. It runs in a ``finally``: no exception between spawn and teardown leaves ranks
   holding the GPUs.
 * **decide** is :func:`ftkit.decide.decide`, a pure function: restart, shrink onto the remaining hosts
-  (:mod:`ftkit.shrink`), or stop with a documented exit code.
+  (:mod:`ftkit.supervise.shrink`), or stop with a documented exit code.
 
 Every decision is a line in ``events.jsonl``. A full disk ends the run with "no space left on <path>" (exit 12).
 """
@@ -32,20 +32,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ftkit.attempt import Spawned, spawn, teardown_attempt
 from ftkit.checkpoint.checkpoints import list_checkpoints, read_commit, select_resume, set_aside_newer, verify
-from ftkit.choose import Choice, select
 from ftkit.cluster.procs import exit_meaning
 from ftkit.command.engines import LaunchCommand, LaunchInputs, build_launch
-from ftkit.decide import Action, Decision, FailureKind, Progress, RestartPolicy, Situation, decide
 from ftkit.errors import ExitCode
-from ftkit.fidelity import FidelityCheck
-from ftkit.observe import Observer, log_tail, root_cause
 from ftkit.rank import STOP_FILE
 from ftkit.report.live import record_step_times
 from ftkit.rundir.layout import NEARLY_FULL, RunDir, append_jsonl, atomic_write
-from ftkit.shrink import convert_newest, probe_hosts
-from ftkit.stragglers import hosts_to_exclude
+from ftkit.supervise.attempt import Spawned, spawn, teardown_attempt
+from ftkit.supervise.choose import Choice, select
+from ftkit.supervise.decide import Action, Decision, FailureKind, Progress, RestartPolicy, Situation, decide
+from ftkit.supervise.fidelity import FidelityCheck
+from ftkit.supervise.observe import Observer, log_tail, root_cause
+from ftkit.supervise.shrink import convert_newest, probe_hosts
+from ftkit.supervise.stragglers import hosts_to_exclude
 
 # A closed terminal (SIGHUP) is handled like SIGTERM; SIGUSR1 is Slurm's advance notice (--signal=B:USR1@T).
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)

@@ -1,16 +1,17 @@
-"""What the supervisor reads while an attempt runs, besides exits and heartbeat timing (:mod:`ftkit.supervise`).
+"""What the supervisor reads while an attempt runs, besides exits and heartbeat timing
+(:mod:`ftkit.supervise.supervisor`).
 
 One :class:`Observer` per ``ftkit launch``; :meth:`Observer.poll` is called every supervisor poll with the
 heartbeats the poll read anyway, and says what it saw:
 
-* **metrics** (rank 0's ``metrics.jsonl``, new lines only): the progress line (:mod:`ftkit.progress`: step/total,
-  loss, samples/s, tokens/s, ETA; in place on a terminal, periodic plain lines in a log), one line per committed
-  checkpoint, and for a resumed attempt the comparison of recomputed steps with the logged ones
-  (:mod:`ftkit.fidelity`); a mismatch beyond 10x the tolerance is returned so the supervisor stops;
+* **metrics** (rank 0's ``metrics.jsonl``, new lines only): the progress line (:mod:`ftkit.supervise.progress`:
+step/total,   loss, samples/s, tokens/s, ETA; in place on a terminal, periodic plain lines in a log), one line per
+committed   checkpoint, and for a resumed attempt the comparison of recomputed steps with the logged ones
+  (:mod:`ftkit.supervise.fidelity`); a mismatch beyond 10x the tolerance is returned so the supervisor stops;
 * **the recipe's overrides of a wrapped script's TrainingArguments** (``attempts/N/args_changes.json``, written
   by rank 0 through :mod:`ftkit.hf`), listed once per name as ``name: from -> to`` and put in ``events.jsonl``;
-* **stragglers** (:mod:`ftkit.stragglers`): a host whose ranks compute consistently slower, named once per attempt
-  with numbers; the latest report serves ``resilience.exclude_stragglers``;
+* **stragglers** (:mod:`ftkit.supervise.stragglers`): a host whose ranks compute consistently slower, named once per
+attempt   with numbers; the latest report serves ``resilience.exclude_stragglers``;
 * **a stale JIT build lock** (:mod:`ftkit.cluster.buildlocks`): a rank stuck in its loading phase for a minute while a
   torch extension build lock nobody holds exists: named with the fix, once, instead of a silent wait for
   ``startup_timeout_s``.
@@ -29,10 +30,10 @@ from typing import Any
 
 from ftkit.cluster.buildlocks import loading_hint
 from ftkit.cluster.procs import exit_meaning
-from ftkit.fidelity import FidelityCheck
-from ftkit.progress import MetricsTail, Progress
 from ftkit.rundir.layout import RunDir
-from ftkit.stragglers import StragglerReport, StragglerWatch, hosts_by_rank
+from ftkit.supervise.fidelity import FidelityCheck
+from ftkit.supervise.progress import MetricsTail, Progress
+from ftkit.supervise.stragglers import StragglerReport, StragglerWatch, hosts_by_rank
 
 
 class Observer:
