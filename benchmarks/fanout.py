@@ -34,14 +34,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from ftkit.cluster.procs import targets_from_records, teardown  # noqa: E402
 from ftkit.errors import PreflightError  # noqa: E402
-from ftkit.preflight import run_preflight  # noqa: E402
+from ftkit.run.preflight import run_preflight  # noqa: E402
 from ftkit.rundir.layout import RunDir  # noqa: E402
 from ftkit.supervise.shrink import probe_hosts  # noqa: E402
 from tests.runs import mp_lock  # noqa: E402
 
 from netns import NetnsCluster, netns_cluster, require_netns, start_standins  # noqa: E402
 
-PREFLIGHT_TIMEOUT = 15  # ftkit.preflight's ssh ConnectTimeout
+PREFLIGHT_TIMEOUT = 15  # ftkit.run.preflight's ssh ConnectTimeout
 SSH_TIMEOUT = 10  # teardown's and probe_hosts' default
 
 

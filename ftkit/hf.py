@@ -141,7 +141,7 @@ def start(
         r = _Rank(Path(run_dir), attempt, resume)
         if "tensorboard" in (r.spec.training_args.get("report_to") or []):
             # transformers 5.x has no logging_dir: its TensorBoard callback reads this variable (run directory only)
-            from ftkit.spec import tensorboard_dir
+            from ftkit.run.spec import tensorboard_dir
 
             os.environ.setdefault("TENSORBOARD_LOGGING_DIR", tensorboard_dir(r.spec.training_args["output_dir"]))
         if not log_to_console:

@@ -3,7 +3,7 @@
 A rank whose ``ftkit launch`` is gone (SIGKILLed, its terminal or ssh session closed, its head node lost) must not
 train on unwatched, holding GPUs with no hang detection and no restarts. A daemon thread in every rank looks every
 :data:`POLL_S` seconds at the run's owner record and the supervisor heartbeat (``ftkit/owner.json``,
-``ftkit/supervisor.json``, see :mod:`ftkit.owner`):
+``ftkit/supervisor.json``, see :mod:`ftkit.run.owner`):
 
 * the supervisor counts as *seen* when its pid (with its start time) is alive on this host, or when the heartbeat's
   content changed since the last look (timed on this rank's own monotonic clock, so clock skew between hosts and
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from ftkit.cluster.procs import SHM_DIR, SHM_PREFIX, is_alive
-from ftkit.owner import HEARTBEAT_S, Owner
+from ftkit.run.owner import HEARTBEAT_S, Owner
 from ftkit.rundir.layout import RunDir
 
 POLL_S = 2.0

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from ftkit.runstatus import read_jsonl
+from ftkit.run.status import read_jsonl
 from tests.runs import assert_no_process_left, ftkit, mp_lock
 from tests.runs import write_recipe as _write_recipe
 

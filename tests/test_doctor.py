@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from ftkit.cluster import buildlocks
-from ftkit.doctor import RENDEZVOUS_TIMEOUT_S, cheap_checks
-from ftkit.doctor_checks import DoctorReport, _ifname_matches, check_facts, check_locks, format_report
 from ftkit.errors import PreflightError
+from ftkit.run.doctor import RENDEZVOUS_TIMEOUT_S, cheap_checks
+from ftkit.run.doctor_checks import DoctorReport, _ifname_matches, check_facts, check_locks, format_report
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -270,7 +270,7 @@ def test_cli_usage_errors_are_one_line_exit_2(tmp_path):
 
 def test_doctor_stays_import_light():
     code = (
-        "import sys, ftkit.cli.main, ftkit.doctor, ftkit.cluster.buildlocks, ftkit.launch.doctor_probe\n"
+        "import sys, ftkit.cli.main, ftkit.run.doctor, ftkit.cluster.buildlocks, ftkit.launch.doctor_probe\n"
         "heavy = [m for m in ('torch', 'deepspeed', 'transformers', 'accelerate', 'peft') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )

@@ -1,4 +1,4 @@
-"""The resume fingerprint (ftkit.fingerprint): what is recorded, and what a resume does with each difference."""
+"""The resume fingerprint (ftkit.run.fingerprint): what is recorded, and what a resume does with each difference."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from ftkit.errors import ExitCode, UserError
-from ftkit.fingerprint import POLICY, RANK_APPLIED, ResumeRefused, compare, compute, policy
 from ftkit.plan.plan import build_plan
 from ftkit.recipe.load import load_recipe
 from ftkit.recipe.schema import FIELD_BY_KEY
+from ftkit.run.fingerprint import POLICY, RANK_APPLIED, ResumeRefused, compare, compute, policy
 
 RECIPE = """\
 model:
@@ -62,7 +62,7 @@ def test_compute_imports_no_heavy_library(tmp_path: Path):
     import subprocess
 
     code = (
-        "import sys, ftkit.fingerprint as f; f.versions(); "
+        "import sys, ftkit.run.fingerprint as f; f.versions(); "
         "print(sorted({'torch', 'deepspeed', 'transformers', 'peft', 'accelerate'} & set(sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -211,7 +211,7 @@ def test_policy_table_covers_every_recipe_key_deliberately():
     """Every recipe key is either in the table or falls to the default (refuse unless allowed) on purpose."""
     patterns = [p for _, ps, _ in POLICY for p in ps]
     unclassified = [k for k in FIELD_BY_KEY if policy(k)[1] == "not known to be safe"]
-    assert unclassified == [], f"classify these keys in ftkit.fingerprint.POLICY: {unclassified}"
+    assert unclassified == [], f"classify these keys in ftkit.run.fingerprint.POLICY: {unclassified}"
     assert len(patterns) == len(set(patterns))
     assert set(RANK_APPLIED) <= set(FIELD_BY_KEY)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ftkit.errors import ExitCode
-from ftkit.runstatus import read_jsonl as read_jsonl_lines
+from ftkit.run.status import read_jsonl as read_jsonl_lines
 from tests.runs import assert_no_process_left, ftkit, losses, mp_lock, named
 from tests.test_recovery import (
     ENV,

@@ -487,9 +487,9 @@ def test_slot_selection_reaches_the_ranks(
     ds: SimpleNamespace, write_recipe, tmp_path: Path, engine: str, text: str, include, exclude
 ) -> None:
     try:
-        from ftkit.launcher import launch_inputs
+        from ftkit.run.job import launch_inputs
     except ImportError:  # before launch_inputs moved out of the CLI
-        from ftkit.launcher import launch_inputs
+        from ftkit.run.job import launch_inputs
     from ftkit.command.engines import build_launch
     from ftkit.plan.load import load_and_plan
 
@@ -520,7 +520,7 @@ def test_deepspeed_runner_puts_the_selected_ranks_on_the_selected_devices(tmp_pa
     """The real DeepSpeed runner, fed ftkit's argv (the training module swapped for a stub that writes down what it
     sees): `--include localhost:1,3` on `localhost slots=4` starts 2 ranks with CUDA_VISIBLE_DEVICES=1,3."""
     try:
-        from ftkit.launcher import launch_inputs
+        from ftkit.run.job import launch_inputs
     except ImportError:
         from ftkit.cli.launch import launch_inputs
     from ftkit.command.engines import TRAIN_MODULE, build_launch

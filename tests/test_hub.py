@@ -247,8 +247,8 @@ def test_fingerprint_records_the_resolved_hub_commit_and_config(tmp_path, hf_hom
     """A resume on another revision (another snapshot) is refused: the checkpoint holds the recorded weights."""
     from types import SimpleNamespace
 
-    from ftkit.fingerprint import compare, compute
     from ftkit.recipe.load import load_recipe
+    from ftkit.run.fingerprint import compare, compute
 
     repo = hf_home / "hub" / "models--acme--tiny-llama"
     recipe = load_recipe(_recipe(tmp_path))
@@ -269,7 +269,7 @@ def test_fingerprint_records_the_resolved_hub_commit_and_config(tmp_path, hf_hom
     local = tmp_path / "local-model"
     local.mkdir()
     (local / "config.json").write_bytes((repo / "snapshots" / main["model"]["commit"] / "config.json").read_bytes())
-    from ftkit.fingerprint import _model_part
+    from ftkit.run.fingerprint import _model_part
 
     assert _model_part(str(local))["config_xxh3_128"] == main["model"]["config_xxh3_128"]
 

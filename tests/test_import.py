@@ -546,7 +546,7 @@ def _hf_filled(source: dict, plan, tmp_path: Path) -> dict:
 
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig, unset_hf_deepspeed_config
 
-    from ftkit.spec import training_arguments
+    from ftkit.run.spec import training_arguments
 
     ta = {
         "fp16_full_eval": False,

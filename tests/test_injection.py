@@ -23,7 +23,7 @@ import pytest
 from ftkit.cluster.procs import SHM_DIR, SHM_PREFIX, Target, proc_start_time, remove_shm, teardown
 from ftkit.command.engines import LaunchInputs, build_launch
 from ftkit.errors import PreflightError, UserError
-from ftkit.preflight import run_preflight
+from ftkit.run.preflight import run_preflight
 
 MARK = "ftkit-injected-MARK"  # relative: the stand-in runs remote commands in the test's directory
 

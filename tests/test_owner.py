@@ -16,7 +16,7 @@ import pytest
 
 from ftkit.cluster.procs import proc_start_time
 from ftkit.errors import ExitCode, RunBusy
-from ftkit.owner import Leftovers, Owner, Ownership, leftovers, owner_state, read_owner
+from ftkit.run.owner import Leftovers, Owner, Ownership, leftovers, owner_state, read_owner
 from ftkit.rundir.layout import RunDir
 from launch.watchdog import SupervisorWatchdog
 
@@ -212,7 +212,7 @@ def test_watchdog_trusts_a_pid_only_on_the_same_running_kernel(tmp_path, sleeper
 
 
 def test_status_line_says_who_runs_the_run_or_that_its_ranks_run_unsupervised(tmp_path, sleeper):
-    from ftkit.owner import liveness
+    from ftkit.run.owner import liveness
 
     rd = RunDir(tmp_path / "run")
     rd.meta.mkdir(parents=True)

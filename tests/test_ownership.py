@@ -122,7 +122,7 @@ def test_sigkilled_supervisor_ranks_stop_by_themselves_and_relaunch_finishes(fx,
         logs = "".join(p.read_text(errors="replace") for p in RunDir(run).log_dir(0).glob("rank-*.log"))
         assert "this rank stops itself" in logs
     # ... after saving the step in flight (the graceful stop, asked for by every rank's own watchdog)
-    from ftkit.runstatus import read_jsonl
+    from ftkit.run.status import read_jsonl
 
     saved = [m["step"] for m in read_jsonl(run / "metrics.jsonl") if m.get("event") == "commit" and m.get("stop")]
     assert len(saved) == 1 and saved[0] >= 5, saved

@@ -279,7 +279,7 @@ def test_a_hostfile_naming_only_this_machine_needs_no_ssh(write_recipe, tmp_path
     import socket
 
     from ftkit.command.engines import build_launch
-    from ftkit.launcher import launch_inputs
+    from ftkit.run.job import launch_inputs
 
     hf = tmp_path / "hostfile"
     hf.write_text(f"{socket.gethostname()} slots=2\n")

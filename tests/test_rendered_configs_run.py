@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ftkit.plan.load import load_and_plan
-from ftkit.prepare import prepare_run
+from ftkit.run.prepare import prepare_run
 from ftkit.rundir.layout import RunDir
 
 from runs import free_port, ftkit, losses, mp_lock, write_recipe

@@ -25,8 +25,8 @@ import pytest
 from ftkit.errors import ExitCode
 from ftkit.report import goodput
 from ftkit.report.goodput import parse_metrics
+from ftkit.run.status import read_jsonl
 from ftkit.rundir.layout import RunDir
-from ftkit.runstatus import read_jsonl
 
 from conftest import RUN_ENV, run_ftkit
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from ftkit.checkpoint.checkpoints import read_commit
-from ftkit.fingerprint import compare
+from ftkit.run.fingerprint import compare
 from ftkit.rundir.layout import RunDir
 from tests.runs import assert_no_process_left, events, free_port, ftkit, mp_lock
 from tests.runs import write_recipe as _write_recipe  # conftest has a fixture of the same name
@@ -83,8 +83,8 @@ def first_run(tmp_path: Path, fx: dict[str, Path], data: Path | None = None) -> 
 def test_rank_applies_allowed_change(tmp_path: Path, fx: dict[str, Path]):
     """The supervisor's part done by hand: new spec with resume_overrides, ranks resumed from checkpoint-4."""
     from ftkit.plan.plan import build_plan
-    from ftkit.prepare import prepare_run
     from ftkit.recipe.load import load_recipe
+    from ftkit.run.prepare import prepare_run
 
     with mp_lock():
         rec, run = first_run(tmp_path, fx)

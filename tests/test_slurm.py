@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from ftkit.errors import ExitCode
+from ftkit.run.status import read_jsonl
 from ftkit.rundir.layout import RunDir
-from ftkit.runstatus import read_jsonl
 from tests.runs import heartbeat_step, losses, mp_lock, processes_left, wait_for
 from tests.runs import write_recipe as recipe_for
 from tests.slurmcluster import SlurmCluster, require_slurm, slurm2  # noqa: F401 - slurm2 is a fixture
@@ -125,7 +125,7 @@ def test_submit_dry_run_shows_the_batch_script(slurm_recipe: Path) -> None:
         "#SBATCH --partition=gpu",
     ):
         assert line in s.splitlines(), (line, s)
-    assert f"exec {sys.executable} -m ftkit.submit batch {slurm_recipe}" in s
+    assert f"exec {sys.executable} -m ftkit.run.submit batch {slurm_recipe}" in s
     assert "--qos=high" in s.splitlines()[-1]
     assert not (cwd / "runs" / "s" / "slurm" / "submit.sbatch").exists()  # --dry-run writes nothing
     # Measured saves: 2 x the slowest (7.5 s) + 30 s, still under stop_timeout_s.

@@ -287,7 +287,7 @@ def test_plot_draws_recomputed_steps_in_a_lighter_style_and_eval_loss(tmp_path: 
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    from ftkit.runstatus import loss_figure, summarize
+    from ftkit.run.status import loss_figure, summarize
 
     run = make_run(tmp_path)  # attempt 1 logged steps 1-12, died; attempt 2 resumed from 10 and logged 11-20
     _append(run / "metrics.jsonl", [{"step": 20, "eval_loss": 2.5, "attempt": 2}])

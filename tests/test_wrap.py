@@ -411,7 +411,7 @@ def test_launch_with_a_command_stays_import_light(write_recipe, tmp_path):
     (tmp_path / "sft.py").write_text("")
     code = (
         "import sys\n"
-        "from ftkit.launcher import LaunchRequest, launch\n"
+        "from ftkit.run.job import LaunchRequest, launch\n"
         f"req = LaunchRequest(recipe={str(recipe)!r}, dry_run=True, command=('python', 'sft.py'))\n"
         "launch(req, echo=lambda s: None)\n"
         "heavy = [m for m in ('torch', 'transformers', 'deepspeed', 'accelerate', 'peft', 'trl') if m in sys.modules]\n"

@@ -1,4 +1,4 @@
-"""ftkit launch: parse the command line and call :func:`ftkit.launcher.launch`."""
+"""ftkit launch: parse the command line and call :func:`ftkit.run.job.launch`."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def command(
     """Launch RECIPE: validate, plan, own the run directory, preflight, render into it, start, supervise, recover.
 
     With `-- CMD [ARGS]`, every rank runs CMD instead of ftkit's built-in training entry."""
-    from ftkit.launcher import LaunchRequest, launch
+    from ftkit.run.job import LaunchRequest, launch
 
     request = LaunchRequest(
         recipe=recipe,

@@ -9,8 +9,8 @@ import click
 
 from ftkit.cli.options import json_option, ssh_config_option
 from ftkit.errors import Problem, UserError
-from ftkit.owner import liveness
-from ftkit.runstatus import VerifyFailed, format_summary, plot_losses, summarize
+from ftkit.run.owner import liveness
+from ftkit.run.status import VerifyFailed, format_summary, plot_losses, summarize
 
 
 @click.command(

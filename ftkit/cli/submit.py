@@ -55,7 +55,7 @@ def command(
     dry_run: bool,
 ) -> None:
     """Submit RECIPE as a Slurm batch job that saves on Slurm's notice and requeues itself."""
-    from ftkit.submit import SubmitRequest, submit
+    from ftkit.run.submit import SubmitRequest, submit
 
     req = SubmitRequest(
         recipe=recipe,

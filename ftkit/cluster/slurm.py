@@ -1,6 +1,6 @@
 """Slurm inside an allocation: hosts from the allocation, and commands on other nodes through ``srun`` instead of
 ssh. The ``srun`` engine's command is built with the others (:mod:`ftkit.command.engines`); ``ftkit submit`` and the
-batch side of a job live in :mod:`ftkit.submit`.
+batch side of a job live in :mod:`ftkit.run.submit`.
 
 The engine runs **one task per node, each running torchrun** (c10d rendezvous on the first host, a per-job rendezvous id
 and port), not one task per rank, because:

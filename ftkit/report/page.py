@@ -232,7 +232,7 @@ def host_rows(g: Goodput) -> list[dict[str, Any]]:
 def build_report(run_dir: str | Path) -> str:
     """The page for RUN_DIR, from its events.jsonl and metrics.jsonl (and its checkpoints' commit records)."""
     from ftkit.report import charts
-    from ftkit.runstatus import read_jsonl
+    from ftkit.run.status import read_jsonl
 
     rd = RunDir(run_dir)
     skipped: dict[str, int] = {}

@@ -1,6 +1,6 @@
 """What crosses from the controller to the ranks, as one typed structure both sides import.
 
-``ftkit launch`` writes a :class:`RunSpec` to ``RUN/ftkit/spec.json`` (:func:`ftkit.spec.build_spec`); every rank
+``ftkit launch`` writes a :class:`RunSpec` to ``RUN/ftkit/spec.json`` (:func:`ftkit.run.spec.build_spec`); every rank
 reads it back with :meth:`RunSpec.read` (:mod:`ftkit.hf`). Field names are attributes, not string keys: a renamed
 field fails a type check (mypy/pyright) and, at run time, :meth:`RunSpec.from_dict` refuses a file whose fields
 differ from this class with one line naming them, instead of a ``KeyError`` deep inside a rank.

@@ -502,7 +502,7 @@ class Supervisor:
     def _start_fidelity(self, attempt: int, resume_step: int | None) -> None:
         fidelity = None
         if resume_step is not None and self.check_fidelity:
-            from ftkit.runstatus import read_jsonl
+            from ftkit.run.status import read_jsonl
 
             fidelity = FidelityCheck.from_metrics(
                 read_jsonl(self.rd.metrics),

@@ -2,8 +2,8 @@
 run's configs and spec → supervise → summary.
 
 The order is the contract of DESIGN §7: nothing of the run directory (spec, configs, checkpoints) is written
-before the run is owned (:mod:`ftkit.owner`) and the resume decision is made: which checkpoint, and whether what
-changed since it was saved may be applied (:mod:`ftkit.fingerprint`). A refused launch leaves the directory as it
+before the run is owned (:mod:`ftkit.run.owner`) and the resume decision is made: which checkpoint, and whether what
+changed since it was saved may be applied (:mod:`ftkit.run.fingerprint`). A refused launch leaves the directory as it
 found it.
 """
 
@@ -157,8 +157,8 @@ def _dry_run_verdict(plan: Plan, req: LaunchRequest, echo: Callable[[str], None]
     """The exit code the launch would have, from the same checks it makes before starting anything (read-only):
     the run directory's owner, the resume choice and what changed since that checkpoint. Not the preflight
     (ssh to every host): `ftkit doctor` runs that."""
-    from ftkit.fingerprint import compute
-    from ftkit.owner import owner_state, read_owner
+    from ftkit.run.fingerprint import compute
+    from ftkit.run.owner import owner_state, read_owner
     from ftkit.supervise.choose import select, space_refusal
 
     r = plan.recipe
@@ -227,8 +227,8 @@ def _user_command(
 def _owned_launch(
     plan: Plan, req: LaunchRequest, echo: Callable[[str], None], command: UserCommand | None = None
 ) -> int:
-    from ftkit.doctor import cheap_checks
-    from ftkit.owner import Ownership, stop_leftovers
+    from ftkit.run.doctor import cheap_checks
+    from ftkit.run.owner import Ownership, stop_leftovers
     from ftkit.supervise.choose import space_refusal
 
     r = plan.recipe
@@ -254,8 +254,8 @@ def _owned_launch(
         full = space_refusal(rd, choice)
         if full is not None:
             raise NoSpace(full)
-        from ftkit.fingerprint import compute
-        from ftkit.prepare import prepare_run
+        from ftkit.run.fingerprint import compute
+        from ftkit.run.prepare import prepare_run
 
         fingerprint = compute(plan)  # hashes the data file: once per launch
         overrides, changes = _check_changes(fingerprint, choice, req.allow_changes, echo)
@@ -276,7 +276,7 @@ def _owned_launch(
         code = sup.run(first=choice)
     finally:
         ownership.release()
-    from ftkit.runstatus import format_summary, summarize
+    from ftkit.run.status import format_summary, summarize
 
     try:
         echo(format_summary(summarize(rd.path)))
@@ -301,7 +301,7 @@ def _check_changes(
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Compare what shapes training now with what the chosen checkpoint was saved with; refuse (exit 2, nothing
     written) what the user did not allow. Returns the spec's resume_overrides and the changes for events.jsonl."""
-    from ftkit.fingerprint import compare
+    from ftkit.run.fingerprint import compare
 
     allow = [k.strip() for item in allow for k in item.split(",") if k.strip()]
     if choice.resume is None:
@@ -326,7 +326,7 @@ def _supervisor(
     command: UserCommand | None = None,
     inject: bool = True,
 ):
-    from ftkit.prepare import prepare_run
+    from ftkit.run.prepare import prepare_run
     from ftkit.supervise.supervisor import Supervisor
 
     r = plan.recipe

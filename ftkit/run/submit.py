@@ -1,11 +1,11 @@
 """``ftkit submit``: a Slurm batch script for a recipe, written into the run directory and handed to ``sbatch``;
-and the batch side of that job (``python -m ftkit.submit batch ...``, what the script runs).
+and the batch side of that job (``python -m ftkit.run.submit batch ...``, what the script runs).
 
 The script asks for ``--requeue``, ``--open-mode=append`` (one output file across requeues) and
 ``--signal=B:USR1@T``: Slurm sends SIGUSR1 to the batch process T seconds before the time limit, and at once on a
 preemption notice (``preempt_send_user_signal``). The batch process is Python (``exec``, no shell left between
 Slurm and ftkit: bash traps miss signals that arrive with SIGCONT), and it runs the launch in-process
-(:func:`ftkit.launcher.launch`), so USR1 reaches the supervisor's own handler: every rank saves the step in flight,
+(:func:`ftkit.run.job.launch`), so USR1 reaches the supervisor's own handler: every rank saves the step in flight,
 teardown, exit 8. Then, when USR1 was among the signals and the requeue budget allows (``SLURM_RESTART_COUNT`` <
 ``resilience.max_requeues``), it runs ``scontrol requeue $SLURM_JOB_ID``; the job restarts later with the same id
 and resumes from the committed checkpoint. Budget spent: exit 8 and the job ends.
@@ -15,7 +15,7 @@ plus 30 s for the step in flight, teardown and the requeue; at most ``resilience
 graceful stop may take), which is also T when nothing was saved yet.
 
 Each batch start and end is a ``{"event": "slurm", "job_id", "restart_count", "reason"}`` line in events.jsonl
-(:mod:`ftkit.runstatus` shows them).
+(:mod:`ftkit.run.status` shows them).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class SubmitRequest:
 def signal_lead_s(run_dir: Path, stop_timeout_s: float) -> int:
     """Seconds before the time limit for Slurm's USR1: 2 x the slowest measured save + MARGIN_S, capped by
     stop_timeout_s (the whole graceful stop is bounded by it); stop_timeout_s when nothing was measured yet."""
-    from ftkit.runstatus import read_jsonl
+    from ftkit.run.status import read_jsonl
 
     saves = []
     metrics = run_dir / "metrics.jsonl"
@@ -108,7 +108,7 @@ def batch_script(
         lines.append(f"#SBATCH --partition={partition}")
     if account:
         lines.append(f"#SBATCH --account={account}")
-    cmd = [python, "-m", "ftkit.submit", "batch", str(recipe), *overrides]
+    cmd = [python, "-m", "ftkit.run.submit", "batch", str(recipe), *overrides]
     lines += ["", f"exec {shlex.join(cmd)}", ""]
     return "\n".join(lines)
 
@@ -207,7 +207,7 @@ def _slurm_event(run_dir: Path, job: str, restarts: int, reason: str, echo: Call
 
 def _stop_step(run_dir: Path, since: float) -> int | None:
     """The step the graceful stop committed (metrics.jsonl's commit record flagged ``stop``), if one since ``since``."""
-    from ftkit.runstatus import read_jsonl
+    from ftkit.run.status import read_jsonl
 
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
@@ -251,13 +251,15 @@ class _SignalLog:
 
 def batch(recipe: str, overrides: Sequence[str], echo: Callable[[str], None] = print) -> int:
     """The Python side of the sbatch script: launch in-process, then requeue on USR1 within the budget."""
-    from ftkit.launcher import LaunchRequest, launch
     from ftkit.recipe.load import load_recipe
+    from ftkit.run.job import LaunchRequest, launch
 
     env = os.environ
     job = env.get("SLURM_JOB_ID", "")
     if not job:
-        raise UserError("ftkit.submit batch runs inside a Slurm batch job (SLURM_JOB_ID is not set): use ftkit submit")
+        raise UserError(
+            "ftkit.run.submit batch runs inside a Slurm batch job (SLURM_JOB_ID is not set): use ftkit submit"
+        )
     restarts = int(env.get("SLURM_RESTART_COUNT") or 0)
     r = load_recipe(recipe, list(overrides))
     run_dir = Path(r["train.output_dir"]).resolve()
@@ -332,7 +334,7 @@ def batch(recipe: str, overrides: Sequence[str], echo: Callable[[str], None] = p
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) < 2 or args[0] != "batch":
-        print("usage: python -m ftkit.submit batch RECIPE [KEY=VALUE ...]  (what ftkit submit's script runs)")
+        print("usage: python -m ftkit.run.submit batch RECIPE [KEY=VALUE ...]  (what ftkit submit's script runs)")
         return ExitCode.USAGE
     try:
         return batch(args[1], args[2:], echo=lambda m: print(m, flush=True))

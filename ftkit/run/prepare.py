@@ -7,8 +7,8 @@ from typing import Any
 
 from ftkit.plan.plan import Plan
 from ftkit.render import render_files, write_files
+from ftkit.run.spec import build_spec
 from ftkit.rundir.layout import RunDir, atomic_write
-from ftkit.spec import build_spec
 
 
 def prepare_run(

@@ -1,6 +1,6 @@
 """What ``ftkit doctor`` found, as data: one :class:`DoctorReport` (a row per host, a check per column, one
 :class:`Failure` per problem with its fix), its text and JSON forms, and the pure rules that turn one host's facts
-(``python -m ftkit.launch.doctor_probe facts``) into cells and failures. No processes here (:mod:`ftkit.doctor`
+(``python -m ftkit.launch.doctor_probe facts``) into cells and failures. No processes here (:mod:`ftkit.run.doctor`
 runs the probes), so every rule is tested without a host.
 """
 
@@ -37,7 +37,7 @@ class DoctorReport:
     bandwidth_file: str | None = None
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
-    preflight: Any = None  # ftkit.preflight.PreflightReport when preflight passed
+    preflight: Any = None  # ftkit.run.preflight.PreflightReport when preflight passed
 
     @property
     def ok(self) -> bool:

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from ftkit import __version__
-from ftkit.fingerprint import compute as compute_fingerprint
 from ftkit.model.config import DEFAULT_REVISION, model_is_hub
 from ftkit.plan.plan import Plan
+from ftkit.run.fingerprint import compute as compute_fingerprint
 from ftkit.rundir.spec import DataSpec, RunSpec
 
 # TrainingArguments a wrapped script always gets from the recipe (DESIGN §8: the recipe is the source of truth for
@@ -129,7 +129,7 @@ def build_spec(
 ) -> RunSpec:
     """The spec for ``plan``. ``fingerprint`` (computed here when not given: pass it to hash the data only once
     per launch) is what rank 0 records in every commit; ``resume_overrides`` (dotted recipe key → new value) are
-    the allowed changes a resumed attempt applies after loading its checkpoint (see ftkit.fingerprint)."""
+    the allowed changes a resumed attempt applies after loading its checkpoint (see ftkit.run.fingerprint)."""
     r = plan.recipe
     targs = training_arguments(plan, str(run_dir), str(ds_config_path))
     if "max_steps" not in targs:

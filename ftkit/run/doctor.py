@@ -3,13 +3,14 @@
 Steps (each host in parallel through :func:`ftkit.cluster.fanout.run_on_hosts`; the probes are
 ``python -m ftkit.launch.doctor_probe``, run with the ranks' interpreter):
 
-1. everything :func:`ftkit.preflight.run_preflight` checks (reused as it is: hosts reachable over ssh, run
+1. everything :func:`ftkit.run.preflight.run_preflight` checks (reused as it is: hosts reachable over ssh, run
    directory writable, master port free, same versions, master address resolves);
 2. ``facts`` on every host: ftkit/python/torch/deepspeed/transformers versions against this machine's, GPU model
    and driver (cuda), free space in the run directory, /dev/shm size and free space, clock skew against this
    machine, the interface the collectives use (``GLOO_SOCKET_IFNAME`` on cpu, ``NCCL_SOCKET_IFNAME`` on cuda, else
    the route to master_addr) and whether it exists there, stale torch extension build locks
-   (:mod:`ftkit.cluster.buildlocks`; stale only if no host holds it). Thresholds and rules: :mod:`ftkit.doctor_checks`;
+   (:mod:`ftkit.cluster.buildlocks`; stale only if no host holds it). Thresholds and rules:
+   :mod:`ftkit.run.doctor_checks`;
 3. a real rendezvous and all-reduce across all hosts with the engine's backend (gloo on cpu, nccl on cuda), one
    process per host, bounded by ``RENDEZVOUS_TIMEOUT_S``; hosts that did not join are named with their own error.
    Skipped when a host is unreachable (it cannot join).
@@ -42,8 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from ftkit.cluster.fanout import LOCAL_HOSTS, run_on_hosts
-from ftkit.doctor_checks import DoctorReport, check_facts, check_locks
 from ftkit.errors import PreflightError
+from ftkit.run.doctor_checks import DoctorReport, check_facts, check_locks
 
 FACTS_DEADLINE_S = 15.0
 RENDEZVOUS_TIMEOUT_S = 10.0
@@ -79,7 +80,7 @@ def _facts(
     plan: Any, rep: DoctorReport, ssh_args: list[str], python: str, env: dict[str, str], transport: Any = None
 ) -> set[str]:
     """Run the facts probe everywhere; returns the hosts that could not be reached."""
-    from ftkit.preflight import local_versions
+    from ftkit.run.preflight import local_versions
 
     r = plan.recipe
     hosts = rep.hosts
@@ -117,7 +118,7 @@ def _facts(
 
 def _preflight(plan: Any, hosts: list[str], ssh_args: list[str], python: str) -> tuple[Any, list[tuple[str, str]]]:
     """run_preflight as it is: (its report or None, [(host or "-", problem)])."""
-    from ftkit.preflight import run_preflight
+    from ftkit.run.preflight import run_preflight
 
     r = plan.recipe
     try:
@@ -312,7 +313,7 @@ def cheap_checks(
 ) -> Any:
     """The part of doctor ``ftkit launch`` runs as its preflight: preflight + facts (no rendezvous, a few seconds).
 
-    Raises PreflightError (exit 3) with one line per failure. Returns what :func:`ftkit.preflight.run_preflight`
+    Raises PreflightError (exit 3) with one line per failure. Returns what :func:`ftkit.run.preflight.run_preflight`
     returns (a drop-in for it), with doctor's checks appended to ``checks``."""
     rep = run_doctor(plan, ssh_args=ssh_args, rendezvous=False, env=env, python=python, transport=transport)
     # doctor's thresholds on space, /dev/shm and clock are advice: a launch goes on with a warning (a disk that
