@@ -108,9 +108,11 @@ def cli() -> None:
 
 def _register() -> None:
     from . import check, doctor, explain, import_, init, launch, plan, render, report, schema, status, stop, submit
+    from . import export as export_
 
     for mod in (init, import_, render, check, explain, plan, doctor, launch, submit, status, report, stop, schema):
         cli.add_command(mod.command)
+    cli.add_command(export_.command)
 
 
 _register()
