@@ -104,6 +104,7 @@ def export(
     force: bool = False,
     allow_final: bool = False,
     commit_extra: Mapping[str, Any] | None = None,
+    probe: str | os.PathLike[str] | None = None,
     note: Callable[[str], None] = _silent,
 ) -> ExportResult:
     """Export one committed checkpoint of ``run_dir`` to ``out`` (default ``RUN/exports/<checkpoint>``).
@@ -116,7 +117,9 @@ def export(
     :class:`ExportMismatch` (exit 15) and leaves ``out`` untouched. ``force``: replace a non-empty ``out``
     (atomically: the old directory is renamed aside, the new one renamed in, then the old one deleted).
     ``allow_final``: ``out`` may be the run's own ``final/`` (how the training entry can produce it through this
-    function); ``commit_extra`` goes into the export's commit record (e.g. ``{"final": True, "attempt": N}``).
+    function); ``commit_extra`` goes into the export's commit record (e.g. ``{"final": True, "attempt": N}``);
+    ``probe``: a ``probe.json`` of logits the live model computed (``{"input_ids", "logits"}``, what the built-in
+    entry writes to ``RUN/ftkit/probe.json``), judged as one more reference (exporting ``final/`` uses the run's own).
 
     Refusals, all before anything is written: a checkpoint that is not committed or fails verification, or
     whose layout cannot be read (:class:`ExportRefused`, exit 5); bad options or destination (exit 2).
@@ -158,7 +161,7 @@ def export(
             from .verify import prove
 
             _reset_peak_rss()
-            verdict = prove(staging, source, facts, kind, dtype)
+            verdict = prove(staging, source, facts, kind, dtype, probe=None if probe is None else Path(probe))
             verdict.peak_rss_bytes = _peak_rss()
             _say(verdict, note)
             if not verdict.ok:
@@ -388,7 +391,7 @@ def _finish(
     commit_extra: Mapping[str, Any] | None,
 ) -> None:
     """Model card, export record and the export's own commit record (every file, checksummed)."""
-    from ..checkpoints import manifest_part, write_commit
+    from ..checkpoints import write_commit
     from . import card
 
     rec = card.record(
@@ -419,7 +422,7 @@ def _finish(
     }
     write_commit(
         staging,
-        [manifest_part(staging, 0, 1)],
+        [_manifest(staging)],
         step=int(source.step or 0),
         world_size=source.world_size or 1,
         stage=source.stage,
@@ -427,6 +430,24 @@ def _finish(
         kind="model",
         extra=extra,
     )
+
+
+def _manifest(staging: Path) -> dict[str, dict[str, Any]]:
+    """The commit record's part for the export's files: fsync, size and XXH3-128 of each, read in chunks.
+
+    Not :func:`ftkit.checkpoints.manifest_part`, which hashes through ``mmap``: that maps the whole shard into the
+    process, and a 5 GB output shard would put 5 GB into the export's resident set (reclaimable page cache, but
+    counted), undoing the streaming.
+    """
+    from ..checkpoints import _fsync_path
+    from ..checksums import full_checksum
+
+    out = {}
+    for p in sorted(staging.rglob("*")):
+        if p.is_file():
+            _fsync_path(p)
+            out[p.relative_to(staging).as_posix()] = {"size": p.stat().st_size, "checksum": full_checksum(p), "rank": 0}
+    return out
 
 
 # ------------------------------------------------------------------------------------------------- re-check

@@ -37,7 +37,6 @@ import contextlib
 import gc
 import io
 import json
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -114,8 +113,9 @@ class Verdict:
 def quiet() -> Iterator[None]:
     """DeepSpeed's converter prints progress and tqdm bars; transformers warns about what it loads. The CLI
     prints its own lines: swallow theirs (errors still raise)."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # exporting is CPU work; never grab a GPU for it
-    os.environ.setdefault("TQDM_DISABLE", "1")
+    from .weights import cpu_only
+
+    cpu_only()
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
@@ -129,11 +129,11 @@ def quiet() -> Iterator[None]:
         transformers.utils.logging.set_verbosity(level)
 
 
-def probe_batches(vocab_size: int, max_positions: int | None, run_dir: Path | None) -> list[Any]:
+def probe_batches(vocab_size: int, max_positions: int | None, run_probe: dict[str, Any] | None) -> list[Any]:
+    """The run's probe tokens first (when there are any), then the fixed random sequences."""
     import torch
 
     batches = []
-    run_probe = _run_probe(run_dir)
     if run_probe is not None:
         batches.append(torch.tensor(run_probe["input_ids"], dtype=torch.long))
     length = min(PROBE_SHAPE[1], max_positions or PROBE_SHAPE[1])
@@ -143,9 +143,10 @@ def probe_batches(vocab_size: int, max_positions: int | None, run_dir: Path | No
 
 
 def _run_probe(run_dir: Path | None) -> dict[str, Any] | None:
-    if run_dir is None:
-        return None
-    path = run_dir / "ftkit" / PROBE_FILE
+    return None if run_dir is None else _read_probe(run_dir / "ftkit" / PROBE_FILE)
+
+
+def _read_probe(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text())
         return data if isinstance(data.get("input_ids"), list) and isinstance(data.get("logits"), list) else None
@@ -268,8 +269,11 @@ def export_model(export_dir: Path, kind: str, facts: RunFacts) -> Any:
 # ------------------------------------------------------------------------------------------------- the proof
 
 
-def prove(export_dir: Path, source: Source, facts: RunFacts, kind: str, dtype: str) -> Verdict:
-    """Compare the export's logits with the independent path's (and the run's own probe, for ``final/``).
+def prove(
+    export_dir: Path, source: Source, facts: RunFacts, kind: str, dtype: str, probe: Path | None = None
+) -> Verdict:
+    """Compare the export's logits with the independent path's, and with the live model's (``probe``, or for
+    ``final/`` the run's own ``RUN/ftkit/probe.json``, written by the built-in entry after training).
 
     Loads one model at a time: the reference (its logits kept, the model dropped), then the export.
     """
@@ -285,8 +289,13 @@ def prove(export_dir: Path, source: Source, facts: RunFacts, kind: str, dtype: s
         config = AutoConfig.from_pretrained(
             cfg_dir, **({"revision": facts.model_revision} if kind == "adapter" and facts.model_revision else {})
         )
-        run_probe = _run_probe(source.run_dir) if source.name == "final" else None
-        batches = probe_batches(config.vocab_size, getattr(config, "max_position_embeddings", None), source.run_dir)
+        # the live model's logits to judge against: the given probe, or final/'s own (the run's probe.json is
+        # written with the final model); any other checkpoint still borrows the run's probe tokens as input
+        run_probe = _read_probe(probe) if probe is not None else None
+        if probe is None and source.name == "final":
+            run_probe = _run_probe(source.run_dir)
+        tokens = run_probe or _run_probe(source.run_dir)
+        batches = probe_batches(config.vocab_size, getattr(config, "max_position_embeddings", None), tokens)
 
         ref, what = reference_model(source, facts, kind)
         exact = logits_of(ref, batches)
@@ -311,7 +320,8 @@ def prove(export_dir: Path, source: Source, facts: RunFacts, kind: str, dtype: s
         live = torch.tensor(run_probe["logits"], dtype=torch.float32)
         if live.shape == got[0].shape:
             judged = target == torch.float32 and facts.precision == "fp32"
-            ref_name = "the live trained model's logits at the end of training (RUN/ftkit/probe.json)"
+            where = "RUN/ftkit/probe.json" if probe is None else str(probe)
+            ref_name = f"the live trained model's logits at the end of training ({where})"
             verdict.checks.append(
                 Check(ref_name, float((got[0] - live).abs().max()), FP32_ATOL if judged else None, int(live.shape[1]))
             )

@@ -40,6 +40,7 @@ import math
 import os
 import re
 import struct
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,23 +118,70 @@ class Entry:
         return math.prod(self.shape)
 
 
+CHUNK_BYTES = 64 << 20  # copies out of a mapped file go in chunks this large, each chunk's pages dropped after it
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+# address ranges of the file mappings of live Mapped objects: only memory inside them is ever madvise'd
+_LIVE_RANGES: list[tuple[int, int]] = []
+
+
 class Mapped:
-    """A ``.pt`` file loaded memory-mapped, with a way to drop the pages copies touched."""
+    """A ``.pt`` file loaded memory-mapped, with a way to drop the pages copies touched.
+
+    The mapping's address range is what this load added to /proc/self/maps (another live load of the same file
+    keeps its own); it is forgotten in :meth:`close`, before the mapping can go away, so no madvise ever reaches
+    memory that is not this file's."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        before = set(_file_mappings(self.path))
         self.obj = load_pt(self.path)
-        self._ranges = _file_mappings(self.path)
+        self._ranges = sorted(set(_file_mappings(self.path)) - before)
+        _LIVE_RANGES.extend(self._ranges)
 
     def release(self) -> None:
         for start, end in self._ranges:
             _madvise_dontneed(start, end - start)
+
+    def close(self) -> None:
+        for r in self._ranges:
+            _LIVE_RANGES.remove(r)
+        self._ranges = []
+        self.obj = None
+
+
+def copy_out(dst: Any, src: Any) -> None:
+    """``dst[:] = src`` for 1-D tensors, in :data:`CHUNK_BYTES` pieces; where ``src`` lies in a live file mapping,
+    each piece's pages are dropped once copied, so a copy never keeps more than a chunk of the file resident."""
+    step = max(1, CHUNK_BYTES // max(1, src.element_size()))
+    for a in range(0, src.numel(), step):
+        piece = src[a : a + step]
+        dst[a : a + step].copy_(piece)
+        _drop(piece)
+
+
+def _drop(t: Any) -> None:
+    lo = t.data_ptr()
+    hi = lo + t.numel() * t.element_size()
+    for start, end in _LIVE_RANGES:
+        if start <= lo and hi <= end:
+            a, b = max(start, lo - lo % _PAGE), min(end, hi + (-hi % _PAGE))
+            _madvise_dontneed(a, b - a)
+            return
+
+
+def cpu_only() -> None:
+    """Exporting is CPU work: DeepSpeed, imported for its pickled classes or its converter, must not pick (or
+    warn about) a GPU. Only before DeepSpeed is first imported: a training process keeps its accelerator."""
+    if "deepspeed" not in sys.modules:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def load_pt(path: Path) -> Any:
     """``torch.load(mmap=True, weights_only=True)`` allowing DeepSpeed's own pickled classes (LossScaler,
     ZeroStageEnum, fragment_address), imported from the installed package; any other class refuses the file."""
     import torch
+
+    cpu_only()
 
     try:
         names = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
@@ -209,6 +257,8 @@ class Reader:
     def close(self) -> None:
         for f in self.files:
             f.close()
+        for m in self.mapped:
+            m.close()
         self.mapped.clear()
 
     def __enter__(self) -> Reader:
@@ -268,16 +318,32 @@ def _buffers_and_frozen(ms: list[Mapped], stage3: bool) -> tuple[list[Entry], li
 
 
 def _copier(t: Any) -> Callable[[], Any]:
-    return lambda: t.clone()
-
-
-def _concat_reader(frags: list[Any], shape: tuple[int, ...]) -> Callable[[], Any]:
     def read() -> Any:
         import torch
 
-        n = math.prod(shape)
-        flat = torch.cat([f.reshape(-1) for f in frags]) if len(frags) > 1 else frags[0].reshape(-1).clone()
-        return flat[:n].reshape(shape).clone() if flat.numel() != n else flat.reshape(shape)
+        out = torch.empty(t.shape, dtype=t.dtype)
+        copy_out(out.reshape(-1), t.reshape(-1))
+        return out
+
+    return read
+
+
+def _concat_reader(frags: list[Any], shape: tuple[int, ...]) -> Callable[[], Any]:
+    """Frozen parameters: ZeRO-1/2 keep each whole in the model states (one fragment), ZeRO-3 a padded piece per
+    rank; the pieces laid end to end, cut to the parameter's size."""
+
+    def read() -> Any:
+        import torch
+
+        out = torch.empty(math.prod(shape), dtype=frags[0].dtype)
+        at = 0
+        for f in frags:
+            n = min(f.numel(), out.numel() - at)
+            if n <= 0:
+                break
+            copy_out(out[at : at + n], f.reshape(-1)[:n])
+            at += n
+        return out.view(shape)
 
     return read
 
@@ -342,7 +408,7 @@ def _zero12_entries(tag_dir: Path, shapes: dict[str, tuple[int, ...]], optim: li
             out = torch.empty(numel, dtype=pieces[0][0].dtype)
             at = 0
             for flat, start, n in pieces:
-                out[at : at + n].copy_(flat[start : start + n])
+                copy_out(out[at : at + n], flat[start : start + n])
                 at += n
             return out.view(shape)
 
@@ -417,7 +483,7 @@ class _Virtual:
             if hi <= start or lo >= start + n:
                 continue
             a, b = max(start, lo), min(start + n, hi)
-            out[at : at + (b - a)].copy_(part[a - lo : b - lo])
+            copy_out(out[at : at + (b - a)], part[a - lo : b - lo])
             at += b - a
 
 
@@ -450,7 +516,14 @@ def universal_reader(ckpt: Path, utag: str) -> Reader:
 
 
 def _slice_reader(t: Any, shape: tuple[int, ...]) -> Callable[[], Any]:
-    return lambda: t.reshape(-1)[: math.prod(shape)].clone().view(shape)
+    def read() -> Any:
+        import torch
+
+        out = torch.empty(math.prod(shape), dtype=t.dtype)
+        copy_out(out, t.reshape(-1)[: out.numel()])
+        return out.view(shape)
+
+    return read
 
 
 # ------------------------------------------------------------------------------------------------- HF files
