@@ -154,7 +154,7 @@ def export(
         shards = [f for f in files if f.endswith(".safetensors")]
         note(
             f"wrote {len(shards)} safetensors file(s), {tensors} tensors, {weights.human(nbytes)} {dtype} in "
-            f"{seconds:g} s" + (f", peak RSS {weights.human(peak)}" if peak else "")
+            f"{seconds:.2f} s" + (f", peak RSS {weights.human(peak)}" if peak else "")
         )
         verdict = None
         if verify:
