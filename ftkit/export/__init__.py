@@ -294,7 +294,8 @@ def _write(
     with _reader(source) as reader:
         live = source.layout != "hf"
         picked = [e for e in reader.entries if not live or e.name in reader.trainable]
-        adapter = adapter_entries(picked, live_names=live)
+        held = w.torch_dtype(facts.precision) if live and facts.precision != "fp32" else None
+        adapter = adapter_entries(picked, live_names=live, held_as=held)
         if kind == "adapter":
             nbytes = w.write_safetensors(staging / "adapter_model.safetensors", adapter, tdtype)
             cfg = dict(source.adapter_config, base_model_name_or_path=facts.model_path, inference_mode=True)

@@ -60,12 +60,14 @@ def lora_math(cfg: dict[str, Any]) -> LoraMath:
     return LoraMath(float(scaling), bool(cfg.get("fan_in_fan_out")))
 
 
-def adapter_entries(entries: list[Entry], *, live_names: bool) -> list[Entry]:
+def adapter_entries(entries: list[Entry], *, live_names: bool, held_as: Any = None) -> list[Entry]:
     """The adapter's tensors under the names PEFT's ``save_pretrained`` writes (``...lora_A.weight``).
 
     ``live_names``: the entries carry the module's own names (DeepSpeed checkpoints: ``...lora_A.default.weight``);
     otherwise they come from a saved adapter file already. Anything that is not a LoRA A/B matrix of the
-    ``default`` adapter (what HF Trainer trains) is refused.
+    ``default`` adapter (what HF Trainer trains) is refused. ``held_as``: the training precision (a torch dtype)
+    when it is not fp32: DeepSpeed's fp32 master copies are rounded to it, which is what the module held, computed
+    with and saved as the adapter (so a bf16 run's merge equals PEFT's merge of that adapter, bit for bit).
     """
     out = []
     for e in entries:
@@ -80,8 +82,16 @@ def adapter_entries(entries: list[Entry], *, live_names: bool) -> list[Entry]:
             if _SAVED.match(e.name) is None:
                 raise ExportRefused(f"{e.name}: not a LoRA A/B matrix (export handles plain LoRA adapters)")
             name = e.name
-        out.append(Entry(name, e.shape, e.dtype, e.read))
+        out.append(Entry(name, e.shape, e.dtype, _held(e.read, held_as) if held_as is not None else e.read))
     return out
+
+
+def _held(read: Callable[[], Any], dtype: Any) -> Callable[[], Any]:
+    def rounded() -> Any:
+        t = read()
+        return t.to(dtype).to(t.dtype)
+
+    return rounded
 
 
 def merge_transform(

@@ -210,8 +210,11 @@ def _config_dir(source: Source, facts: RunFacts) -> str:
 # ------------------------------------------------------------------------------------------------- references
 
 
-def reference_model(source: Source, facts: RunFacts, kind: str) -> tuple[Any, str]:
-    """The checkpoint's training state on the independent path (see the module docstring), and its name."""
+def reference_model(source: Source, facts: RunFacts, kind: str) -> tuple[Any, str, Any]:
+    """The checkpoint's training state on the independent path (see the module docstring), its name, and the
+    dtype its weights were held in there (a bf16 run's ZeRO-0 module is bf16; everything else fp32)."""
+    import torch
+
     if source.is_lora:
         from peft import PeftModel
 
@@ -222,32 +225,29 @@ def reference_model(source: Source, facts: RunFacts, kind: str) -> tuple[Any, st
             raise ValueError(f"{source.name}: no adapter file HF Trainer wrote, nothing independent to compare with")
         peft = PeftModel.from_pretrained(_base_model(facts), str(source.path))
         if kind == "adapter":
-            return peft, f"PEFT's PeftModel.from_pretrained(base, {source.name})"
-        return peft.merge_and_unload(), f"PEFT's merge_and_unload() of {source.name}'s adapter"
+            return peft, f"PEFT's PeftModel.from_pretrained(base, {source.name})", torch.float32
+        return peft.merge_and_unload(), f"PEFT's merge_and_unload() of {source.name}'s adapter", torch.float32
     if source.layout in ("zero", "universal") and source.stage != 0 and _has_zero_shards(source):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(source.path), tag=source.tag)
         what = f"DeepSpeed's zero_to_fp32 of {source.name}/{source.tag}"
-        return _model_from_state(_config_dir(source, facts), state, what), what
+        return _model_from_state(_config_dir(source, facts), state, what), what, torch.float32
     if source.layout == "zero":  # stage 0
-        import torch
-
         states = torch.load(str(source.path / str(source.tag) / "mp_rank_00_model_states.pt"), weights_only=False)
+        module = states["module"]
+        held = next((t.dtype for t in module.values() if t.is_floating_point()), torch.float32)
         what = f"DeepSpeed's saved module ({source.name}/{source.tag}/mp_rank_00_model_states.pt)"
-        return _model_from_state(_config_dir(source, facts), states["module"], what), what
+        return _model_from_state(_config_dir(source, facts), module, what), what, held
     if source.layout == "universal":  # the original shards are gone: DeepSpeed's universal files, loaded whole
-        import torch
-
         zero = source.path / str(source.universal_tag) / "zero"
         state = {p.name: torch.load(str(p / "fp32.pt"), weights_only=False)["param"] for p in zero.iterdir()}
         what = f"DeepSpeed's universal files ({source.name}/{source.universal_tag}), loaded whole"
-        return _model_from_state(_config_dir(source, facts), state, what), what
-    import torch
+        return _model_from_state(_config_dir(source, facts), state, what), what, torch.float32
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch.float32)
-    return model, f"transformers' from_pretrained of {source.name}"
+    return model, f"transformers' from_pretrained of {source.name}", torch.float32
 
 
 def _has_zero_shards(source: Source) -> bool:
@@ -297,7 +297,7 @@ def prove(
         tokens = run_probe or _run_probe(source.run_dir)
         batches = probe_batches(config.vocab_size, getattr(config, "max_position_embeddings", None), tokens)
 
-        ref, what = reference_model(source, facts, kind)
+        ref, what, held = reference_model(source, facts, kind)
         exact = logits_of(ref, batches)
         target = torch_dtype(dtype)
         rounded = exact
@@ -307,11 +307,24 @@ def prove(
         del ref
         gc.collect()
 
-        got = logits_of(export_model(export_dir, kind, facts), batches)
+        model = export_model(export_dir, kind, facts)
+        got = logits_of(model, batches)
+        coarse = held.itemsize < target.itemsize  # e.g. a bf16 run's ZeRO-0 module against an fp32 export
+        if coarse:
+            round_to(model, held, only_lora=(kind == "adapter"))
+            got_held = logits_of(model, batches)
+        del model
         gc.collect()
 
     tokens = sum(int(b.numel()) for b in batches)
-    if target == torch.float32:
+    held_name = str(held).removeprefix("torch.")
+    if coarse:
+        name = f"{what}, held in {held_name} (the export rounded alike)"
+        verdict.checks.append(Check(name, max_diff(got_held, exact), FP32_ATOL, tokens))
+        verdict.checks.append(
+            Check(f"{what} ({held_name} against the {dtype} export)", max_diff(got, exact), None, tokens)
+        )
+    elif target == torch.float32:
         verdict.checks.append(Check(what, max_diff(got, exact), FP32_ATOL, tokens))
     else:
         verdict.checks.append(Check(f"{what}, weights rounded to {dtype}", max_diff(got, rounded), FP32_ATOL, tokens))
