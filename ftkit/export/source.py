@@ -80,7 +80,9 @@ class Source:
 
     def describe(self) -> str:
         """One line: what is read, e.g. "ZeRO-2 shards of 2 ranks (global_step8)"."""
-        if self.layout == "zero":
+        if self.layout == "zero" and self.stage == 0:
+            what = f"ZeRO-0 module states of {self.world_size} rank(s) ({self.tag}/)"
+        elif self.layout == "zero":
             what = f"ZeRO-{self.stage} shards of {self.world_size} rank(s) ({self.tag}/)"
         elif self.layout == "universal":
             what = f"DeepSpeed universal checkpoint ({self.universal_tag}/, from {self.world_size} rank(s))"

@@ -26,8 +26,12 @@ Tolerances. Both sides compute in float32 on CPU. An fp32 export must match with
 with the reference *rounded to the same dtype* (weights cast down and back up, which is exactly what loading the
 export in float32 does), with the same 1e-5: that proves the file holds the trained weights, rounded once and
 nothing else. How far rounding itself moves the logits (export vs the unrounded reference) is reported beside it,
-not judged: it depends on the model, not on the export. The probe batch is the run's own probe (the first tokens
-of the first training example, when ``RUN/ftkit/probe.json`` exists) plus two fixed pseudo-random sequences of 32
+not judged: it depends on the model, not on the export. Where the reference itself holds coarser weights than the
+export (a bf16 run's ZeRO-0 module against an fp32 export of it), the export is rounded to the reference's dtype
+for the judged comparison. The live model's logits (``probe.json``) are judged only for an fp32 run exported in
+fp32: a bf16 forward pass differs from a float32 one by more than any tolerance that proves anything. The probe
+batch is the run's own probe (the first tokens of the first training example, when ``RUN/ftkit/probe.json``
+exists) plus two fixed pseudo-random sequences of 32
 token ids (seed 1234), so a vocabulary row or position the data never reaches is covered too.
 """
 
