@@ -27,6 +27,7 @@ class ExitCode:
     NO_SPACE = 12  # no space left on a device the run writes to
     VERIFY_FAILED = 13  # ftkit status --verify: a checkpoint failed verification
     SCRIPT_FAILED = 14  # the training script failed before its first step (import, argument or setup error)
+    EXPORT_MISMATCH = 15  # ftkit export: the exported model's logits differ from the checkpoint's training state
     SIGINT = 130
     SIGTERM = 143
 
@@ -120,6 +121,12 @@ class ScriptFailed(FtkitError):
 class SaveWroteNothing(ScriptFailed):
     """The Trainer's checkpoint save wrote no checkpoint directory (a subclass overriding ``_save_checkpoint``):
     every save would do the same, so a restart cannot help (exit 14 at once, whatever the step)."""
+
+
+class ExportMismatch(FtkitError):
+    """ftkit export: the written model does not give the checkpoint's logits (nothing was put in place)."""
+
+    exit_code = ExitCode.EXPORT_MISMATCH
 
 
 class RunBusy(FtkitError):

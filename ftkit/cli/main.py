@@ -122,9 +122,11 @@ def _register() -> None:
         stop,
         submit,
     )
+    from ftkit.cli import export as export_
 
     for mod in (init, import_, render, check, explain, plan, doctor, launch, submit, status, report, stop, schema):
         cli.add_command(mod.command)
+    cli.add_command(export_.command)
 
 
 _register()

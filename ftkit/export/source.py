@@ -1,0 +1,267 @@
+"""Which checkpoint an export reads, whether it may, and how its weights are laid out on disk.
+
+Stdlib only (like :mod:`ftkit.checkpoint.checkpoints`): every refusal happens here, before torch is imported, so a torn
+checkpoint is turned away in a fraction of a second and nothing is written.
+
+A source is ``checkpoint-N`` (``--checkpoint N``), the newest committed one (``latest``) or the run's ``final/``
+(``final``). Only a checkpoint whose commit record verifies, every byte against its checksum, is exported; any
+other is refused with the verification's own reason (:class:`ftkit.errors.NoValidCheckpoint`, exit 5). The layout
+is read from the directory and its commit record:
+
+``zero``       DeepSpeed's ``global_stepN/`` shards (``latest`` names the tag); the stage comes from the commit
+               record and is checked against the files (stage 3 writes per-rank model states). Parameter and
+               optimizer offload leave the same files.
+``universal``  DeepSpeed's universal checkpoint beside them (``latest_universal``), which ftkit writes when it
+               continues a job on fewer hosts (:mod:`ftkit.supervise.universal`); read only when asked
+               (``universal=True``): its files were written after the commit, so only the ZeRO shards are covered by the
+               record.
+``hf``         no DeepSpeed shards: the model files HF Trainer wrote (``final/``, or a run without DeepSpeed).
+``fsdp``       a ``torch.distributed.checkpoint`` directory (FSDP2): refused until ftkit has that backend.
+
+A LoRA run is recognised by ``adapter_config.json`` in the source (HF Trainer saves the adapter there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ftkit.checkpoint.checkpoints import COMMIT_FILE, LATEST, list_checkpoints, select_resume, verify
+from ftkit.errors import NoValidCheckpoint, Problem, UserError
+from ftkit.rundir.layout import RunDir
+from ftkit.supervise.universal import LATEST_UNIVERSAL
+
+ADAPTER_CONFIG = "adapter_config.json"
+FINAL = "final"
+LATEST_CHOICE = "latest"
+_FSDP_RE = re.compile(r"^pytorch_model_fsdp_\d+$")
+
+
+class ExportRefused(NoValidCheckpoint):
+    """The source cannot be exported (not committed, failing verification, or a layout export cannot read): exit 5."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """One checkpoint an export reads: where, what verified it, and how its weights are stored."""
+
+    run_dir: Path
+    path: Path  # RUN/checkpoint-N or RUN/final
+    step: int | None
+    record: dict[str, Any] = field(repr=False)  # the commit record (verified)
+    reason: str  # the verification's verdict line, e.g. "checkpoint-8: committed, 23 files verified (...)"
+    layout: str  # zero | universal | hf
+    stage: int | None  # ZeRO stage from the commit record (None: not a DeepSpeed checkpoint)
+    tag: str | None  # DeepSpeed tag directory (global_stepN), for zero and universal (the original shards)
+    universal_tag: str | None  # global_stepN_universal, when layout is universal
+    adapter_config: dict[str, Any] | None = field(default=None, repr=False)  # LoRA runs
+    skipped: tuple[str, ...] = ()  # newer checkpoints passed over when choosing "latest", with their reasons
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def is_lora(self) -> bool:
+        return self.adapter_config is not None
+
+    @property
+    def world_size(self) -> int | None:
+        ws = self.record.get("world_size")
+        return ws if isinstance(ws, int) else None
+
+    @property
+    def fingerprint(self) -> dict[str, Any]:
+        fp = (self.record.get("extra") or {}).get("fingerprint")
+        return fp if isinstance(fp, dict) else {}
+
+    def describe(self) -> str:
+        """One line: what is read, e.g. "ZeRO-2 shards of 2 ranks (global_step8)"."""
+        if self.layout == "zero" and self.stage == 0:
+            what = f"ZeRO-0 module states of {self.world_size} rank(s) ({self.tag}/)"
+        elif self.layout == "zero":
+            what = f"ZeRO-{self.stage} shards of {self.world_size} rank(s) ({self.tag}/)"
+        elif self.layout == "universal":
+            what = f"DeepSpeed universal checkpoint ({self.universal_tag}/, from {self.world_size} rank(s))"
+        else:
+            what = "adapter files (HF format)" if self.is_lora else "model files (HF format)"
+        return what + (", LoRA" if self.is_lora else "")
+
+
+def parse_choice(checkpoint: str | int | None) -> str | int | None:
+    """``--checkpoint``'s value: a step number, ``latest``, ``final`` or None (final/ if committed, else latest)."""
+    if checkpoint is None or isinstance(checkpoint, int):
+        return checkpoint
+    text = str(checkpoint).strip()
+    if text in (LATEST_CHOICE, FINAL):
+        return text
+    m = re.fullmatch(r"(?:checkpoint-)?(\d+)", text)
+    if not m:
+        raise UserError(Problem(f"{checkpoint!r} is not a step number, 'latest' or 'final'", key="--checkpoint"))
+    return int(m.group(1))
+
+
+def check_run_dir(run_dir: str | os.PathLike[str]) -> Path:
+    """The run directory, or one line saying why it is not one (exit 2)."""
+    path = Path(run_dir)
+    if not path.exists():
+        raise UserError(Problem("does not exist [give the run's train.output_dir]", file=str(run_dir)))
+    if not path.is_dir():
+        raise UserError(Problem("not a directory [give the run's train.output_dir]", file=str(run_dir)))
+    if not RunDir(path).spec.is_file():
+        raise UserError(Problem("not an ftkit run directory (no ftkit/spec.json)", file=str(run_dir)))
+    return path
+
+
+def resolve(
+    run_dir: str | os.PathLike[str],
+    checkpoint: str | int | None = None,
+    *,
+    universal: bool = False,
+    checksums: bool = True,
+) -> Source:
+    """The source to export, verified; refuses (exit 5) with the verification's reason otherwise.
+
+    ``checkpoint``: a step (``checkpoint-N``), ``"latest"`` (the newest checkpoint whose commit record verifies;
+    newer torn ones are listed in ``Source.skipped``), ``"final"``, or None: ``final/`` when it is committed, else
+    ``latest`` (a run that died before finishing has an uncommitted or no ``final/``). A committed ``final/`` or
+    ``checkpoint-N`` that fails verification is always refused, never swapped for another one.
+    """
+    run = check_run_dir(run_dir)
+    choice = parse_choice(checkpoint)
+    skipped: list[str] = []
+    final = RunDir(run).final
+    if choice is None:
+        choice = FINAL if (final / COMMIT_FILE).is_file() else LATEST_CHOICE
+        if choice == LATEST_CHOICE and final.is_dir():
+            skipped.append(f"{FINAL}: no commit record (the run did not finish its final save)")
+    if choice == FINAL:
+        path = final
+        if not path.is_dir():
+            raise ExportRefused(f"{run}: no {FINAL}/ (the run has not finished); use --checkpoint latest or N")
+        v = verify(path, checksums, require_commit=True)
+    elif choice == LATEST_CHOICE:
+        sel = select_resume(run, checksums=checksums, require_commit=True)
+        skipped += [v.reason for v in sel.rejected]
+        if sel.chosen is None or sel.verdict is None:
+            found = len(list_checkpoints(run))
+            why = f"; {skipped[-1]}" if skipped else ""
+            raise ExportRefused(f"{run}: no committed checkpoint to export ({found} checkpoint-N found){why}")
+        path, v = sel.chosen, sel.verdict
+    else:
+        path = run / f"checkpoint-{choice}"
+        if not path.is_dir():
+            have = ", ".join(str(s) for s, _ in sorted(list_checkpoints(run))) or "none"
+            raise ExportRefused(f"{run}: no checkpoint-{choice} (checkpoints: {have})")
+        v = verify(path, checksums, require_commit=True)
+    if not (v.ok and v.committed) or v.record is None:
+        raise ExportRefused(f"{v.reason} [refusing to export it]")
+    return _layout(run, path, v.step, v.record, v.reason, universal, tuple(skipped))
+
+
+def _layout(
+    run: Path,
+    path: Path,
+    step: int | None,
+    record: dict[str, Any],
+    reason: str,
+    universal: bool,
+    skipped: tuple[str, ...],
+) -> Source:
+    name = path.name
+    if any(_FSDP_RE.match(p.name) for p in path.iterdir()) or any(path.glob("*/*.distcp")):
+        # The place for FSDP2: read the DCP shards per tensor (torch.distributed.checkpoint's metadata has the
+        # chunks) into weights.Entry readers, like the ZeRO readers do.
+        raise ExportRefused(
+            f"{name}: an FSDP2 (torch.distributed.checkpoint) checkpoint: ftkit export reads those once ftkit's FSDP2 "
+            "backend lands"
+        )
+    adapter = _read_json(path / ADAPTER_CONFIG) if (path / ADAPTER_CONFIG).is_file() else None
+    stage = record.get("stage")
+    stage = stage if isinstance(stage, int) else None
+    tag = record.get("tag") if isinstance(record.get("tag"), str) else None
+    if tag is None and (path / LATEST).is_file():
+        tag = (path / LATEST).read_text().strip() or None
+    utag = None
+    if universal:
+        if not (path / LATEST_UNIVERSAL).is_file():
+            raise ExportRefused(f"{name}: has no DeepSpeed universal checkpoint ({LATEST_UNIVERSAL} missing)")
+        utag = (path / LATEST_UNIVERSAL).read_text().strip()
+        if not utag or "/" in utag or not (path / utag / "zero").is_dir():
+            raise ExportRefused(f"{name}: {LATEST_UNIVERSAL} names {utag!r}, which is not a universal checkpoint")
+        layout = "universal"
+    elif tag is not None:
+        layout = "zero"
+        if not (path / tag).is_dir():
+            raise ExportRefused(f"{name}: {tag}/ missing")
+        stage3_files = any((path / tag).glob("zero_pp_rank_*_mp_rank_*_model_states.pt"))
+        if stage is None:
+            stage = 3 if stage3_files else _stage_from_files(path / tag)
+        elif stage3_files != (stage == 3):
+            raise ExportRefused(f"{name}: commit record says ZeRO stage {stage} but {tag}/ holds the other layout")
+    else:
+        layout = "hf"
+        if adapter is None and not _hf_weights(path):
+            raise ExportRefused(f"{name}: no DeepSpeed shards and no model or adapter files: nothing to export")
+    return Source(run, path, step, record, reason, layout, stage, tag, utag, adapter, skipped)
+
+
+def _stage_from_files(tag_dir: Path) -> int:
+    """Stage of a checkpoint whose commit record has none: 0 without optimizer shards, else 1/2 (read alike)."""
+    return 2 if any(tag_dir.glob("*zero_pp_rank_*_optim_states.pt")) else 0
+
+
+def _hf_weights(path: Path) -> list[str]:
+    names = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+    return [n for n in names if (path / n).is_file()]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ExportRefused(f"{path.parent.name}: {path.name} unreadable ({e})") from None
+    if not isinstance(data, dict):
+        raise ExportRefused(f"{path.parent.name}: {path.name} is not a JSON object")
+    return data
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the export needs from the run besides the checkpoint: the model it started from, the tokenizer,
+    the training precision and the recipe (for the model card). Values recorded in the checkpoint's fingerprint
+    (as they were when it was saved) win over ``ftkit/spec.json`` (as of the newest launch)."""
+
+    name: str
+    model_path: str
+    model_revision: str | None
+    tokenizer_path: str
+    tokenizer_revision: str | None
+    precision: str  # fp32 | bf16 | fp16
+    recipe: dict[str, Any] = field(repr=False)
+    recipe_hash: str
+    model_weights: dict[str, int] = field(default_factory=dict, repr=False)  # base files and sizes at training
+
+
+def run_facts(source: Source) -> RunFacts:
+    from ftkit.rundir.spec import RunSpec
+
+    spec = RunSpec.read(RunDir(source.run_dir).spec)
+    flat = source.fingerprint.get("recipe") if isinstance(source.fingerprint.get("recipe"), dict) else {}
+    model = source.fingerprint.get("model") if isinstance(source.fingerprint.get("model"), dict) else {}
+    weights = model.get("weights") if isinstance(model.get("weights"), dict) else {}
+    return RunFacts(
+        name=spec.name,
+        model_path=str(flat.get("model.path") or spec.model_path),
+        model_revision=flat.get("model.revision", spec.model_revision) if flat else spec.model_revision,
+        tokenizer_path=spec.tokenizer_path,
+        tokenizer_revision=spec.tokenizer_revision,
+        precision=str(flat.get("train.precision") or spec.precision),
+        recipe=spec.recipe,
+        recipe_hash=str(source.record.get("recipe_hash") or spec.recipe_hash),
+        model_weights={str(k): int(v) for k, v in weights.items() if isinstance(v, int)},
+    )
