@@ -21,7 +21,7 @@ from pathlib import Path
 def _rank(rank: int, world: int, port: int, run_dir: str, iters: int, out: str) -> None:
     import torch.distributed as dist
 
-    from ftkit.rank import StopRequest
+    from ftkit.launch.rank import StopRequest
     from ftkit.rundir.layout import RunDir
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

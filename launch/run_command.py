@@ -13,24 +13,18 @@ only.
 
 from __future__ import annotations
 
-import base64
-import json
 import os
 import runpy
 import sys
 
-ENV = "FTKIT_COMMAND"
-
-
-def decode(value: str) -> dict:
-    return json.loads(base64.b64decode(value.encode(), validate=True))
+from ftkit.rundir.env import COMMAND_ENV, decode_command
 
 
 def main() -> None:
-    raw = os.environ.pop(ENV, "")
+    raw = os.environ.pop(COMMAND_ENV, "")
     if not raw:
-        raise SystemExit(f"python -m ftkit.launch.run_command: {ENV} is not set (it is set by ftkit launch)")
-    cmd = decode(raw)
+        raise SystemExit(f"python -m ftkit.launch.run_command: {COMMAND_ENV} is not set (it is set by ftkit launch)")
+    cmd = decode_command(raw)
     kind, target, args, workdir = cmd["kind"], cmd["target"], [str(a) for a in cmd["args"]], cmd["workdir"]
     os.chdir(workdir)
     if kind == "exec":

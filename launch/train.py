@@ -22,9 +22,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ftkit import hf
 from ftkit.errors import NoSpace, UserError
-from ftkit.hf import FAULT_ENV, RankContext, apply_resume_overrides  # noqa: F401 - re-exported for tests
+from ftkit.launch import services as hf
+from ftkit.launch.services import RankContext
 from ftkit.rundir.layout import NEARLY_FULL, atomic_write
 from ftkit.rundir.spec import RunSpec
 

@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 
 from ftkit.cluster.procs import SHM_DIR, SHM_PREFIX, is_alive
-from ftkit.run.owner import HEARTBEAT_S, Owner
 from ftkit.rundir.layout import RunDir
+from ftkit.rundir.owner import HEARTBEAT_S, Owner
 
 POLL_S = 2.0
 

@@ -13,7 +13,8 @@ from ftkit.errors import ExitCode, UserError
 from ftkit.plan.plan import build_plan
 from ftkit.recipe.load import load_recipe
 from ftkit.recipe.schema import FIELD_BY_KEY
-from ftkit.run.fingerprint import POLICY, RANK_APPLIED, ResumeRefused, compare, compute, policy
+from ftkit.run.fingerprint import POLICY, ResumeRefused, compare, compute, policy
+from ftkit.rundir.spec import RANK_APPLIED
 
 RECIPE = """\
 model:

@@ -16,8 +16,9 @@ import pytest
 
 from ftkit.cluster.procs import proc_start_time
 from ftkit.errors import ExitCode, RunBusy
-from ftkit.run.owner import Leftovers, Owner, Ownership, leftovers, owner_state, read_owner
+from ftkit.run.owner import Leftovers, Ownership, leftovers, owner_state
 from ftkit.rundir.layout import RunDir
+from ftkit.rundir.owner import Owner, read_owner
 from launch.watchdog import SupervisorWatchdog
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from ftkit.checkpoint.checkpoints import COMMIT_FILE
 from ftkit.errors import ExitCode
-from ftkit.run.owner import Owner
+from ftkit.rundir.owner import Owner
 from tests.runs import assert_no_process_left, ftkit, losses, mp_lock, named
 from tests.test_recovery import ENV, STEPS, _recipe
 

@@ -428,7 +428,7 @@ def _python_with_hook(tmp_path: Path, env: dict[str, str]) -> subprocess.Complet
     (site / "sitecustomize.py").write_text("print('site-own sitecustomize ran')\n")
     e = {k: v for k, v in os.environ.items() if not k.startswith(("FTKIT_", "RANK", "LOCAL_RANK"))}
     e.update({"PYTHONPATH": f"{REPO / 'launch' / 'inject'}:{site}:{REPO}", **env})
-    code = "import sys; print('inject' if 'ftkit.inject' in sys.modules else 'plain', 'ftkit.hf' in sys.modules)"
+    code = "import sys; print('inject' if 'ftkit.launch.hook' in sys.modules else 'plain', 'ftkit.hf' in sys.modules)"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=e)
 
 

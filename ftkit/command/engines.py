@@ -19,7 +19,7 @@ What runs on every rank is ftkit's built-in entry (``python -m ftkit.launch.trai
 user's own command (``ftkit launch RECIPE -- CMD``, :class:`UserCommand`): a script, a module or an executable,
 each in the engine's own form (:func:`program_argv`). Every rank gets the run's environment contract
 (``FTKIT_RUN_DIR``, ``FTKIT_ATTEMPT``, ``FTKIT_RESUME``); a user command also gets ftkit's import hook
-(``launch/inject/sitecustomize.py``, see :mod:`ftkit.inject`) first on its ``PYTHONPATH`` unless ``--no-inject``,
+(``launch/inject/sitecustomize.py``, see :mod:`ftkit.launch.hook`) first on its ``PYTHONPATH`` unless ``--no-inject``,
 and runs in the directory ftkit was launched from (``env -C DIR`` here, ``cd DIR`` over ssh).
 """
 
@@ -35,43 +35,20 @@ from pathlib import Path
 from ftkit.cluster.procs import LOCAL_HOSTS
 from ftkit.command.user_command import UserCommand
 from ftkit.errors import Problem, UserError
+from ftkit.rundir.env import (
+    ATTEMPT_ENV,
+    COMMAND_ENV,
+    ENV_ALLOW,
+    NODE_ENV,
+    RESUME_ENV,
+    RUN_DIR_ENV,
+    SECRET,
+    encode_command,
+)
 
 TRAIN_MODULE = "ftkit.launch.train"
 RUN_COMMAND_MODULE = "ftkit.launch.run_command"  # the trampoline that runs a command carried in COMMAND_ENV
-COMMAND_ENV = "FTKIT_COMMAND"
 
-# Variables forwarded from the head's environment to every rank (glob patterns). Anything else stays behind:
-# a stale or secret variable must not leak into a remote job by accident.
-ENV_ALLOW = (
-    "PATH",
-    "HOME",
-    "USER",
-    "LANG",
-    "LC_*",
-    "TZ",
-    "TMPDIR",
-    "PYTHONPATH",
-    "VIRTUAL_ENV",
-    "CUDA_VISIBLE_DEVICES",
-    "CUDA_DEVICE_ORDER",
-    "NCCL_*",
-    "GLOO_*",
-    "TP_SOCKET_IFNAME",
-    "UCX_*",
-    "HF_*",
-    "TRANSFORMERS_*",
-    "HUGGING_FACE_*",
-    "TORCH_*",
-    "TORCHINDUCTOR_*",
-    "PYTORCH_*",
-    "OMP_NUM_THREADS",
-    "MKL_*",
-    "DS_*",
-    "WANDB_*",
-    "MLFLOW_*",
-    "FTKIT_*",
-)
-SECRET = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|_KEY$|CREDENTIAL)", re.IGNORECASE)
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # a name a shell can export (environ can hold any other)
 # What DeepSpeed's pdsh runner splices into the remote shell line unquoted (cd to the runner's directory, the
 # Python path, the user arguments of ftkit's rank entry, --master_addr): shlex's own set of characters that never
@@ -127,7 +104,7 @@ class LaunchInputs:
 
     def node_env(self, host: str) -> dict[str, str]:
         """What ftkit sets on one node besides the forwarded environment: its name, and its selected devices."""
-        env = {"FTKIT_NODE": host}
+        env = {NODE_ENV: host}
         if host in self.devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.devices[host]))
         return env
@@ -189,7 +166,7 @@ def program_argv(inp: LaunchInputs, engine: str) -> tuple[list[str], list[str]]:
 
 def run_env(inp: LaunchInputs, base_env: Mapping[str, str]) -> dict[str, str]:
     """The run's environment contract on every rank, and the import hook's PYTHONPATH for a user command."""
-    env = {"FTKIT_RUN_DIR": inp.run_dir, "FTKIT_ATTEMPT": str(inp.attempt), "FTKIT_RESUME": inp.resume or ""}
+    env = {RUN_DIR_ENV: inp.run_dir, ATTEMPT_ENV: str(inp.attempt), RESUME_ENV: inp.resume or ""}
     if inp.command is not None and inp.inject:
         if not inp.inject_path:
             raise ValueError("inject_path is required for a user command with the import hook")
@@ -257,16 +234,6 @@ def pdsh_problems(run_dir: str, python: str, master_addr: str) -> list[str]:
     if not _PDSH_SAFE.fullmatch(master_addr):
         out.append(f"master address {master_addr!r} is not a host name or IP address")
     return out
-
-
-def encode_command(kind: str, target: str, args: list[str], workdir: str) -> str:
-    """The user's command for :data:`COMMAND_ENV`: base64 of JSON (the encoding ``launch/run_command.py`` reads;
-    plain letters, so no shell on the way can change it)."""
-    import base64
-    import json
-
-    data = json.dumps({"kind": kind, "target": target, "args": list(args), "workdir": workdir})
-    return base64.b64encode(data.encode()).decode()
 
 
 def ds_env_value(value: str) -> str:

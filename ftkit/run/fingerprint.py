@@ -216,17 +216,6 @@ POLICY: tuple[tuple[str, tuple[str, ...], str], ...] = (
 )
 DEFAULT_REASON = "not known to be safe"
 
-# Allowed changes the rank applies itself after the checkpoint is loaded (HF and DeepSpeed restore these from the
-# checkpoint's optimizer and scheduler state, overwriting the new TrainingArguments). Every other allowed change
-# takes effect through the new spec: TrainingArguments, ds_config.json, the model and data built from it.
-RANK_APPLIED = (
-    "train.learning_rate",
-    "train.weight_decay",
-    "train.adam_beta1",
-    "train.adam_beta2",
-    "train.adam_epsilon",
-)
-
 # Keys compared by the content they point at (the "data", "model", "tokenizer" parts), not by their spelling.
 CONTENT_KEYS = ("data.train", "model.path", "model.tokenizer")
 PSEUDO_KEYS = ("peft",)  # the peft section as a whole: on or off

@@ -158,7 +158,8 @@ def _dry_run_verdict(plan: Plan, req: LaunchRequest, echo: Callable[[str], None]
     the run directory's owner, the resume choice and what changed since that checkpoint. Not the preflight
     (ssh to every host): `ftkit doctor` runs that."""
     from ftkit.run.fingerprint import compute
-    from ftkit.run.owner import owner_state, read_owner
+    from ftkit.run.owner import owner_state
+    from ftkit.rundir.owner import read_owner
     from ftkit.supervise.choose import select, space_refusal
 
     r = plan.recipe

@@ -27,8 +27,6 @@ import fcntl
 import json
 import os
 import secrets
-import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -40,71 +38,16 @@ from ftkit.cluster.procs import (
     Target,
     is_alive,
     is_this_machine,
-    proc_start_time,
     remote_signal,
     signal_hosts,
     targets_from_records,
 )
 from ftkit.errors import Problem, RunBusy, UserError, os_error
 from ftkit.rundir.layout import RunDir, atomic_write
+from ftkit.rundir.owner import HEARTBEAT_S, Owner, read_owner
 
-HEARTBEAT_S = 2.0  # how often the supervisor rewrites supervisor.json
 ORPHAN_POLL_S = 1.0  # how often a relaunch looks whether a dead supervisor's ranks have stopped
 WAIT_SLACK_S = 30.0  # on top of the ranks' own bound: their watchdog's poll, the engine agents' teardown
-
-
-def boot_id() -> str:
-    """This boot's id: a pid and start time mean nothing across a reboot."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
-
-
-def this_host() -> str:
-    return socket.gethostname()
-
-
-@dataclass(frozen=True)
-class Owner:
-    host: str
-    pid: int
-    start_time: int | None
-    boot_id: str = ""
-    time: float = 0.0
-    argv: tuple[str, ...] = ()
-
-    @classmethod
-    def me(cls) -> Owner:
-        pid = os.getpid()
-        return cls(this_host(), pid, proc_start_time(pid), boot_id(), round(time.time(), 3), tuple(sys.argv))
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Owner:
-        return cls(
-            str(data["host"]),
-            int(data["pid"]),
-            None if data.get("start_time") is None else int(data["start_time"]),
-            str(data.get("boot_id", "")),
-            float(data.get("time", 0.0)),
-            tuple(str(a) for a in data.get("argv", ())),
-        )
-
-    def to_json(self) -> str:
-        return json.dumps({**self.__dict__, "argv": list(self.argv)}) + "\n"
-
-    def describe(self) -> str:
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.time)) if self.time else "?"
-        return f"pid {self.pid} on {self.host}, started {since}"
-
-    @property
-    def same_boot(self) -> bool:
-        """Recorded by this running kernel: its pid can be checked here (containers of one machine included)."""
-        return bool(self.boot_id) and self.boot_id == boot_id()
-
-    @property
-    def named_here(self) -> bool:
-        return is_this_machine(self.host) or self.host == this_host()
 
 
 def owner_state(owner: Owner, ssh_args: list[str]) -> str:
@@ -117,23 +60,6 @@ def owner_state(owner: Owner, ssh_args: list[str]) -> str:
     if not ok:
         return "unknown"
     return "alive" if owner.pid in alive else "dead"
-
-
-def read_owner(rd: RunDir) -> Owner | None:
-    """The owner record, or None when there is none. A malformed record is a user-facing error."""
-    path = rd.meta / "owner.json"
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise UserError(Problem(f"cannot read the owner record: {e.strerror}", file=str(path))) from None
-    try:
-        return Owner.from_json(json.loads(text))
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise UserError(
-            Problem("owner record is malformed; if no job runs here, delete it and launch again", file=str(path))
-        ) from None
 
 
 @dataclass

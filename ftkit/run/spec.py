@@ -102,12 +102,6 @@ def training_arguments(plan: Plan, output_dir: str, ds_config_path: str) -> dict
     return args
 
 
-def tensorboard_dir(output_dir: str | Path) -> str:
-    """Where TensorBoard event files go when train.report_to has tensorboard: ``<output_dir>/tensorboard``, handed to
-    the ranks as the ``TENSORBOARD_LOGGING_DIR`` environment variable (transformers 5.x reads only that)."""
-    return str(Path(output_dir) / "tensorboard")
-
-
 def stated_arguments(plan: Plan, args: dict[str, Any]) -> list[str]:
     """The names in ``args`` that a wrapped script's own TrainingArguments get from the recipe."""
     explicit = getattr(plan.recipe, "explicit", set())

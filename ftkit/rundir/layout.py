@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 NEARLY_FULL = 16 * 1024 * 1024  # free bytes below which a failed write is taken for a full disk
+STOP_FILE = "stop.json"  # in RUN/ftkit/: the supervisor's save-and-stop request to every rank of an attempt
 
 
 class RunDir:
@@ -209,3 +210,9 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
     with open(path, "a", encoding="utf-8") as fh:
         fh.write(line)
         fh.flush()
+
+
+def tensorboard_dir(output_dir: str | Path) -> str:
+    """Where TensorBoard event files go when train.report_to has tensorboard: ``<output_dir>/tensorboard``, handed to
+    the ranks as the ``TENSORBOARD_LOGGING_DIR`` environment variable (transformers 5.x reads only that)."""
+    return str(Path(output_dir) / "tensorboard")

@@ -109,3 +109,15 @@ class RunSpec:
         except ValueError as e:
             raise UserError(Problem(f"does not parse as JSON ({e})", file=str(path))) from None
         return cls.from_dict(d, str(path))
+
+
+# Allowed changes the rank applies itself after the checkpoint is loaded (HF and DeepSpeed restore these from the
+# checkpoint's optimizer and scheduler state, overwriting the new TrainingArguments). Every other allowed change
+# takes effect through the new spec: TrainingArguments, ds_config.json, the model and data built from it.
+RANK_APPLIED = (
+    "train.learning_rate",
+    "train.weight_decay",
+    "train.adam_beta1",
+    "train.adam_beta2",
+    "train.adam_epsilon",
+)

@@ -36,9 +36,8 @@ from ftkit.checkpoint.checkpoints import list_checkpoints, read_commit, select_r
 from ftkit.cluster.procs import exit_meaning
 from ftkit.command.engines import LaunchCommand, LaunchInputs, build_launch
 from ftkit.errors import ExitCode
-from ftkit.rank import STOP_FILE
 from ftkit.report.live import record_step_times
-from ftkit.rundir.layout import NEARLY_FULL, RunDir, append_jsonl, atomic_write
+from ftkit.rundir.layout import NEARLY_FULL, STOP_FILE, RunDir, append_jsonl, atomic_write
 from ftkit.supervise.attempt import Spawned, spawn, teardown_attempt
 from ftkit.supervise.choose import Choice, select
 from ftkit.supervise.decide import Action, Decision, FailureKind, Progress, RestartPolicy, Situation, decide

@@ -1,4 +1,5 @@
-"""ftkit's import hook (see ftkit/inject.py): on the ranks' PYTHONPATH for one run of ``ftkit launch -- CMD``.
+"""ftkit's import hook (see launch/hook.py, ftkit.launch.hook): on the ranks' PYTHONPATH for one run of ``ftkit launch
+-- CMD``.
 
 Python imports the first ``sitecustomize`` on its path at start-up: this one runs the next one on the path first
 (a site's own keeps working), then, in a rank of an ftkit run only, installs ftkit's services.
@@ -25,7 +26,7 @@ def _chain() -> None:
 _chain()
 if os.environ.get("FTKIT_RUN_DIR"):
     try:
-        from ftkit.inject import install
+        from ftkit.launch.hook import install
 
         install()
     except Exception as e:  # noqa: BLE001 - a rank must not train unwatched: stop it, saying why

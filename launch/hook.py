@@ -14,7 +14,7 @@ of an ftkit run (``FTKIT_RUN_DIR`` and ``RANK``/``LOCAL_RANK`` set, and not a ch
   the trainer's global step). Before the first step the supervisor stops at once instead of restarting a
   script that cannot start; after it, the failure is restarted and the no-progress rule stops a repeating one,
   the traceback shown either way;
-* a post-import hook (:func:`ftkit.rank.on_import`) on two modules of ``transformers``, wrapping once
+* a post-import hook (:func:`ftkit.launch.rank.on_import`) on two modules of ``transformers``, wrapping once
   (whichever class the script uses: TRL's trainers and configs are subclasses):
 
   - ``TrainingArguments.__post_init__``: the recipe's values (:func:`ftkit.hf.recipe_arguments`) are set on the
@@ -40,12 +40,12 @@ import functools
 import os
 import sys
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from ftkit.rank import on_import
+from ftkit.launch.rank import on_import
+from ftkit.rundir.env import HOOK_PID_ENV, RUN_DIR_ENV
 
-HOOK_PID_ENV = "FTKIT_HOOK_PID"  # the pid of the rank the hook serves: its child processes leave it alone
 TRACEBACK_LINES = 20  # the last lines of a traceback kept in the error record
 # A collective failing because a peer died: an echo of that peer's failure, not this rank's (no record: the
 # supervisor finds the rank that really failed; the text stays in this rank's log).
@@ -57,7 +57,7 @@ _installed = False
 
 def should_install(environ: Mapping[str, str], pid: int) -> bool:
     """A rank of an ftkit run (not the engine's launcher, not a process the rank started)."""
-    if not environ.get("FTKIT_RUN_DIR"):
+    if not environ.get(RUN_DIR_ENV):
         return False
     if environ.get("RANK", "") == "" and environ.get("LOCAL_RANK", "") == "":
         return False  # torchrun's agent, DeepSpeed's launcher, accelerate launch: they start the ranks
@@ -72,7 +72,7 @@ def install() -> None:
         return
     _installed = True
     os.environ[HOOK_PID_ENV] = str(os.getpid())
-    import ftkit.hf as hf
+    from ftkit.launch import services as hf
 
     hf.context().hooked = True
     hf.context().heartbeat("starting")
@@ -105,7 +105,7 @@ def apply_recipe(args: Any) -> list[tuple[str, Any, Any]]:
     anything from them); list and record each value that changed."""
     import dataclasses
 
-    import ftkit.hf as hf
+    from ftkit.launch import services as hf
 
     fields = {f.name for f in dataclasses.fields(args) if f.init}
     changes = []
@@ -141,7 +141,7 @@ def _patch_trainer(mod: Any) -> None:
 
     @functools.wraps(original_train)
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
-        import ftkit.hf as hf
+        from ftkit.launch import services as hf
 
         if args:
             given, args = args[0], args[1:]
@@ -157,7 +157,9 @@ def _patch_trainer(mod: Any) -> None:
     def save_model(self: Any, output_dir: str | None = None, _internal_call: bool = False) -> Any:
         if _internal_call:  # a checkpoint save: HF's own path, committed by ftkit's callback
             return original_save(self, output_dir, _internal_call=True)
-        return save_final(self, output_dir, original_save)
+        from ftkit.launch import services as hf
+
+        return hf.save_trained(self, output_dir, original_save)
 
     __init__._ftkit = True  # type: ignore[attr-defined]
     save_model._ftkit = True  # type: ignore[attr-defined]
@@ -166,33 +168,8 @@ def _patch_trainer(mod: Any) -> None:
     cls.save_model = save_model
 
 
-def save_final(trainer: Any, output_dir: str | None = None, save: Callable[..., Any] | None = None) -> str:
-    """Save the trained model as the run's final model (``RUN/final``) and commit it (rank 0), like the built-in
-    entry: the supervisor takes a committed ``final/`` of this attempt for "finished". ``output_dir`` other than
-    the run directory: saved there too, as the script asked. Returns the final directory. Every rank calls it
-    (ZeRO-3 gathers the 16-bit weights)."""
-    from pathlib import Path
-
-    import ftkit.hf as hf
-
-    if save is None:
-        save = type(trainer).save_model
-        save = getattr(save, "__wrapped__", save) if getattr(save, "_ftkit", False) else save  # not the hook again
-    ctx = hf.context()
-    final = ctx.rd.final
-    asked = Path(output_dir or trainer.args.output_dir).resolve()
-    if asked != ctx.rd.path.resolve() and asked != final.resolve():
-        save(trainer, str(asked))
-    elif asked != final.resolve():
-        print(f"ftkit: save_model({str(asked)!r}) -> {str(final)!r} (the run's final model)", flush=True)
-    ctx.heartbeat("saving", trainer.state.global_step)
-    save(trainer, str(final))
-    hf.commit_final(trainer.state.global_step)
-    return str(final)
-
-
 def _add_callbacks(trainer: Any) -> None:
-    import ftkit.hf as hf
+    from ftkit.launch import services as hf
 
     ours = hf.callback_class()
     if not any(isinstance(cb, ours) for cb in trainer.callback_handler.callbacks):
@@ -257,8 +234,8 @@ def record_failure(text: list[str], summary: str) -> bool:
         step = int(trainer.state.global_step) if trainer is not None else -1
     when = "before its first step" if step is None else f"after step {step}"
     try:
-        import ftkit.hf as hf
         from ftkit.errors import ScriptFailed
+        from ftkit.launch import services as hf
 
         lines = [x for chunk in text for x in chunk.rstrip("\n").splitlines()]
         ctx = hf.context()

@@ -23,11 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from ftkit.errors import FtkitError
-from ftkit.rundir.layout import RunDir, atomic_write
+from ftkit.rundir.env import NODE_ENV
+from ftkit.rundir.layout import STOP_FILE, RunDir, atomic_write
 from ftkit.rundir.spec import RunSpec
-
-FAULT_ENV = "FTKIT_FAULT_INJECT"  # test-only fault injection, see Fault
-STOP_FILE = "stop.json"  # in RUN/ftkit/: the supervisor's save-and-stop request
 
 
 def _env_int(*names: str, default: int = 0) -> int:
@@ -51,7 +49,7 @@ class RankContext:
         # ftkit sets FTKIT_NODE per node for torchrun/accelerate (c10d numbers nodes by arrival, not hostfile
         # order); DeepSpeed's launcher passes the hostfile index as CROSS_RANK.
         self.node_rank = _env_int("CROSS_RANK", "GROUP_RANK", "NODE_RANK", "SLURM_NODEID")
-        self.node_host = os.environ.get("FTKIT_NODE", "")
+        self.node_host = os.environ.get(NODE_ENV, "")
         if not self.node_host:
             self.node_host = "localhost"
             hosts = spec.hosts if spec is not None else []
@@ -95,7 +93,7 @@ class RankContext:
         import fnmatch
 
         from ftkit.cluster.procs import proc_start_time
-        from ftkit.command.engines import ENV_ALLOW, SECRET
+        from ftkit.rundir.env import ENV_ALLOW, SECRET
 
         pid, ppid = os.getpid(), os.getppid()
         env = {

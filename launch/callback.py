@@ -427,7 +427,7 @@ def apply_resume_overrides(overrides: dict[str, Any], optimizer: Any, lr_schedul
     a new peak lr is applied by replacing ``base_lrs`` and recomputing the current lr at the restored step.
     Keys this function does not know took effect through the new spec (TrainingArguments, ds_config.json).
     """
-    from ftkit.run.fingerprint import RANK_APPLIED
+    from ftkit.rundir.spec import RANK_APPLIED
 
     sched = _lr_scheduler_of(lr_scheduler)
     groups = sched.optimizer.param_groups if sched is not None else optimizer.param_groups
