@@ -159,7 +159,7 @@ def _job(recipe: str, overrides: list[str], workdir: Path) -> tuple[Any, dict[st
 def measure_many(recipe: str, cases: dict[str, list[str]], root: Path, timeout: float = 900) -> dict[str, Any]:
     """Run each case (name -> overrides; its files in ``root/name``) on the same 2 CPU ranks, one after another,
     with the comms logger; return name -> the plan's prediction and each rank's steps."""
-    from ftkit.plan.comm import predict_plan
+    from ftkit.plan.candidates import predict_plan
 
     plans, jobs = {}, []
     for name, overrides in cases.items():

@@ -15,8 +15,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ftkit.errors import ExitCode
-from ftkit.rundir.layout import append_jsonl
+from ftkit.checkpoint.checkpoints import manifest_part, record_save_begun, rotate, write_commit
+from ftkit.errors import ExitCode, SaveWroteNothing
+from ftkit.rundir.layout import append_jsonl, atomic_write, read_jsonl
+from ftkit.rundir.spec import RANK_APPLIED
 
 COMPUTE_EWMA = 0.2  # weight of the newest step in the per-rank compute-time average
 
@@ -29,8 +31,6 @@ def callback_class() -> Any:
     if _CALLBACK is not None:
         return _CALLBACK
     from transformers import TrainerCallback
-
-    from ftkit.checkpoint.checkpoints import manifest_part, record_save_begun, rotate, write_commit
 
     class FtkitCallback(TrainerCallback):
         """Heartbeat, metrics, commit records, graceful stop and resume overrides, on HF Trainer's own events."""
@@ -159,7 +159,6 @@ def callback_class() -> Any:
             self.ctx.heartbeat("train", state.global_step, committed=state.global_step)
 
         def _save_wrote_nothing(self, ckpt: Path) -> None:
-            from ftkit.errors import SaveWroteNothing
 
             e = SaveWroteNothing(
                 f"rank {self.ctx.rank}: the Trainer's save wrote nothing at {ckpt} (does the script's Trainer override "
@@ -293,7 +292,6 @@ class Trackers:
                 if s <= step:
                     mlflow.log_metrics(history[s][0], step=s)
                     held.add(s)
-        from ftkit.rundir.layout import atomic_write
 
         atomic_write(self.path, json.dumps(self.ids, indent=1))
 
@@ -307,21 +305,10 @@ class Trackers:
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    import json
-
-    out = []
     try:
-        lines = path.read_text(errors="replace").splitlines()
+        return read_jsonl(path)
     except OSError:
-        return out
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
+        return []
 
 
 def _logged_history(metrics: Path, attempt: int) -> dict[int, tuple[dict[str, float], int]]:
@@ -427,7 +414,6 @@ def apply_resume_overrides(overrides: dict[str, Any], optimizer: Any, lr_schedul
     a new peak lr is applied by replacing ``base_lrs`` and recomputing the current lr at the restored step.
     Keys this function does not know took effect through the new spec (TrainingArguments, ds_config.json).
     """
-    from ftkit.rundir.spec import RANK_APPLIED
 
     sched = _lr_scheduler_of(lr_scheduler)
     groups = sched.optimizer.param_groups if sched is not None else optimizer.param_groups

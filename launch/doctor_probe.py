@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 
+from ftkit.cluster.buildlocks import lock_states
 from ftkit.cluster.pkgversions import versions
 
 MARK = "FTKIT_DOCTOR "
@@ -91,7 +92,6 @@ def _route_dev(addr: str) -> dict:
 
 
 def facts(args: argparse.Namespace) -> dict:
-    from ftkit.cluster.buildlocks import lock_states
 
     shm = _disk("/dev/shm") if os.path.isdir("/dev/shm") else {"error": "no /dev/shm"}
     names = sorted(name for _, name in socket.if_nameindex())

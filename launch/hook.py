@@ -43,6 +43,8 @@ import traceback
 from collections.abc import Mapping
 from typing import Any
 
+from ftkit.errors import ScriptFailed
+from ftkit.launch import services as hf
 from ftkit.launch.rank import on_import
 from ftkit.rundir.env import HOOK_PID_ENV, RUN_DIR_ENV
 
@@ -72,7 +74,6 @@ def install() -> None:
         return
     _installed = True
     os.environ[HOOK_PID_ENV] = str(os.getpid())
-    from ftkit.launch import services as hf
 
     hf.context().hooked = True
     hf.context().heartbeat("starting")
@@ -104,8 +105,6 @@ def apply_recipe(args: Any) -> list[tuple[str, Any, Any]]:
     """Set the recipe's TrainingArguments values on ``args`` in place (before HF's ``__post_init__`` derives
     anything from them); list and record each value that changed."""
     import dataclasses
-
-    from ftkit.launch import services as hf
 
     fields = {f.name for f in dataclasses.fields(args) if f.init}
     changes = []
@@ -141,7 +140,6 @@ def _patch_trainer(mod: Any) -> None:
 
     @functools.wraps(original_train)
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
-        from ftkit.launch import services as hf
 
         if args:
             given, args = args[0], args[1:]
@@ -157,7 +155,6 @@ def _patch_trainer(mod: Any) -> None:
     def save_model(self: Any, output_dir: str | None = None, _internal_call: bool = False) -> Any:
         if _internal_call:  # a checkpoint save: HF's own path, committed by ftkit's callback
             return original_save(self, output_dir, _internal_call=True)
-        from ftkit.launch import services as hf
 
         return hf.save_trained(self, output_dir, original_save)
 
@@ -169,7 +166,6 @@ def _patch_trainer(mod: Any) -> None:
 
 
 def _add_callbacks(trainer: Any) -> None:
-    from ftkit.launch import services as hf
 
     ours = hf.callback_class()
     if not any(isinstance(cb, ours) for cb in trainer.callback_handler.callbacks):
@@ -234,9 +230,6 @@ def record_failure(text: list[str], summary: str) -> bool:
         step = int(trainer.state.global_step) if trainer is not None else -1
     when = "before its first step" if step is None else f"after step {step}"
     try:
-        from ftkit.errors import ScriptFailed
-        from ftkit.launch import services as hf
-
         lines = [x for chunk in text for x in chunk.rstrip("\n").splitlines()]
         ctx = hf.context()
         ctx.record_error(

@@ -22,8 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ftkit.cluster.procs import proc_start_time
 from ftkit.errors import FtkitError
-from ftkit.rundir.env import NODE_ENV
+from ftkit.rundir.env import ENV_ALLOW, NODE_ENV, SECRET
 from ftkit.rundir.layout import STOP_FILE, RunDir, atomic_write
 from ftkit.rundir.spec import RunSpec
 
@@ -91,9 +92,6 @@ class RankContext:
         The allow-listed environment (secrets left out) shows what really reached this rank. ``watchdog``: the
         bounds of this rank's supervisor watchdog (it stops itself when its supervisor is gone)."""
         import fnmatch
-
-        from ftkit.cluster.procs import proc_start_time
-        from ftkit.rundir.env import ENV_ALLOW, SECRET
 
         pid, ppid = os.getpid(), os.getppid()
         env = {

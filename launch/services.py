@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from ftkit.checkpoint.checkpoints import manifest_part, record_save_begun, rotate, write_commit
 from ftkit.errors import ExitCode, FtkitError
 from ftkit.launch.callback import (
     COMPUTE_EWMA,
@@ -52,8 +53,9 @@ from ftkit.launch.callback import (
     install_train_guard,
 )
 from ftkit.launch.rank import Fault, RankContext, StopRequest, _env_int, _redirect_output, install_startup, on_import
+from ftkit.launch.watchdog import SupervisorWatchdog, remove_own_shm
 from ftkit.rundir.env import ATTEMPT_ENV, FAULT_ENV, RESUME_ENV, RUN_DIR_ENV
-from ftkit.rundir.layout import STOP_FILE, RunDir, append_jsonl, atomic_write
+from ftkit.rundir.layout import STOP_FILE, RunDir, append_jsonl, atomic_write, tensorboard_dir
 from ftkit.rundir.spec import RunSpec
 
 __all__ = [  # the public face; the rest is re-exported for the built-in entry and the hook
@@ -129,7 +131,6 @@ def start(
         r = _Rank(Path(run_dir), attempt, resume)
         if "tensorboard" in (r.spec.training_args.get("report_to") or []):
             # transformers 5.x has no logging_dir: its TensorBoard callback reads this variable (run directory only)
-            from ftkit.rundir.layout import tensorboard_dir
 
             os.environ.setdefault("TENSORBOARD_LOGGING_DIR", tensorboard_dir(r.spec.training_args["output_dir"]))
         if not log_to_console:
@@ -291,7 +292,6 @@ def checkpoint(step: int) -> Iterator[Path]:
     """``with ftkit.hf.checkpoint(step) as path: accelerator.save_state(path)`` on every rank: the save goes to
     ``RUN/checkpoint-<step>``, then every rank's files are hashed, rank 0 writes the commit record and rotates
     (``train.save_total_limit``). Only a committed checkpoint is ever resumed from (:func:`resume_checkpoint`)."""
-    from ftkit.checkpoint.checkpoints import manifest_part, record_save_begun, rotate, write_commit
 
     r = _state()
     ctx, spec = r.ctx, r.spec
@@ -405,7 +405,6 @@ def save_trained(trainer: Any, output_dir: str | None = None, save: Callable[...
 def commit_final(step: int) -> None:
     """After every rank saved ``RUN/final`` (``save_model``): rank 0 writes its commit record, the sign the run
     finished; every rank says so in its heartbeat."""
-    from ftkit.checkpoint.checkpoints import manifest_part, write_commit
 
     r = _state()
     ctx, spec = r.ctx, r.spec
@@ -429,7 +428,6 @@ def _watch_supervisor(r: _Rank) -> dict[str, float] | None:
     """Stop by itself when ftkit launch is gone (launch/watchdog.py): save first (the same graceful stop the
     supervisor would ask for), bounded by resilience.stop_timeout_s, then end the rank. Returns the watchdog's
     bounds for the pid record (a relaunch waits that long for ranks that stop themselves), None when unwatched."""
-    from ftkit.launch.watchdog import SupervisorWatchdog
 
     timeout = float(r.spec.resilience("orphan_timeout_s", 60.0))
     grace = float(r.spec.resilience("stop_timeout_s", 120.0))
@@ -478,7 +476,6 @@ def _at_exit(r: _Rank) -> None:
             return
     except Exception:  # noqa: BLE001 - never turn a clean exit into a failure
         return
-    from ftkit.launch.watchdog import remove_own_shm
 
     remove_own_shm()
     _record_orphan_outcome(r, "orphan_finished" if r.final_step is not None else "orphan_stopped", "supervisor gone")

@@ -22,8 +22,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ftkit.errors import NoSpace, UserError
+from ftkit.errors import ModelConfigError, NoSpace, Problem, UserError
 from ftkit.launch import services as hf
+from ftkit.launch.data import collate, prepare
 from ftkit.launch.services import RankContext
 from ftkit.rundir.layout import NEARLY_FULL, atomic_write
 from ftkit.rundir.spec import RunSpec
@@ -34,8 +35,6 @@ PROBE_TOKENS = 16  # logits of the first tokens of the first example, saved afte
 def _load_model(spec: RunSpec, targs: Any):
     import torch
     from transformers import AutoModelForCausalLM
-
-    from ftkit.errors import ModelConfigError, Problem
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.precision, torch.float32)
     path = spec.model_path
@@ -92,8 +91,6 @@ def train(ctx: RankContext, resume: str | None) -> int | None:
 
     from transformers import AutoTokenizer, Trainer, TrainingArguments, set_seed
 
-    from ftkit.launch.data import collate, prepare
-
     set_seed(spec.training_args["seed"])
     # before the model: enables ZeRO-3 partitioned loading (the rank's start-up hands DeepSpeed the process group)
     targs = TrainingArguments(**spec.training_args)
@@ -102,8 +99,6 @@ def train(ctx: RankContext, resume: str | None) -> int | None:
         tok_rev = spec.tokenizer_revision
         tokenizer = AutoTokenizer.from_pretrained(tok_path, **({"revision": tok_rev} if tok_rev else {}))
     except (OSError, ValueError) as e:
-        from ftkit.errors import ModelConfigError, Problem
-
         raise ModelConfigError(Problem(f"cannot load a tokenizer: {str(e).splitlines()[0]}", file=tok_path)) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

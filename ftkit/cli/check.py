@@ -10,6 +10,7 @@ import click
 
 from ftkit.cli.options import out_option, overrides_argument, recipe_argument
 from ftkit.errors import ExitCode, os_error
+from ftkit.imports.against import check_against
 from ftkit.plan.load import default_out_dir, load_and_plan
 from ftkit.render import render_files
 
@@ -39,8 +40,6 @@ def command(recipe: str, out: str | None, against: tuple[str, ...], overrides: t
     """Re-render RECIPE in memory and compare with the files in OUT; print a unified diff per drifted file."""
     plan = load_and_plan(recipe, overrides)
     if against:
-        from ftkit.imports.against import check_against
-
         lines, differences = check_against(plan, against)
         for line in lines:
             click.echo(line)

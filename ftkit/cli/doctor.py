@@ -7,6 +7,11 @@ import json
 import click
 
 from ftkit.cli.options import cli_overrides, hostfile_option, json_option, overrides_argument, recipe_argument
+from ftkit.errors import PreflightError
+from ftkit.plan.load import load_and_plan
+from ftkit.run.doctor import run_doctor
+from ftkit.run.doctor_checks import format_report
+from ftkit.run.job import ssh_args_of
 
 
 @click.command(
@@ -39,10 +44,6 @@ Examples:
 @json_option
 def command(recipe: str, overrides: tuple[str, ...], hostfile: str | None, bandwidth: bool, as_json: bool) -> None:
     """Find the host that would break a multi-node start of RECIPE, in seconds, before launching anything."""
-    from ftkit.errors import PreflightError
-    from ftkit.plan.load import load_and_plan
-    from ftkit.run.doctor import run_doctor
-    from ftkit.run.job import ssh_args_of
 
     plan = load_and_plan(recipe, tuple(cli_overrides(overrides, hostfile)))
     report = run_doctor(plan, ssh_args=ssh_args_of(plan), bandwidth=bandwidth)
@@ -52,6 +53,5 @@ def command(recipe: str, overrides: tuple[str, ...], hostfile: str | None, bandw
 
 
 def _text(report) -> str:  # noqa: ANN001
-    from ftkit.run.doctor_checks import format_report
 
     return format_report(report)

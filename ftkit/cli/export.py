@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from ftkit.errors import Problem, UserError
+from ftkit.export import export, verify_export
 
 
 @click.command(
@@ -103,7 +104,6 @@ def command(
     verify_dir: str | None,
 ) -> None:
     """Export RUN's trained model from a committed checkpoint to a directory from_pretrained loads."""
-    from ftkit.export import export, verify_export
 
     if verify_dir is not None:
         if run_dir is not None:

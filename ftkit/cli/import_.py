@@ -10,6 +10,7 @@ import click
 from ftkit.cli.options import hostfile_option
 from ftkit.errors import Problem, UserError
 from ftkit.imports import import_configs
+from ftkit.render import write_files
 
 
 @click.command(
@@ -43,7 +44,6 @@ def command(
     """Read SOURCE... (deepspeed, accelerate, trainer, axolotl, llamafactory configs) and write one commented
     recipe. Every source key is reported once: mapped, equal to ftkit's default, "auto" resolved, or not carried
     (why). A key that changes training and cannot be carried stops the import (exit 2) unless named in --accept."""
-    from ftkit.render import write_files
 
     target = Path(out) if out else None
     if target is not None and target.exists() and not force:

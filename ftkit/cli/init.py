@@ -8,7 +8,8 @@ from pathlib import Path
 import click
 
 from ftkit.errors import Problem, UserError
-from ftkit.recipe.scaffold import HOSTFILE_TEMPLATE, RECIPE_TEMPLATES, read_template, sized_for_model, with_model
+from ftkit.plan.load import sized_for_model
+from ftkit.recipe.scaffold import HOSTFILE_TEMPLATE, RECIPE_TEMPLATES, read_template, with_model
 from ftkit.render import write_files
 
 TEMPLATE_HELP = "; ".join(f"{name}: {desc}" for name, (_, desc) in RECIPE_TEMPLATES.items())

@@ -15,6 +15,7 @@ from ftkit.cli.options import (
     overrides_argument,
     recipe_argument,
 )
+from ftkit.run.job import LaunchRequest, launch
 
 
 class _CommandAfterDashes(click.Command):
@@ -97,7 +98,6 @@ def command(
     """Launch RECIPE: validate, plan, own the run directory, preflight, render into it, start, supervise, recover.
 
     With `-- CMD [ARGS]`, every rank runs CMD instead of ftkit's built-in training entry."""
-    from ftkit.run.job import LaunchRequest, launch
 
     request = LaunchRequest(
         recipe=recipe,

@@ -15,6 +15,8 @@ import sys
 import click
 
 from ftkit import __version__
+from ftkit.cli import check, doctor, explain, import_, init, launch, plan, render, report, schema, status, stop, submit
+from ftkit.cli import export as export_
 from ftkit.errors import ExitCode, FtkitError, Problem, UserError, os_error
 
 EPILOG = """\b
@@ -107,22 +109,6 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from ftkit.cli import (
-        check,
-        doctor,
-        explain,
-        import_,
-        init,
-        launch,
-        plan,
-        render,
-        report,
-        schema,
-        status,
-        stop,
-        submit,
-    )
-    from ftkit.cli import export as export_
 
     for mod in (init, import_, render, check, explain, plan, doctor, launch, submit, status, report, stop, schema):
         cli.add_command(mod.command)

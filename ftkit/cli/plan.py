@@ -9,8 +9,8 @@ import click
 
 from ftkit.cli.options import json_option, overrides_argument, recipe_argument
 from ftkit.errors import ExitCode
-from ftkit.plan.candidates import HEADROOM, full_table
-from ftkit.plan.comm import fmt_bytes, plan_candidate
+from ftkit.plan.candidates import HEADROOM, full_table, plan_candidate
+from ftkit.plan.comm import fmt_bytes
 from ftkit.plan.load import load_and_plan
 
 SHORT = {

@@ -7,6 +7,7 @@ import sys
 import click
 
 from ftkit.cli.options import ssh_config_option
+from ftkit.run.owner import stop_run
 
 
 @click.command(
@@ -33,6 +34,5 @@ Exit codes: 0 nothing of the run is left, 2 not a run directory, 11 something is
 @ssh_config_option
 def command(run_dir: str, force: bool, timeout: float, ssh_config: str | None) -> None:
     """Stop the run in RUN_DIR: its supervisor saves the step in flight and tears everything down (exit 8 there)."""
-    from ftkit.run.owner import stop_run
 
     sys.exit(stop_run(run_dir, force=force, timeout=timeout, echo=click.echo, ssh_config=ssh_config))

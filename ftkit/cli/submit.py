@@ -7,6 +7,7 @@ import sys
 import click
 
 from ftkit.cli.options import overrides_argument, recipe_argument
+from ftkit.run.submit import SubmitRequest, submit
 
 
 class _SbatchAfterDashes(click.Command):
@@ -55,7 +56,6 @@ def command(
     dry_run: bool,
 ) -> None:
     """Submit RECIPE as a Slurm batch job that saves on Slurm's notice and requeues itself."""
-    from ftkit.run.submit import SubmitRequest, submit
 
     req = SubmitRequest(
         recipe=recipe,

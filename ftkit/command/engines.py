@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ftkit.cluster.procs import LOCAL_HOSTS
+from ftkit.cluster.slurm import require_allocation, slurm_env
 from ftkit.command.user_command import UserCommand
 from ftkit.errors import Problem, UserError
 from ftkit.rundir.env import (
@@ -421,7 +422,6 @@ def _torchrun(inp: LaunchInputs, base_env: Mapping[str, str]) -> LaunchCommand:
 def _srun(inp: LaunchInputs, base_env: Mapping[str, str]) -> LaunchCommand:
     """Inside a Slurm allocation: one ``srun`` step over the hosts, one task per node, each a torchrun agent (the
     ranks see what torchrun gives them under every other engine; a failing node ends the whole step)."""
-    from ftkit.cluster.slurm import require_allocation, slurm_env
 
     require_allocation(base_env)
     job = base_env["SLURM_JOB_ID"]

@@ -30,9 +30,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ftkit.checkpoint.checkpoints import _fsync_path, verify, write_commit
+from ftkit.checkpoint.checksums import full_checksum
+from ftkit.cluster.procs import is_alive
 from ftkit.errors import ExitCode, ExportMismatch, FtkitError, Problem, UserError
+from ftkit.export import card, weights
+from ftkit.export import weights as w
+from ftkit.export.card import read_record
+from ftkit.export.lora import adapter_entries, lora_math, merge_transform
 from ftkit.export.source import ADAPTER_CONFIG, FINAL, ExportRefused, RunFacts, Source, resolve, run_facts
-from ftkit.export.verify import Verdict
+from ftkit.export.verify import Verdict, prove
+from ftkit.export.weights import OUT_DTYPES, parse_size
 
 __all__ = [
     "ExportResult",
@@ -144,8 +152,6 @@ def export(
     try:
         import torch  # noqa: F401 - imported before the peak is reset: the phase's peak is then its data's
 
-        from ftkit.export import weights
-
         t0 = time.monotonic()
         _reset_peak_rss()
         files, tensors, nbytes = _write(staging, source, facts, kind, dtype, max_bytes)
@@ -158,8 +164,6 @@ def export(
         )
         verdict = None
         if verify:
-            from ftkit.export.verify import prove
-
             _reset_peak_rss()
             verdict = prove(staging, source, facts, kind, dtype, probe=None if probe is None else Path(probe))
             verdict.peak_rss_bytes = _peak_rss()
@@ -210,7 +214,6 @@ def _kind(source: Source, lora: str | None) -> str:
 
 
 def _dtype(dtype: str | None, facts: RunFacts) -> str:
-    from ftkit.export.weights import OUT_DTYPES
 
     chosen = dtype or facts.precision
     if chosen not in OUT_DTYPES:
@@ -219,7 +222,6 @@ def _dtype(dtype: str | None, facts: RunFacts) -> str:
 
 
 def _size(text: str | int) -> int:
-    from ftkit.export.weights import parse_size
 
     try:
         return parse_size(text)
@@ -245,7 +247,6 @@ def _check_target(target: Path, source: Source, *, force: bool, allow_final: boo
 
 def _remove_stale_staging(target: Path) -> None:
     """Staging directories of exports to the same place that died (their pid is gone)."""
-    from ftkit.cluster.procs import is_alive
 
     for p in target.parent.glob(f".{target.name}{_STAGING}*"):
         m = re.search(re.escape(_STAGING) + r"(?:old-)?(\d+)-", p.name)
@@ -254,7 +255,6 @@ def _remove_stale_staging(target: Path) -> None:
 
 
 def _put_in_place(staging: Path, target: Path, *, force: bool) -> None:
-    from ftkit.checkpoint.checkpoints import _fsync_path
 
     if target.is_dir() and any(target.iterdir()):
         if not force:  # appeared while we were exporting
@@ -279,7 +279,6 @@ def _put_in_place(staging: Path, target: Path, *, force: bool) -> None:
 def _write(
     staging: Path, source: Source, facts: RunFacts, kind: str, dtype: str, max_bytes: int
 ) -> tuple[list[str], int, int]:
-    from ftkit.export import weights as w
 
     tdtype = w.torch_dtype(dtype)
     if kind == "full":
@@ -288,7 +287,6 @@ def _write(
         _copy_config(staging, source.path if (source.path / "config.json").is_file() else _base_dir(facts), dtype)
         _copy_tokenizer(staging, source, facts)
         return written.files + ([written.index] if written.index else []), written.tensors, written.bytes
-    from ftkit.export.lora import adapter_entries, lora_math, merge_transform
 
     assert source.adapter_config is not None
     with _reader(source) as reader:
@@ -317,7 +315,6 @@ def _write(
 
 
 def _reader(source: Source) -> Any:
-    from ftkit.export import weights as w
 
     if source.layout == "zero":
         return w.zero_reader(source.path / str(source.tag), int(source.stage or 0))
@@ -392,8 +389,6 @@ def _finish(
     commit_extra: Mapping[str, Any] | None,
 ) -> None:
     """Model card, export record and the export's own commit record (every file, checksummed)."""
-    from ftkit.checkpoint.checkpoints import write_commit
-    from ftkit.export import card
 
     rec = card.record(
         source,
@@ -440,8 +435,6 @@ def _manifest(staging: Path) -> dict[str, dict[str, Any]]:
     into the process, and a 5 GB output shard would put 5 GB into the export's resident set (reclaimable page cache, but
     counted), undoing the streaming.
     """
-    from ftkit.checkpoint.checkpoints import _fsync_path
-    from ftkit.checkpoint.checksums import full_checksum
 
     out = {}
     for p in sorted(staging.rglob("*")):
@@ -458,9 +451,6 @@ def verify_export(export_dir: str | os.PathLike[str], *, note: Callable[[str], N
     """Re-check an earlier export: every file against its commit record (:class:`ExportTorn`, exit 13), the
     checkpoint it came from still committed and unchanged (:class:`ExportRefused`, exit 5), then the logits
     (:class:`ExportMismatch`, exit 15). Writes nothing."""
-    from ftkit.checkpoint.checkpoints import verify
-    from ftkit.export.card import read_record
-    from ftkit.export.verify import prove
 
     d = Path(export_dir)
     if not d.is_dir():

@@ -15,8 +15,10 @@ from typing import Any
 
 from ftkit import __version__
 from ftkit.cluster.pkgversions import versions
+from ftkit.errors import Problem, UserError
 from ftkit.export.source import RunFacts, Source
 from ftkit.export.verify import FP32_ATOL, Verdict
+from ftkit.export.weights import human
 
 CARD = "README.md"
 RECORD = "ftkit_export.json"
@@ -97,7 +99,6 @@ def record(
 
 
 def read_record(export_dir: Path) -> dict[str, Any]:
-    from ftkit.errors import Problem, UserError
 
     path = export_dir / RECORD
     try:
@@ -112,7 +113,6 @@ def read_record(export_dir: Path) -> dict[str, Any]:
 
 
 def _mb(n: int | None) -> str:
-    from ftkit.export.weights import human
 
     return "n/a" if n is None else human(n)
 

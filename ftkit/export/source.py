@@ -33,6 +33,7 @@ from typing import Any
 from ftkit.checkpoint.checkpoints import COMMIT_FILE, LATEST, list_checkpoints, select_resume, verify
 from ftkit.errors import NoValidCheckpoint, Problem, UserError
 from ftkit.rundir.layout import RunDir
+from ftkit.rundir.spec import RunSpec
 from ftkit.supervise.universal import LATEST_UNIVERSAL
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -248,7 +249,6 @@ class RunFacts:
 
 
 def run_facts(source: Source) -> RunFacts:
-    from ftkit.rundir.spec import RunSpec
 
     spec = RunSpec.read(RunDir(source.run_dir).spec)
     flat = source.fingerprint.get("recipe") if isinstance(source.fingerprint.get("recipe"), dict) else {}

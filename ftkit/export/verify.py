@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from ftkit.export.source import RunFacts, Source
+from ftkit.export.weights import cpu_only, torch_dtype
 
 FP32_ATOL = 1e-5
 PROBE_SEED = 1234
@@ -117,7 +118,6 @@ class Verdict:
 def quiet() -> Iterator[None]:
     """DeepSpeed's converter prints progress and tqdm bars; transformers warns about what it loads. The CLI
     prints its own lines: swallow theirs (errors still raise)."""
-    from ftkit.export.weights import cpu_only
 
     cpu_only()
     import transformers
@@ -283,8 +283,6 @@ def prove(
     """
     import torch
     from transformers import AutoConfig
-
-    from ftkit.export.weights import torch_dtype
 
     t0 = time.monotonic()
     verdict = Verdict(dtype)

@@ -21,6 +21,8 @@ from ftkit.errors import Problem, UserError
 from ftkit.imports.deepspeed import DEFAULTS, canonical, default_clipping, relevant
 from ftkit.imports.mapping import fmt
 from ftkit.imports.read import load
+from ftkit.render.accelerate import accelerate_dict
+from ftkit.render.deepspeed import render_deepspeed
 
 if TYPE_CHECKING:  # pragma: no cover
     from ftkit.plan.plan import Plan
@@ -88,8 +90,6 @@ def _show(value: Any) -> str:
 def diff_against(plan: Plan, file: str, ds_path_in_yaml: str = "ds_config.json") -> tuple[list[Difference], list[str]]:
     """(differences, notes) between ``file`` (a DeepSpeed JSON or an Accelerate YAML, whose deepspeed_config_file is
     compared too) and what ``plan`` renders."""
-    from ftkit.render.accelerate import accelerate_dict
-    from ftkit.render.deepspeed import render_deepspeed
 
     loaded = load(file)
     if loaded.kind == "deepspeed":

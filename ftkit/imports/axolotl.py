@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from ftkit.imports import trainer_args as ta
 from ftkit.imports.fsdp import refuse_fsdp
 from ftkit.imports.mapping import ACCUM, BF16, FP16, MICRO, TA_OPTIM, Sink
+from ftkit.imports.read import Command
 from ftkit.imports.values import to_bool, to_int, to_str, unset
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -262,7 +263,6 @@ KEYS: dict[str, ta.Handler] = {
 
 
 def read(sink: Sink, data: Any, ctx: Context) -> None:
-    from ftkit.imports.read import Command
 
     if isinstance(data, Command):  # `axolotl train config.yml`, `accelerate launch -m axolotl.cli.train config.yml`
         for path in data.positional:

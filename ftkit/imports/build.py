@@ -15,10 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from ftkit import __version__
+from ftkit.cluster.hostfile import parse_hostfile
 from ftkit.errors import Problem, RecipeError, UserError
 from ftkit.imports import accelerate, axolotl, deepspeed, llamafactory, trainer_args
 from ftkit.imports.mapping import ACCUM, AUTO, HARD, NO_EFFECT, NODES, REFUSED, WORLD, Report, Sink, _accepted
 from ftkit.imports.read import Loaded, load
+from ftkit.model.config import hub_config_file, looks_like_hub_id
+from ftkit.model.shape import hidden_size, load_config_file, load_model_config
+from ftkit.recipe.load import load_recipe
+from ftkit.recipe.scaffold import commented_recipe
 from ftkit.recipe.schema import REQUIRED, SECTIONS, TOP_LEVEL
 
 READERS = {
@@ -89,7 +94,6 @@ class Context:
         self.queue.append((str(path), kind, text))
 
     def hostfile(self, sink: Sink, key: str, text: str) -> None:
-        from ftkit.cluster.hostfile import parse_hostfile
 
         path = self.resolve_path(text, self.current_dir)
         if path is None:
@@ -123,7 +127,6 @@ class Context:
     def path_value(self, text: str, hub: bool = False) -> str:
         """A path as a source wrote it (relative to where the run started: here) as the recipe needs it (relative
         to the recipe's directory); a hub id (org/name with no such directory) stays as it is."""
-        from ftkit.model.config import looks_like_hub_id
 
         path = Path(os.path.expanduser(text))
         if hub and not path.is_absolute() and looks_like_hub_id(text) and not (self.cwd / path).exists():
@@ -202,8 +205,6 @@ def _read(sink: Sink, loaded: Loaded, ctx: Context) -> None:
 
 def _model(report: Report, ctx: Context, model: str | None) -> None:
     """model.path from --model (it wins over a source's model) and the hidden size HF's "auto" buckets use."""
-    from ftkit.model.config import hub_config_file, looks_like_hub_id
-    from ftkit.model.shape import hidden_size, load_config_file, load_model_config
 
     if model is not None:
         for c in report.claims:
@@ -317,7 +318,6 @@ def _nested(values: dict[str, Any]) -> dict[str, Any]:
 def _recipe_text(
     values: dict[str, Any], sources: list[str], report: Report, accepted: set[str], placeholders: list[str]
 ) -> str:
-    from ftkit.recipe.scaffold import commented_recipe
 
     header = [f"# ftkit recipe imported by `ftkit import` (ftkit {__version__}) from:"]
     header += [f"#   {s}" for s in sources]
@@ -333,7 +333,6 @@ def _recipe_text(
 
 def _validate(text: str, out: Path | None) -> None:
     """Load the recipe with ftkit's own loader, so what is written always loads; problems name the recipe."""
-    from ftkit.recipe.load import load_recipe
 
     label = str(out) if out else "the imported recipe"
     with tempfile.TemporaryDirectory() as d:

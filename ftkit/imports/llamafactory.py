@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ftkit.imports import trainer_args as ta
 from ftkit.imports.mapping import Sink
+from ftkit.imports.read import Command
 from ftkit.imports.values import to_bool, to_int, to_str, unset
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -136,7 +137,6 @@ KEYS: dict[str, ta.Handler] = {
 
 
 def read(sink: Sink, data: Any, ctx: Context) -> None:
-    from ftkit.imports.read import Command
 
     if isinstance(data, Command) and data.launcher == "llamafactory-cli":
         for path in data.positional:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ftkit.errors import Problem, RecipeError, UserError
+from ftkit.recipe.load import _compose, _to_python, _walk
 
 KINDS = ("deepspeed", "accelerate", "trainer", "axolotl", "llamafactory")
 MAX_BYTES = 1 << 20  # a config is a few KiB
@@ -178,7 +179,6 @@ def _parse_json(text: str, label: str) -> Any:
 
 
 def _parse_yaml(text: str, label: str) -> tuple[Any, dict[str, int]]:
-    from ftkit.recipe.load import _compose, _to_python, _walk
 
     try:
         node = _compose(text, label)

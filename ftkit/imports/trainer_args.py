@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ftkit.imports.fsdp import refuse_fsdp
 from ftkit.imports.mapping import ACCUM, BF16, FP16, MICRO, NODES, TA_OPTIM, WORLD, Sink, fmt
 from ftkit.imports.read import Command
 from ftkit.imports.values import to_bool, to_float, to_int, to_str, unset
@@ -201,7 +202,6 @@ def _deepspeed(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> No
 
 
 def _fsdp(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
-    from ftkit.imports.fsdp import refuse_fsdp
 
     if unset(value) or value is False or str(value).strip().lower() in ("", "false", "none", "[]"):
         sink.same(key, "FSDP off")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ftkit.errors import ModelConfigError, Problem
+from ftkit.model.shape import load_config_file, load_model_config
 
 DEFAULT_REVISION = "main"
 # The hub's repo-id grammar (huggingface_hub.utils.validate_repo_id): namespace/name, letters, digits, '-', '_', '.'
@@ -178,7 +179,6 @@ def checked_in_drift(recipe: Any) -> str | None:
     checked = recipe.get("model.config")
     if not checked:
         return None
-    from ftkit.model.shape import load_config_file, load_model_config
 
     try:
         mine = load_config_file(checked)

@@ -15,19 +15,21 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ftkit.errors import RecipeError, UserError
-from ftkit.model.shape import ModelShape, count_params, count_params_meta, lora_trainable_params
+from ftkit.model.shape import ModelShape, count_params, count_params_meta, lora_tensors, lora_trainable_params
 from ftkit.plan.comm import (
     ZEROPP_MARGIN,
     Prediction,
     ZeroPP,
-    plan_context,
     predict,
     ranking_time,
+    resolve_gpu,
+    resolve_network,
     zeropp_candidates,
     zeropp_memory_bytes,
 )
 from ftkit.plan.knobs import overlap_comm_auto, persistence_threshold
 from ftkit.plan.memory import (
+    PRECISION_BYTES,
     Candidate,
     Choice,
     Estimate,
@@ -355,3 +357,53 @@ def _default_lora(shape: ModelShape) -> int | None:
         return lora_trainable_params(shape, 16, ["q_proj", "k_proj", "v_proj", "o_proj"])
     except UserError:
         return None
+
+
+def plan_context(recipe: Any, hosts: list[tuple[str, int]], shape: Any) -> dict[str, Any]:
+    """What the predictions for one plan share: the network, the GPU, the LoRA tensor sizes."""
+    r = recipe
+    gpu, gpu_src = resolve_gpu(r)
+    net = resolve_network(r, [h for h, _ in hosts])
+    lora = None
+    if r.has_peft:
+        try:
+            lora = lora_tensors(shape, r["peft.r"], r["peft.target_modules"])
+        except Exception:  # noqa: BLE001 - the memory planner reported a bad target already
+            lora = None
+    return {"gpu": gpu, "gpu_source": gpu_src, "net": net, "lora_tensors": lora}
+
+
+def predict_plan(plan: Any, candidate: Candidate | None = None) -> Prediction:
+    """The prediction for the plan's own choice (or ``candidate``) with the plan's knobs."""
+    if plan.memory is None:
+        plan.memory = plan_memory(plan)
+    ctx = plan_context(plan.recipe, plan.hosts, plan.memory.shape)
+    k = plan.knobs
+    c = candidate or plan_candidate(plan)
+    oc = k["overlap_comm"].value if "overlap_comm" in k else c.stage == 3
+    return predict(
+        c,
+        plan.memory.workload,
+        plan.grad_accum,
+        ctx["net"],
+        ctx["gpu"],
+        overlap_comm=bool(oc),
+        gpu_source=ctx["gpu_source"],
+        comm_bytes=PRECISION_BYTES[plan.recipe["train.precision"]],
+        persistence_threshold=k["stage3_param_persistence_threshold"].value
+        if "stage3_param_persistence_threshold" in k
+        else None,
+        max_reuse_distance=k["stage3_max_reuse_distance"].value if "stage3_max_reuse_distance" in k else 10**9,
+        lora_tensors=ctx["lora_tensors"],
+        reduce_bucket_size=k["reduce_bucket_size"].value if "reduce_bucket_size" in k else None,
+    )
+
+
+def plan_candidate(plan: Any) -> Candidate:
+    k = plan.knobs
+    hpz = k["zero_hpz_partition_size"].value if "zero_hpz_partition_size" in k else 1
+    qwz = bool(k["zero_quantized_weights"].value) if "zero_quantized_weights" in k else False
+    qgz = bool(k["zero_quantized_gradients"].value) if "zero_quantized_gradients" in k else False
+    if plan.stage == 3 and (hpz > 1 or qwz or qgz):
+        return ZeroPP(3, plan.offload_optimizer, plan.offload_params, hpz=hpz, qwz=qwz, qgz=qgz)
+    return Candidate(plan.stage, plan.offload_optimizer, plan.offload_params)

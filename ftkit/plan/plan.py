@@ -12,8 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ftkit.cluster.hostfile import apply_filters, parse_hostfile
 from ftkit.cluster.procs import LOCAL_HOSTS
+from ftkit.cluster.slurm import allocation_hosts, in_allocation, job_port
 from ftkit.errors import Problem, RecipeError, UserError
+from ftkit.model.config import config_source
+from ftkit.model.shape import hidden_size, load_config_file, load_model_config
+from ftkit.plan.candidates import plan_memory
+from ftkit.plan.comm import ZeroPP
+from ftkit.plan.knobs import decide_config_knobs, decide_zero_knobs
+from ftkit.plan.memory import Candidate
 from ftkit.recipe.load import CLI, DEFAULT, Recipe
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -99,8 +107,6 @@ def resolve_cluster(
     if recipe["cluster.engine"] == "slurm":  # the allocation's nodes (ftkit launch refuses outside one)
         import os
 
-        from ftkit.cluster.slurm import allocation_hosts, in_allocation
-
         if include or exclude:
             raise RecipeError(Problem("--include/--exclude do not apply to engine slurm (use sbatch -w/-x)", file=CLI))
         if in_allocation(os.environ):
@@ -113,7 +119,6 @@ def resolve_cluster(
         if n == 1:
             return [("localhost", recipe["cluster.gpus_per_node"])], {}
         return [(f"node{i}", recipe["cluster.gpus_per_node"]) for i in range(n)], {}
-    from ftkit.cluster.hostfile import apply_filters, parse_hostfile
 
     hf = parse_hostfile(hostfile)
     if include or exclude:
@@ -131,8 +136,6 @@ def _master_port(recipe: Recipe) -> int:
 
     port = recipe["cluster.master_port"]
     if recipe["cluster.engine"] == "slurm" and recipe.sources.get("cluster.master_port", DEFAULT) == DEFAULT:
-        from ftkit.cluster.slurm import job_port
-
         return job_port(os.environ, port)
     return port
 
@@ -155,9 +158,6 @@ def build_plan(
     command, which loads its own model): a config.json that cannot be read is no error; the plan uses DeepSpeed's
     default bucket sizes, estimates no memory, and says so in ``Plan.unknown`` (``zero.stage: auto`` still needs it).
     """
-    from ftkit.model.config import config_source
-    from ftkit.model.shape import hidden_size, load_config_file, load_model_config
-    from ftkit.plan.knobs import decide_config_knobs
 
     problems: list[Problem] = []
     if hosts is None:
@@ -280,7 +280,6 @@ def build_plan(
 
 def note_zeropp(plan: Plan, chosen: Any, why: str) -> None:
     """ZeRO++'s knobs when ``auto`` chose a ZeRO++ candidate (by predicted speed across nodes, ftkit.plan.comm)."""
-    from ftkit.plan.comm import ZeroPP
 
     if isinstance(chosen, ZeroPP):
         plan.note("zero_hpz_partition_size", chosen.hpz, f"hpZ over one node's {chosen.hpz} ranks: {why}")
@@ -293,8 +292,6 @@ def _ints(values: tuple[int, ...]) -> str:
 
 
 def _resolve_zero(plan: Plan, with_memory: bool, strict: bool = True) -> None:
-    from ftkit.plan.knobs import decide_zero_knobs
-    from ftkit.plan.memory import Candidate
 
     r = plan.recipe
     stage, opt = r["zero.stage"], r["zero.offload_optimizer"]
@@ -306,8 +303,6 @@ def _resolve_zero(plan: Plan, with_memory: bool, strict: bool = True) -> None:
     )
     report = None
     if needs_memory and with_memory:
-        from ftkit.plan.candidates import plan_memory
-
         report = plan_memory(plan)
         plan.memory = report
     if stage == "auto" or opt == "auto":

@@ -27,7 +27,7 @@ import yaml
 from ftkit.errors import Problem, RecipeError
 from ftkit.model.config import is_hub_id
 from ftkit.recipe.rules import offload_problems
-from ftkit.recipe.schema import REQUIRED, SECTION_BY_NAME, SECTIONS, TOP_LEVEL, Field
+from ftkit.recipe.schema import FIELD_BY_KEY, REQUIRED, SECTION_BY_NAME, SECTIONS, TOP_LEVEL, Field
 
 try:  # the C loader is ~10x faster; fall back quietly where libyaml is missing
     from yaml import CSafeLoader as _Loader
@@ -518,7 +518,6 @@ def load_recipe(path: str | os.PathLike[str] | None, overrides: list[str] | tupl
 
 
 def _field(key: str) -> Field | None:
-    from ftkit.recipe.schema import FIELD_BY_KEY
 
     return FIELD_BY_KEY.get(key)
 

@@ -7,9 +7,11 @@ import os
 import tempfile
 from pathlib import Path
 
+from ftkit.errors import os_error
 from ftkit.plan.plan import Plan
 from ftkit.render.accelerate import render_accelerate
 from ftkit.render.deepspeed import render_deepspeed, to_json
+from ftkit.rundir.layout import creation_mode
 
 DS_FILE = "ds_config.json"
 ACCELERATE_FILE = "accelerate.yaml"
@@ -41,8 +43,6 @@ def write_files(out_dir: Path, files: dict[str, str]) -> list[Path]:
     Files get the mode a plain ``open()`` would give them (0666 less the umask), not mkstemp's 0600. An OSError
     (no space, read-only, not a directory, ...) becomes an FtkitError naming the path, with no temp file left.
     """
-    from ftkit.errors import os_error
-    from ftkit.rundir.layout import creation_mode
 
     if out_dir.exists() and not out_dir.is_dir():
         raise os_error(NotADirectoryError(errno.ENOTDIR, "not a directory", str(out_dir)), out_dir, "cannot write")

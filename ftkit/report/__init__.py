@@ -5,7 +5,7 @@ Import-light: matplotlib is imported only when a page is drawn (:mod:`ftkit.repo
 """
 
 from ftkit.report.goodput import CATEGORIES, DEFINITION, Attempt, Goodput, goodput
-from ftkit.report.live import ReportRefresher, plan_record, record_step_times
+from ftkit.report.live import ReportRefresher, plan_record
 from ftkit.report.page import build_report, write_report
 
 __all__ = [
@@ -17,6 +17,5 @@ __all__ = [
     "build_report",
     "goodput",
     "plan_record",
-    "record_step_times",
     "write_report",
 ]

@@ -13,6 +13,7 @@ import io
 import re
 from typing import Any
 
+from ftkit.errors import UserError
 from ftkit.report.goodput import CATEGORIES, Attempt, Goodput
 from ftkit.report.timeline import MARKS, PHASES, Timeline
 
@@ -59,8 +60,6 @@ def _figure(width: float, height: float) -> Any:
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        from ftkit.errors import UserError
-
         raise UserError("ftkit report needs matplotlib: pip install 'ftkit[plot]'") from None
     return Figure(figsize=(width, height), dpi=96)
 

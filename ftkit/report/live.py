@@ -2,8 +2,8 @@
 
 * :func:`plan_record`: the plan's figures (stage, memory per GPU, predicted step time, FLOPs per token, the GPU's
   peak) for one ``plan`` event at launch, so a report needs nothing but events.jsonl and metrics.jsonl;
-* :func:`record_step_times`: after each attempt's teardown, every rank's and host's compute time per step (from
-  the heartbeats, which the next attempt overwrites) as one ``step_times`` event;
+* (the supervisor's :func:`ftkit.supervise.stragglers.record_step_times`): after each attempt's teardown, every rank's
+and host's compute time per step (from   the heartbeats, which the next attempt overwrites) as one ``step_times`` event;
 * :class:`ReportRefresher`: renders the page in a detached ``python -m ftkit report`` after every attempt, so the
   supervisor never waits for matplotlib; the launch waits for the last render only when it ends (a bounded wait),
   and a render that fails is one warning line, never a failed run.
@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ftkit.model.shape import count_params
+from ftkit.plan.candidates import predict_plan
 from ftkit.rundir.layout import RunDir
 
 REPORT_NAME = "report.html"
@@ -49,9 +51,6 @@ def plan_record(plan: Any) -> dict[str, Any]:
         "lora": bool(r.has_peft),
     }
     try:
-        from ftkit.model.shape import count_params
-        from ftkit.plan.comm import predict_plan
-
         if plan.unknown:
             raise ValueError("; ".join(plan.unknown))
         if plan.memory is None and count_params(plan.model_config) is None:
@@ -79,32 +78,6 @@ def plan_record(plan: Any) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - the record is informative; it must never stop a launch
         rec["not_estimated"] = str(e) or type(e).__name__
     return rec
-
-
-def record_step_times(rd: RunDir, attempt: int, events: Callable[..., None]) -> None:
-    """One ``step_times`` event: each rank's compute time per step (its heartbeat's EWMA of the forward passes) and
-    each host's median, as :mod:`ftkit.supervise.stragglers` scores them. Nothing when no rank measured a step."""
-    from ftkit.supervise.stragglers import hosts_by_rank, score
-
-    try:
-        beats = [b for b in rd.heartbeats() if b.get("attempt") == attempt]
-        report = score(beats, hosts_by_rank(rd, attempt), attempt=attempt)
-    except OSError:
-        return
-    if not report.hosts:
-        return
-    by_rank = hosts_by_rank(rd, attempt)
-    ranks = [
-        {
-            "rank": b.get("rank"),
-            "host": by_rank.get(b.get("rank")) or b.get("node") or b.get("host"),
-            "compute_s": b.get("compute_ewma_s"),
-            "steps": b.get("compute_n"),
-        }
-        for b in sorted(beats, key=lambda b: b.get("rank") or 0)
-        if isinstance(b.get("compute_ewma_s"), (int, float))
-    ]
-    events("step_times", None, hosts=report.as_dict()["hosts"], ranks=ranks)
 
 
 class ReportRefresher:

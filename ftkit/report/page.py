@@ -13,7 +13,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ftkit.checkpoint.checkpoints import list_checkpoints, list_set_aside, verify
 from ftkit.errors import NoSpace, Problem, UserError
+from ftkit.report import charts
+from ftkit.report.charts import CATEGORY_COLOURS
 from ftkit.report.goodput import (
     CATEGORIES,
     DEFINITION,
@@ -26,7 +29,7 @@ from ftkit.report.goodput import (
     timed_events,
 )
 from ftkit.report.timeline import PHASES, Timeline, build_timeline
-from ftkit.rundir.layout import RunDir, atomic_write
+from ftkit.rundir.layout import RunDir, atomic_write, read_jsonl
 
 TIER = "durable"  # every checkpoint is in the run directory today; a node-local tier would add its own rows
 CSS = """
@@ -153,7 +156,6 @@ def throughput_rows(g: Goodput, plan: Mapping[str, Any] | None) -> list[dict[str
 def checkpoint_rows(run: Path, g: Goodput) -> list[dict[str, Any]]:
     """Every checkpoint the run committed (metrics' commit records) or has on disk, with its tier, size, save time
     and verification state (sizes of every file against its commit record; no hashing)."""
-    from ftkit.checkpoint.checkpoints import list_checkpoints, list_set_aside, verify
 
     saves: dict[int, dict[str, Any]] = {}
     rotated: set[str] = set()
@@ -231,8 +233,6 @@ def host_rows(g: Goodput) -> list[dict[str, Any]]:
 
 def build_report(run_dir: str | Path) -> str:
     """The page for RUN_DIR, from its events.jsonl and metrics.jsonl (and its checkpoints' commit records)."""
-    from ftkit.report import charts
-    from ftkit.run.status import read_jsonl
 
     rd = RunDir(run_dir)
     skipped: dict[str, int] = {}
@@ -332,7 +332,6 @@ def _header(rd: RunDir, g: Goodput, events: list[dict[str, Any]], skipped: dict[
 
 
 def _goodput_section(g: Goodput, chart: str | None) -> str:
-    from ftkit.report.charts import CATEGORY_COLOURS
 
     rows = []
     for key, label, what in CATEGORIES:

@@ -44,7 +44,10 @@ from typing import Any
 
 from ftkit.cluster.fanout import LOCAL_HOSTS, run_on_hosts
 from ftkit.errors import PreflightError
+from ftkit.plan.comm import BANDWIDTH_FILE_VERSION, DEFAULT_NETWORK, NETWORK_PRESETS, bandwidth_file
 from ftkit.run.doctor_checks import DoctorReport, check_facts, check_locks
+from ftkit.run.preflight import local_versions, run_preflight
+from ftkit.rundir.layout import atomic_write
 
 FACTS_DEADLINE_S = 15.0
 RENDEZVOUS_TIMEOUT_S = 10.0
@@ -80,7 +83,6 @@ def _facts(
     plan: Any, rep: DoctorReport, ssh_args: list[str], python: str, env: dict[str, str], transport: Any = None
 ) -> set[str]:
     """Run the facts probe everywhere; returns the hosts that could not be reached."""
-    from ftkit.run.preflight import local_versions
 
     r = plan.recipe
     hosts = rep.hosts
@@ -118,7 +120,6 @@ def _facts(
 
 def _preflight(plan: Any, hosts: list[str], ssh_args: list[str], python: str) -> tuple[Any, list[tuple[str, str]]]:
     """run_preflight as it is: (its report or None, [(host or "-", problem)])."""
-    from ftkit.run.preflight import run_preflight
 
     r = plan.recipe
     try:
@@ -221,7 +222,6 @@ def _rendezvous_fix(o: dict[str, Any], plan: Any) -> str:
 
 
 def _bandwidth(plan: Any, hosts: list[str], outs: dict[str, dict[str, Any]], backend: str) -> dict[str, Any]:
-    from ftkit.plan.comm import BANDWIDTH_FILE_VERSION, NETWORK_PRESETS
 
     r = plan.recipe
     rows = outs[hosts[0]].get("all", [])
@@ -232,8 +232,6 @@ def _bandwidth(plan: Any, hosts: list[str], outs: dict[str, dict[str, Any]], bac
             pairs.append({"hosts": [hosts[i], hosts[j]], **{k: p[k] for k in ("bytes", "seconds", "busbw_gbs")}})
     name = r["cluster.network"]
     if name == "auto":
-        from ftkit.plan.comm import DEFAULT_NETWORK
-
         name = "loopback" if r["cluster.accelerator"] == "cpu" else DEFAULT_NETWORK
     intra = r["cluster.intra_node_gbs"] or NETWORK_PRESETS[name].intra_gbs
     return {
@@ -250,8 +248,6 @@ def _bandwidth(plan: Any, hosts: list[str], outs: dict[str, dict[str, Any]], bac
 
 
 def write_bandwidth(data: dict[str, Any], path: Path | None = None) -> Path:
-    from ftkit.plan.comm import bandwidth_file
-    from ftkit.rundir.layout import atomic_write
 
     p = path or bandwidth_file()
     p.parent.mkdir(parents=True, exist_ok=True)

@@ -97,6 +97,7 @@ from typing import Any
 from ftkit import __version__
 from ftkit.cluster.pkgversions import versions as installed_versions
 from ftkit.errors import Problem, UserError
+from ftkit.model.config import config_source
 from ftkit.recipe.schema import FIELD_BY_KEY
 
 FORMAT = 1
@@ -341,9 +342,6 @@ def _actual_config_file(plan: Any) -> str:
     r = plan.recipe
     file = getattr(plan, "model_config_file", "") or ""
     if r.get("model.config") and r.get("model.path"):
-        from ftkit.errors import UserError
-        from ftkit.model.config import config_source
-
         try:
             return config_source(r, checked_in=False).file
         except UserError:

@@ -17,18 +17,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ftkit.checkpoint.checkpoints import select_resume
+from ftkit.cluster.slurm import require_allocation, transport_for
 from ftkit.command.engines import LaunchInputs, build_launch, describe
-from ftkit.command.user_command import UserCommand
+from ftkit.command.user_command import UserCommand, builtin_only_keys, inject_dir, module_exists, parse_command
 from ftkit.errors import ExitCode, FtkitError, NoSpace, RecipeError, UserError
+from ftkit.model.config import checked_in_drift
 from ftkit.plan.plan import Plan, build_plan
+from ftkit.recipe.load import load_recipe
+from ftkit.report.live import ReportRefresher, plan_record
+from ftkit.run.doctor import cheap_checks
+from ftkit.run.fingerprint import compare, compute
+from ftkit.run.owner import Ownership, owner_state, stop_leftovers
+from ftkit.run.prepare import prepare_run
+from ftkit.run.status import format_summary, summarize
 from ftkit.rundir.layout import RunDir
+from ftkit.rundir.owner import read_owner
+from ftkit.supervise.choose import foreign_refusal, select, space_refusal
+from ftkit.supervise.supervisor import Supervisor
 
 
 def launch_inputs(
     plan: Plan, attempt: int = 0, resume: str | None = None, command: UserCommand | None = None, inject: bool = True
 ) -> LaunchInputs:
     r = plan.recipe
-    from ftkit.command.user_command import inject_dir
 
     return LaunchInputs(
         engine=r["cluster.engine"],
@@ -97,17 +109,13 @@ def ssh_args_of(plan: Plan) -> list[str]:
 def launch(req: LaunchRequest, echo: Callable[[str], None] = print, warn: Callable[[str], None] | None = None) -> int:
     """Run the job; returns the exit code (README "Exit codes"). Raises FtkitError for what ends it before start.
     ``warn`` gets warnings (stderr on the command line)."""
-    from ftkit.recipe.load import load_recipe
 
     recipe = load_recipe(req.recipe, list(req.overrides))
     if recipe["cluster.engine"] == "slurm":  # hosts, ranks and teardown come from the allocation: none, none here
-        from ftkit.cluster.slurm import require_allocation
-
         require_allocation(os.environ)
     # A user command loads its own model: a config.json the plan cannot read limits the plan, not the launch.
     custom = req.command is not None or recipe.values.get("train.command") is not None
     plan = build_plan(recipe, include=req.include, exclude=req.exclude, unknown_model_ok=custom)
-    from ftkit.model.config import checked_in_drift
 
     warning = checked_in_drift(plan.recipe)  # model.config (checked in) differs from the model's real config.json
     if warning:
@@ -134,7 +142,6 @@ def launch(req: LaunchRequest, echo: Callable[[str], None] = print, warn: Callab
 
 def _check_inputs(plan: Plan, command: UserCommand | None) -> None:
     """What would end the launch right after it starts, checked before anything is owned or started (read-only)."""
-    from ftkit.supervise.choose import foreign_refusal
 
     r = plan.recipe
     if command is None:  # the built-in entry reads them: a missing file would fail every rank after its start-up
@@ -157,10 +164,6 @@ def _dry_run_verdict(plan: Plan, req: LaunchRequest, echo: Callable[[str], None]
     """The exit code the launch would have, from the same checks it makes before starting anything (read-only):
     the run directory's owner, the resume choice and what changed since that checkpoint. Not the preflight
     (ssh to every host): `ftkit doctor` runs that."""
-    from ftkit.run.fingerprint import compute
-    from ftkit.run.owner import owner_state
-    from ftkit.rundir.owner import read_owner
-    from ftkit.supervise.choose import select, space_refusal
 
     r = plan.recipe
     rd = RunDir(r["train.output_dir"])
@@ -201,8 +204,6 @@ def _user_command(
     import importlib.util
     import shutil
 
-    from ftkit.command.user_command import builtin_only_keys, module_exists, parse_command
-
     r = plan.recipe
     argv = req.command if req.command is not None else r.values.get("train.command")
     if argv is None:
@@ -228,9 +229,6 @@ def _user_command(
 def _owned_launch(
     plan: Plan, req: LaunchRequest, echo: Callable[[str], None], command: UserCommand | None = None
 ) -> int:
-    from ftkit.run.doctor import cheap_checks
-    from ftkit.run.owner import Ownership, stop_leftovers
-    from ftkit.supervise.choose import space_refusal
 
     r = plan.recipe
     rd = RunDir(r["train.output_dir"])
@@ -240,7 +238,6 @@ def _owned_launch(
     try:
         # preflight plus doctor's cheap checks on every host at once (versions, space, /dev/shm, clock, interface,
         # stale build locks); `ftkit doctor` adds the rendezvous and all-reduce
-        from ftkit.cluster.slurm import transport_for  # inside a Slurm allocation the other nodes are reached by srun
 
         report = cheap_checks(plan, ssh_args, transport=transport_for(r["cluster.engine"], os.environ))
         sup = _supervisor(plan, rd, ssh_args, echo, command, req.inject)
@@ -255,8 +252,6 @@ def _owned_launch(
         full = space_refusal(rd, choice)
         if full is not None:
             raise NoSpace(full)
-        from ftkit.run.fingerprint import compute
-        from ftkit.run.prepare import prepare_run
 
         fingerprint = compute(plan)  # hashes the data file: once per launch
         overrides, changes = _check_changes(fingerprint, choice, req.allow_changes, echo)
@@ -270,14 +265,12 @@ def _owned_launch(
         # Recomputed steps legitimately differ after any applied change (a new max_steps reshapes the schedule).
         sup.check_fidelity = not changes
         sup.events("preflight", "preflight passed: " + "; ".join(report.checks), versions=report.versions)
-        from ftkit.report.live import ReportRefresher, plan_record
 
         sup.events("plan", None, **plan_record(plan))  # ftkit report reads the plan's figures from events.jsonl
         sup.reports = ReportRefresher(rd, echo)
         code = sup.run(first=choice)
     finally:
         ownership.release()
-    from ftkit.run.status import format_summary, summarize
 
     try:
         echo(format_summary(summarize(rd.path)))
@@ -302,7 +295,6 @@ def _check_changes(
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Compare what shapes training now with what the chosen checkpoint was saved with; refuse (exit 2, nothing
     written) what the user did not allow. Returns the spec's resume_overrides and the changes for events.jsonl."""
-    from ftkit.run.fingerprint import compare
 
     allow = [k.strip() for item in allow for k in item.split(",") if k.strip()]
     if choice.resume is None:
@@ -327,8 +319,6 @@ def _supervisor(
     command: UserCommand | None = None,
     inject: bool = True,
 ):
-    from ftkit.run.prepare import prepare_run
-    from ftkit.supervise.supervisor import Supervisor
 
     r = plan.recipe
     return Supervisor(
@@ -353,7 +343,6 @@ def _supervisor(
 
 def dry_run(plan: Plan, command: UserCommand | None = None, inject: bool = True) -> str:
     """What a launch would start (per-node argv and environment), and who owns the run directory now. Reads only."""
-    from ftkit.checkpoint.checkpoints import select_resume
 
     rd = RunDir(plan.recipe["train.output_dir"])
     lines = []

@@ -36,13 +36,16 @@ from typing import Any
 
 from ftkit.cluster.procs import (
     Target,
+    group_exists,
     is_alive,
     is_this_machine,
     remote_signal,
+    remove_shm,
     signal_hosts,
     targets_from_records,
+    teardown,
 )
-from ftkit.errors import Problem, RunBusy, UserError, os_error
+from ftkit.errors import ExitCode, Problem, RunBusy, UserError, os_error
 from ftkit.rundir.layout import RunDir, atomic_write
 from ftkit.rundir.owner import HEARTBEAT_S, Owner, read_owner
 
@@ -332,7 +335,6 @@ class Ownership:
 def stop_leftovers(left: Leftovers, ssh_args: list[str], echo: Callable[[str], None] = print) -> bool:
     """Tear down what a dead supervisor left on every host (ranks, their per-node agents, the engine launchers it
     spawned here), then the run's /dev/shm buffers. True when nothing is left."""
-    from ftkit.cluster.procs import group_exists, remove_shm, targets_from_records, teardown
 
     records = left.records
     res = teardown(left.groups, targets_from_records(records), grace_s=10.0, ssh_args=ssh_args)
@@ -378,7 +380,6 @@ def stop_run(
     reached), tear the ranks down by their pid records. Exit 0 when nothing of
     the run is left, 11 (RUN_BUSY) when something is. Other hosts are reached with the caller's ssh configuration
     (:func:`caller_ssh_args`)."""
-    from ftkit.errors import ExitCode
 
     rd = RunDir(run_dir)
     if not rd.meta.is_dir():

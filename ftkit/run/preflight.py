@@ -15,6 +15,8 @@ from pathlib import Path
 
 from ftkit.cluster.fanout import LOCAL_HOSTS, run_on_hosts
 from ftkit.cluster.pkgversions import PACKAGES, probe_source, versions
+from ftkit.cluster.slurm import transport_for
+from ftkit.command.engines import pdsh_problems
 from ftkit.errors import PreflightError, Problem
 
 KEY_PACKAGES = PACKAGES  # the versions every host must agree on (ftkit.cluster.pkgversions)
@@ -118,8 +120,6 @@ def run_preflight(
             problems.append(Problem(f"{name} is not installed on this machine (pip install {name})"))
     remote = [h for h, _ in hosts if h not in LOCAL_HOSTS]
     if engine == "deepspeed" and remote:
-        from ftkit.command.engines import pdsh_problems
-
         problems += [Problem(p, key="train.output_dir") for p in pdsh_problems(str(run_dir), python, master_addr)]
     # Every rank connects to master_addr: a name that does not resolve hangs each attempt until startup_timeout_s.
     if len(remote) < len(hosts):
@@ -152,9 +152,6 @@ def run_preflight(
         return f"{version_line}; {port_line}" if host == port_host else version_line
 
     fan = [*remote, *([port_host] if port_host and port_host not in remote else [])]
-    from ftkit.cluster.slurm import (
-        transport_for,  # inside a Slurm allocation the other nodes are reached by srun, not ssh
-    )
 
     transport = transport_for(engine, os.environ)
     results = run_on_hosts(fan, line, ssh_args, deadline_s=17, connect_timeout_s=15, transport=transport)

@@ -23,6 +23,7 @@ from ftkit.checkpoint.checkpoints import list_checkpoints, list_set_aside, read_
 from ftkit.errors import ExitCode, FtkitError, NoSpace, Problem, UserError
 from ftkit.report.goodput import goodput
 from ftkit.rundir.layout import RunDir
+from ftkit.rundir.layout import read_jsonl as layout_read_jsonl
 from ftkit.supervise.stragglers import score_run
 
 
@@ -47,24 +48,11 @@ def _read_text(path: Path) -> str | None:
 
 
 def read_jsonl(path: Path, skipped: dict[str, int] | None = None) -> list[dict[str, Any]]:
-    """The JSON objects of a .jsonl file, in order; other lines are skipped and counted in ``skipped[name]``."""
-    out = []
-    text = _read_text(path)
-    bad = 0
-    for line in (text or "").splitlines():
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            obj = None  # a line cut by a crash
-        if isinstance(obj, dict):
-            out.append(obj)
-        else:
-            bad += 1
-    if bad and skipped is not None:
-        skipped[path.name] = skipped.get(path.name, 0) + bad
-    return out
+    """:func:`ftkit.rundir.layout.read_jsonl`, with an unreadable file (not a missing one) as one line, exit 2."""
+    try:
+        return layout_read_jsonl(path, skipped)
+    except OSError as e:
+        raise _unreadable(path, e) from None
 
 
 def _number(x: Any) -> float | None:

@@ -32,7 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ftkit import __version__
 from ftkit.errors import ExitCode, FtkitError, UserError
+from ftkit.recipe.load import load_recipe
+from ftkit.run.job import LaunchRequest, launch
+from ftkit.run.status import read_jsonl
+from ftkit.rundir.layout import append_jsonl, atomic_write
 
 SCRIPT_NAME = "submit.sbatch"
 MAX_REQUEUES = 3  # resilience.max_requeues when the recipe predates it
@@ -54,7 +59,6 @@ class SubmitRequest:
 def signal_lead_s(run_dir: Path, stop_timeout_s: float) -> int:
     """Seconds before the time limit for Slurm's USR1: 2 x the slowest measured save + MARGIN_S, capped by
     stop_timeout_s (the whole graceful stop is bounded by it); stop_timeout_s when nothing was measured yet."""
-    from ftkit.run.status import read_jsonl
 
     saves = []
     metrics = run_dir / "metrics.jsonl"
@@ -114,7 +118,6 @@ def batch_script(
 
 
 def _version() -> str:
-    from ftkit import __version__
 
     return __version__
 
@@ -127,8 +130,6 @@ def _directive_value(what: str, value: str | None) -> None:
 def submit(req: SubmitRequest, echo: Callable[[str], None] = print, env: Mapping[str, str] | None = None) -> int:
     """Write RUN/slurm/submit.sbatch and run ``sbatch`` on it (``--dry-run``: print it, submit nothing)."""
     import shutil
-
-    from ftkit.recipe.load import load_recipe
 
     env = dict(os.environ if env is None else env)
     overrides = list(req.overrides)
@@ -171,7 +172,6 @@ def submit(req: SubmitRequest, echo: Callable[[str], None] = print, env: Mapping
         return ExitCode.OK
     if shutil.which("sbatch", path=env.get("PATH")) is None:
         raise UserError("sbatch: not found on PATH: run ftkit submit on a Slurm login node (or use --dry-run)")
-    from ftkit.rundir.layout import atomic_write
 
     (run_dir / "slurm").mkdir(parents=True, exist_ok=True)
     atomic_write(path, text)
@@ -188,7 +188,6 @@ def submit(req: SubmitRequest, echo: Callable[[str], None] = print, env: Mapping
 
 
 def _slurm_event(run_dir: Path, job: str, restarts: int, reason: str, echo: Callable[[str], None]) -> None:
-    from ftkit.rundir.layout import append_jsonl
 
     rec: dict[str, Any] = {
         "time": round(time.time(), 3),
@@ -207,7 +206,6 @@ def _slurm_event(run_dir: Path, job: str, restarts: int, reason: str, echo: Call
 
 def _stop_step(run_dir: Path, since: float) -> int | None:
     """The step the graceful stop committed (metrics.jsonl's commit record flagged ``stop``), if one since ``since``."""
-    from ftkit.run.status import read_jsonl
 
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
@@ -251,8 +249,6 @@ class _SignalLog:
 
 def batch(recipe: str, overrides: Sequence[str], echo: Callable[[str], None] = print) -> int:
     """The Python side of the sbatch script: launch in-process, then requeue on USR1 within the budget."""
-    from ftkit.recipe.load import load_recipe
-    from ftkit.run.job import LaunchRequest, launch
 
     env = os.environ
     job = env.get("SLURM_JOB_ID", "")

@@ -216,3 +216,29 @@ def tensorboard_dir(output_dir: str | Path) -> str:
     """Where TensorBoard event files go when train.report_to has tensorboard: ``<output_dir>/tensorboard``, handed to
     the ranks as the ``TENSORBOARD_LOGGING_DIR`` environment variable (transformers 5.x reads only that)."""
     return str(Path(output_dir) / "tensorboard")
+
+
+def read_jsonl(path: Path, skipped: dict[str, int] | None = None) -> list[dict[str, Any]]:
+    """The JSON objects of a .jsonl file (events, metrics), in order; [] when it does not exist. Other lines (one cut
+    by a crash, one that is not an object) are skipped and counted in ``skipped[path.name]``. Other OS errors
+    propagate (each command says them its own way)."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return []
+    out = []
+    bad = 0
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            obj = None
+        if isinstance(obj, dict):
+            out.append(obj)
+        else:
+            bad += 1
+    if bad and skipped is not None:
+        skipped[path.name] = skipped.get(path.name, 0) + bad
+    return out

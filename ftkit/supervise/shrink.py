@@ -16,6 +16,7 @@ from typing import Any
 from ftkit.checkpoint.checkpoints import Selection, Verdict, set_aside_newer
 from ftkit.cluster.fanout import LOCAL_HOSTS, run_on_hosts
 from ftkit.errors import ExitCode
+from ftkit.supervise.universal import ConversionError, convert_to_universal
 
 
 def probe_hosts(
@@ -33,7 +34,6 @@ def convert_newest(
 ) -> str | int | None:
     """Convert the newest intact checkpoint saved with another world size (newer than any compatible one) to the
     universal format. Returns its path, an exit code (refused), or None when a compatible checkpoint is newer."""
-    from ftkit.supervise.universal import ConversionError, convert_to_universal
 
     v = max(incompatible, key=lambda x: x.step or -1)
     if sel.step is not None and (v.step or -1) <= sel.step:

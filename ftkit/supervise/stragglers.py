@@ -29,7 +29,7 @@ import bisect
 import math
 import os
 import statistics
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -226,3 +226,27 @@ class StragglerWatch:
                 self._announced.add(key)
                 out.append(f"ftkit: straggler: {h.describe()}")
         return out
+
+
+def record_step_times(rd: RunDir, attempt: int, events: Callable[..., None]) -> None:
+    """One ``step_times`` event: each rank's compute time per step (its heartbeat's EWMA of the forward passes) and
+    each host's median, as :mod:`ftkit.supervise.stragglers` scores them. Nothing when no rank measured a step."""
+    try:
+        beats = [b for b in rd.heartbeats() if b.get("attempt") == attempt]
+        report = score(beats, hosts_by_rank(rd, attempt), attempt=attempt)
+    except OSError:
+        return
+    if not report.hosts:
+        return
+    by_rank = hosts_by_rank(rd, attempt)
+    ranks = [
+        {
+            "rank": b.get("rank"),
+            "host": by_rank.get(b.get("rank")) or b.get("node") or b.get("host"),
+            "compute_s": b.get("compute_ewma_s"),
+            "steps": b.get("compute_n"),
+        }
+        for b in sorted(beats, key=lambda b: b.get("rank") or 0)
+        if isinstance(b.get("compute_ewma_s"), (int, float))
+    ]
+    events("step_times", None, hosts=report.as_dict()["hosts"], ranks=ranks)

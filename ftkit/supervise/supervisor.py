@@ -33,18 +33,18 @@ from pathlib import Path
 from typing import Any
 
 from ftkit.checkpoint.checkpoints import list_checkpoints, read_commit, select_resume, set_aside_newer, verify
-from ftkit.cluster.procs import exit_meaning
+from ftkit.cluster.procs import exit_meaning, is_alive, is_this_machine
+from ftkit.cluster.slurm import transport_for
 from ftkit.command.engines import LaunchCommand, LaunchInputs, build_launch
-from ftkit.errors import ExitCode
-from ftkit.report.live import record_step_times
-from ftkit.rundir.layout import NEARLY_FULL, STOP_FILE, RunDir, append_jsonl, atomic_write
+from ftkit.errors import ExitCode, UserError
+from ftkit.rundir.layout import NEARLY_FULL, STOP_FILE, RunDir, append_jsonl, atomic_write, read_jsonl
 from ftkit.supervise.attempt import Spawned, spawn, teardown_attempt
 from ftkit.supervise.choose import Choice, select
 from ftkit.supervise.decide import Action, Decision, FailureKind, Progress, RestartPolicy, Situation, decide
 from ftkit.supervise.fidelity import FidelityCheck
 from ftkit.supervise.observe import Observer, log_tail, root_cause
 from ftkit.supervise.shrink import convert_newest, probe_hosts
-from ftkit.supervise.stragglers import hosts_to_exclude
+from ftkit.supervise.stragglers import hosts_to_exclude, record_step_times
 
 # A closed terminal (SIGHUP) is handled like SIGTERM; SIGUSR1 is Slurm's advance notice (--signal=B:USR1@T).
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
@@ -126,9 +126,6 @@ class Supervisor:
         self.max_steps = max_steps
         self.logging_steps = logging_steps
         self.ssh_args = ssh_args
-        from ftkit.cluster.slurm import (
-            transport_for,  # srun reaches the allocation's other nodes (no ssh there); else None
-        )
 
         self.transport = transport_for(inputs.engine, base_env)
         self.echo = echo
@@ -149,7 +146,9 @@ class Supervisor:
         self._unwatched = False  # this attempt's script built no Trainer and calls no ftkit.hf.step(): not restarted
         self._resumed_from: tuple[int | None, str] | None = None  # (step, checkpoint name) this attempt resumed from
         self._beats: list[dict[str, Any]] = []  # the newest poll's heartbeats of the running attempt
-        self.reports: Any = None  # ftkit.report.ReportRefresher: RUN/report.html after each attempt (set by the launch)
+        self.reports: Any = (
+            None  # refreshes RUN/report.html after each attempt (ftkit.report.ReportRefresher; the launch sets it)
+        )
 
     # ------------------------------------------------------------------------------------------------ choose
 
@@ -316,7 +315,6 @@ class Supervisor:
 
     def shrink(self, lost: list[str]) -> int | None:
         """Replan on the hosts that are left (keeping the global batch); an exit code when that is impossible."""
-        from ftkit.errors import UserError
 
         remaining = [(h, n) for h, n in self.inputs.hosts if h not in lost]
         if self.replan is None:
@@ -501,8 +499,6 @@ class Supervisor:
     def _start_fidelity(self, attempt: int, resume_step: int | None) -> None:
         fidelity = None
         if resume_step is not None and self.check_fidelity:
-            from ftkit.run.status import read_jsonl
-
             fidelity = FidelityCheck.from_metrics(
                 read_jsonl(self.rd.metrics),
                 attempt,
@@ -615,7 +611,6 @@ class Supervisor:
             )
 
     def _dead_ranks(self, attempt: int) -> list[int]:
-        from ftkit.cluster.procs import is_alive, is_this_machine
 
         dead = []
         for r in self.rd.records("pids", attempt):
