@@ -41,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import xxhash  # noqa: E402
 
-from ftkit.checkpoint.checkpoints import manifest_part, verify, write_commit  # noqa: E402
+from ftkit.checkpoint.commit import manifest_part, write_commit
+from ftkit.checkpoint.verify import verify
 
 CHUNK = 16 * 1024 * 1024
 

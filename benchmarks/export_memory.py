@@ -100,7 +100,7 @@ def build(root: Path, args: argparse.Namespace) -> None:
 
 
 def _spec_and_commit(run: Path, ckpt: Path, stage: int) -> None:
-    from ftkit.checkpoint.checkpoints import manifest_part, write_commit
+    from ftkit.checkpoint.commit import manifest_part, write_commit
     from ftkit.rundir.spec import DataSpec, RunSpec
 
     spec = RunSpec(

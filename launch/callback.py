@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ftkit.checkpoint.checkpoints import manifest_part, record_save_begun, rotate, write_commit
+from ftkit.checkpoint.commit import manifest_part, write_commit
+from ftkit.checkpoint.directory import record_save_begun, rotate
 from ftkit.errors import ExitCode, SaveWroteNothing
 from ftkit.rundir.layout import append_jsonl, atomic_write, read_jsonl
 from ftkit.rundir.spec import RANK_APPLIED

@@ -42,7 +42,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ftkit.checkpoint.checkpoints import manifest_part, record_save_begun, rotate, write_commit
+from ftkit.checkpoint.commit import manifest_part, write_commit
+from ftkit.checkpoint.directory import record_save_begun, rotate
 from ftkit.errors import ExitCode, FtkitError
 from ftkit.launch.callback import (
     COMPUTE_EWMA,

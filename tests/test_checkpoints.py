@@ -15,22 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from ftkit.checkpoint import checkpoints as ck
-from ftkit.checkpoint.checkpoints import (
-    COMMIT_FILE,
-    CommitError,
-    VerdictKind,
-    files_owned_by_rank,
-    list_checkpoints,
-    list_set_aside,
-    manifest_part,
-    rotate,
-    select_resume,
-    set_aside_newer,
-    verify,
-    write_commit,
-)
-from ftkit.checkpoint.checksums import SampleSpec, blake2b_checksum, full_checksum, sampled_checksum
+from ftkit.checkpoint import directory as ck
+from ftkit.checkpoint.checksums import DEFAULT_SPEC, SampleSpec, blake2b_checksum, full_checksum, sampled_checksum
+from ftkit.checkpoint.commit import CommitError, manifest_part, write_commit
+from ftkit.checkpoint.directory import list_checkpoints, list_set_aside, rotate, select_resume, set_aside_newer
+from ftkit.checkpoint.layout import COMMIT_FILE, SAVES_DIR, files_owned_by_rank
+from ftkit.checkpoint.verify import VerdictKind, verify
 
 MiB = 1024 * 1024
 
@@ -84,7 +74,7 @@ def commit(
     *,
     world_size: int = 2,
     stage: int | None = 2,
-    spec: SampleSpec = ck.DEFAULT_SPEC,
+    spec: SampleSpec = DEFAULT_SPEC,
     checksum: str = "full",
 ) -> Path:
     step = int(ckpt.name.split("-")[1])
@@ -272,7 +262,7 @@ def test_old_blake2b_records_still_verify(tmp_path: Path) -> None:
     commit(ckpt)
     record = json.loads((ckpt / COMMIT_FILE).read_text())
     record["version"] = 1
-    record["checksum"] = ck.DEFAULT_SPEC.to_json()  # version 1 always stored the sampling parameters
+    record["checksum"] = DEFAULT_SPEC.to_json()  # version 1 always stored the sampling parameters
     for rel, entry in record["files"].items():
         path = ckpt / rel
         entry["checksum"] = sampled_checksum(path) if rel == "model.safetensors" else blake2b_checksum(path)
@@ -314,11 +304,11 @@ def test_sampled_region_corruption_in_large_file(tmp_path: Path, where: str) -> 
     ckpt = make_ckpt(tmp_path, 30, model_bytes=size)
     commit(ckpt, checksum="sampled")  # the explicit opt-in (resilience.checksum: sampled)
     record = json.loads((ckpt / COMMIT_FILE).read_text())
-    assert record["checksum"] == {"mode": "sampled", **ck.DEFAULT_SPEC.to_json()}
+    assert record["checksum"] == {"mode": "sampled", **DEFAULT_SPEC.to_json()}
     entry = record["files"]["model.safetensors"]
     assert entry["checksum"].startswith("blake2b-sampled:")
     assert record["files"]["scheduler.pt"]["checksum"].startswith("xxh3_128:")  # small files: every byte
-    spec = ck.DEFAULT_SPEC
+    spec = DEFAULT_SPEC
     last = size - spec.block_bytes
     offset = {"head": 7, "tail": size - 1, "window": last * 5 // (spec.blocks + 1) + 1000}[where]
     flip_byte(ckpt / "model.safetensors", offset)
@@ -560,7 +550,7 @@ def test_rotation_never_deletes_checkpoints_ftkit_did_not_write(tmp_path: Path) 
     assert rotate(tmp_path, keep=1) == [tmp_path / "checkpoint-30"]
     assert {p: p.read_bytes() for p in before} == before  # every byte of theirs is still there
     assert not ck.written_by_ftkit(tmp_path / "checkpoint-10") and ck.written_by_ftkit(tmp_path / "checkpoint-40")
-    assert not (tmp_path / ck.SAVES_DIR / "checkpoint-30.json").exists()  # its save record went with it
+    assert not (tmp_path / SAVES_DIR / "checkpoint-30.json").exists()  # its save record went with it
 
 
 def test_rotation_unlinks_a_symlinked_checkpoint_and_leaves_its_target(tmp_path: Path) -> None:
@@ -622,7 +612,7 @@ def test_crash_mid_delete_never_leaves_a_checkpoint_lookalike(tmp_path: Path, mo
 
 def test_module_is_import_light() -> None:
     code = (
-        "import sys, ftkit.checkpoint.checkpoints; "
+        "import sys, ftkit.checkpoint.commit, ftkit.checkpoint.verify, ftkit.checkpoint.directory; "
         "heavy = {'torch', 'transformers', 'deepspeed', 'accelerate', 'peft'}; "
         "print(sorted(heavy & set(sys.modules)))"
     )

@@ -280,7 +280,7 @@ def _assert_proven(result: Any, reference: str) -> None:
     assert "logits check PASSED" in card and result.source.name in card
     rec = json.loads((result.path / "ftkit_export.json").read_text())
     assert rec["verdict"]["ok"] is True and rec["source"]["step"] == result.source.step
-    from ftkit.checkpoint.checkpoints import verify
+    from ftkit.checkpoint.verify import verify
 
     assert verify(result.path).ok  # the export's own commit record covers every file it wrote
 
@@ -412,7 +412,8 @@ def _tamper_weights(export_dir: Path, *, recommit: bool) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from ftkit.checkpoint.checkpoints import manifest_part, read_commit, write_commit
+    from ftkit.checkpoint.commit import manifest_part, write_commit
+    from ftkit.checkpoint.layout import read_commit
 
     path = export_dir / "model.safetensors"
     tensors = load_file(str(path))

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from ftkit.checkpoint.checkpoints import verify
+from ftkit.checkpoint.verify import verify
 from ftkit.cluster.procs import is_alive
 from ftkit.errors import ExitCode
 from ftkit.rundir.layout import RunDir

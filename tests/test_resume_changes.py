@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ftkit.checkpoint.checkpoints import read_commit
+from ftkit.checkpoint.layout import read_commit
 from ftkit.run.fingerprint import compare
 from ftkit.rundir.layout import RunDir
 from tests.runs import assert_no_process_left, events, free_port, ftkit, mp_lock

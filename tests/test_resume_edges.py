@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ftkit.checkpoint.checkpoints import COMMIT_FILE
+from ftkit.checkpoint.layout import COMMIT_FILE
 from ftkit.errors import ExitCode
 from ftkit.rundir.owner import Owner
 from tests.runs import assert_no_process_left, ftkit, losses, mp_lock, named

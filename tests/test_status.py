@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 from test_checkpoints import MiB, commit, flip_byte, make_ckpt
 
-from ftkit.checkpoint.checkpoints import manifest_part, set_aside_newer, write_commit
+from ftkit.checkpoint.commit import manifest_part, write_commit
+from ftkit.checkpoint.directory import set_aside_newer
 from ftkit.errors import ExitCode
 
 from conftest import run_ftkit
@@ -234,7 +235,7 @@ def test_verify_failure_exits_13_after_the_summary(
 def test_set_aside_checkpoints_do_not_fail_verify(tmp_path: Path) -> None:
     run = make_run(tmp_path)
     make_ckpt(run, 30)
-    from ftkit.checkpoint.checkpoints import select_resume
+    from ftkit.checkpoint.directory import select_resume
 
     assert len(set_aside_newer(run, select_resume(run))) == 1
     out = run_ftkit("status", str(run), "--verify")

@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from ftkit.checkpoint.checkpoints import COMMIT_FILE, verify
+from ftkit.checkpoint.layout import COMMIT_FILE
+from ftkit.checkpoint.verify import verify
 from tests import runs
 
 pytestmark = pytest.mark.slow

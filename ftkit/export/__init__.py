@@ -30,8 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ftkit.checkpoint.checkpoints import _fsync_path, verify, write_commit
 from ftkit.checkpoint.checksums import full_checksum
+from ftkit.checkpoint.commit import write_commit
+from ftkit.checkpoint.layout import _fsync_path
+from ftkit.checkpoint.verify import verify
 from ftkit.cluster.procs import is_alive
 from ftkit.errors import ExitCode, ExportMismatch, FtkitError, Problem, UserError
 from ftkit.export import card, weights
@@ -431,7 +433,7 @@ def _finish(
 def _manifest(staging: Path) -> dict[str, dict[str, Any]]:
     """The commit record's part for the export's files: fsync, size and XXH3-128 of each, read in chunks.
 
-    Not :func:`ftkit.checkpoint.checkpoints.manifest_part`, which hashes through ``mmap``: that maps the whole shard
+    Not :func:`ftkit.checkpoint.commit.manifest_part`, which hashes through ``mmap``: that maps the whole shard
     into the process, and a 5 GB output shard would put 5 GB into the export's resident set (reclaimable page cache, but
     counted), undoing the streaming.
     """

@@ -1,6 +1,6 @@
 """Which checkpoint an export reads, whether it may, and how its weights are laid out on disk.
 
-Stdlib only (like :mod:`ftkit.checkpoint.checkpoints`): every refusal happens here, before torch is imported, so a torn
+Stdlib only (like :mod:`ftkit.checkpoint`): every refusal happens here, before torch is imported, so a torn
 checkpoint is turned away in a fraction of a second and nothing is written.
 
 A source is ``checkpoint-N`` (``--checkpoint N``), the newest committed one (``latest``) or the run's ``final/``
@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ftkit.checkpoint.checkpoints import COMMIT_FILE, LATEST, list_checkpoints, select_resume, verify
+from ftkit.checkpoint.directory import list_checkpoints, select_resume
+from ftkit.checkpoint.layout import COMMIT_FILE, LATEST
+from ftkit.checkpoint.verify import verify
 from ftkit.errors import NoValidCheckpoint, Problem, UserError
 from ftkit.rundir.layout import RunDir
 from ftkit.rundir.spec import RunSpec

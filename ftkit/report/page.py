@@ -13,7 +13,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ftkit.checkpoint.checkpoints import list_checkpoints, list_set_aside, verify
+from ftkit.checkpoint.directory import list_checkpoints, list_set_aside
+from ftkit.checkpoint.verify import verify
 from ftkit.errors import NoSpace, Problem, UserError
 from ftkit.report import charts
 from ftkit.report.charts import CATEGORY_COLOURS

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ftkit.checkpoint.checkpoints import select_resume
+from ftkit.checkpoint.directory import select_resume
 from ftkit.cluster.slurm import require_allocation, transport_for
 from ftkit.command.engines import LaunchInputs, build_launch, describe
 from ftkit.command.user_command import UserCommand, builtin_only_keys, inject_dir, module_exists, parse_command

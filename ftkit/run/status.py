@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ftkit.checkpoint.checkpoints import list_checkpoints, list_set_aside, read_commit, verify
+from ftkit.checkpoint.directory import list_checkpoints, list_set_aside
+from ftkit.checkpoint.layout import read_commit
+from ftkit.checkpoint.verify import verify
 from ftkit.errors import ExitCode, FtkitError, NoSpace, Problem, UserError
 from ftkit.report.goodput import goodput
 from ftkit.rundir.layout import RunDir

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ftkit.checkpoint.checkpoints import Selection, foreign_checkpoints, select_resume, verify
+from ftkit.checkpoint.directory import Selection, foreign_checkpoints, select_resume
+from ftkit.checkpoint.verify import verify
 from ftkit.errors import ExitCode
 from ftkit.rundir.layout import RunDir
 

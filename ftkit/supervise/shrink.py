@@ -13,7 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ftkit.checkpoint.checkpoints import Selection, Verdict, set_aside_newer
+from ftkit.checkpoint.directory import Selection, set_aside_newer
+from ftkit.checkpoint.verify import Verdict
 from ftkit.cluster.fanout import LOCAL_HOSTS, run_on_hosts
 from ftkit.errors import ExitCode
 from ftkit.supervise.universal import ConversionError, convert_to_universal

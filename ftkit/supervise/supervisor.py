@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ftkit.checkpoint.checkpoints import list_checkpoints, read_commit, select_resume, set_aside_newer, verify
+from ftkit.checkpoint.directory import list_checkpoints, select_resume, set_aside_newer
+from ftkit.checkpoint.layout import read_commit
+from ftkit.checkpoint.verify import verify
 from ftkit.cluster.procs import exit_meaning, is_alive, is_this_machine
 from ftkit.cluster.slurm import transport_for
 from ftkit.command.engines import LaunchCommand, LaunchInputs, build_launch
