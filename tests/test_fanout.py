@@ -1,7 +1,7 @@
 """One place runs a command on many hosts (ftkit.cluster.fanout, issue 13): in parallel, under one overall deadline.
 
 Every fan-out used to visit hosts one after another, each with its own ssh timeout, so k unreachable hosts cost k
-timeouts. Here "unreachable" hosts are real loopback addresses (127.0.0.2, …) whose port accepts the TCP
+timeouts. Here "unreachable" hosts are ssh aliases of real loopback addresses (127.0.0.2, …) whose port accepts the TCP
 connection and then says nothing: the real ssh client waits out its ConnectTimeout in the banner exchange, exactly
 as it does for a host whose sshd hangs. The multi-host path over real sshd in namespaces is in test_scale.py.
 """
@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from ftkit.cluster.fanout import HostResult, is_this_machine, run_on_hosts
+from ftkit.cluster.fanout import HostResult, run_on_hosts
+from ftkit.cluster.hosts import is_local
 from ftkit.cluster.procs import Target, proc_start_time, remove_shm, teardown, teardown_script
 from ftkit.supervise.shrink import probe_hosts
 
@@ -60,8 +61,19 @@ def silent_hosts(n: int) -> Iterator[tuple[list[str], list[str]]]:
     threads = [threading.Thread(target=accept, args=(s,), daemon=True) for s in socks]
     for t in threads:
         t.start()
+    # Host aliases, not the addresses: a loopback address is this machine, which ftkit reaches without ssh.
+    import tempfile
+
+    cfg = Path(tempfile.mkdtemp(prefix="ftkit-silent-")) / "ssh_config"
+    cfg.write_text(
+        "".join(
+            f"Host silent-{i}\n  HostName 127.0.0.{i + 2}\n  Port {port}\n  StrictHostKeyChecking no\n"
+            "  UserKnownHostsFile /dev/null\n"
+            for i in range(n)
+        )
+    )
     try:
-        yield [f"127.0.0.{i + 2}" for i in range(n)], [*SSH_BASE, "-p", str(port)]
+        yield [f"silent-{i}" for i in range(n)], ["-F", str(cfg)]
     finally:
         stop.set()
         for t in threads:
@@ -75,7 +87,7 @@ def test_this_machine_runs_locally_with_sh() -> None:
     assert list(res) == ["localhost", "127.0.0.1"]
     for host, r in res.items():
         assert r == HostResult(host, True, "sh 42\n", 3, r.seconds)
-    assert is_this_machine(os.uname().nodename)
+    assert is_local(os.uname().nodename)
 
 
 def test_a_function_gives_each_host_its_line() -> None:

@@ -26,16 +26,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from ftkit.cluster import hostfile as hf_mod
-from ftkit.cluster.hostfile import (
-    Host,
-    Hostfile,
-    apply_filters,
-    is_local_host,
-    local_hostfile,
-    parse_hostfile,
-    parse_hostfile_text,
-)
+from ftkit.cluster import hosts as hosts_mod
+from ftkit.cluster.hostfile import Host, Hostfile, apply_filters, local_hostfile, parse_hostfile, parse_hostfile_text
+from ftkit.cluster.hosts import is_local
 from ftkit.errors import HostfileError, Problem, UserError
 
 # --------------------------------------------------------------------------------------------------------------
@@ -303,11 +296,11 @@ def test_local_hostfile() -> None:
 
 @pytest.fixture
 def fake_host_identity(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(hf_mod.socket, "gethostname", lambda: "Box7")
-    monkeypatch.setattr(hf_mod.socket, "getfqdn", lambda name="": "box7.lab.example.")
-    hf_mod._fqdn.cache_clear()
+    monkeypatch.setattr(hosts_mod.socket, "gethostname", lambda: "Box7")
+    monkeypatch.setattr(hosts_mod.socket, "getfqdn", lambda name="": "box7.lab.example.")
+    hosts_mod._fqdn.cache_clear()
     yield
-    hf_mod._fqdn.cache_clear()
+    hosts_mod._fqdn.cache_clear()
 
 
 @pytest.mark.parametrize(
@@ -326,7 +319,7 @@ def fake_host_identity(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     ],
 )
 def test_is_local_host(fake_host_identity: None, name: str, local: bool) -> None:
-    assert is_local_host(name) is local
+    assert is_local(name) is local
 
 
 def test_is_local_only(fake_host_identity: None) -> None:
@@ -335,7 +328,7 @@ def test_is_local_only(fake_host_identity: None) -> None:
 
 
 def test_real_hostname_is_local() -> None:
-    assert is_local_host(socket.gethostname())
+    assert is_local(socket.gethostname())
 
 
 def test_import_is_light() -> None:

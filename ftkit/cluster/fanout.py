@@ -22,16 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
-LOCAL_HOSTS = ("localhost", "127.0.0.1")  # how plans and hostfiles name this machine
+from ftkit.cluster.hosts import is_local
 
 # ssh reads a "host" that starts with '-' as an option (-oProxyCommand=... runs a local command): host names from
 # pid records or plans must look like host names before they reach ssh's argv.
 _SSH_HOST = re.compile(r"[A-Za-z0-9_.:%][A-Za-z0-9_.:%-]*")
-
-
-def is_this_machine(host: str) -> bool:
-    """A host name in a plan or pid record that means this machine (records carry the hostname too)."""
-    return host in LOCAL_HOSTS or host == os.uname().nodename
 
 
 def valid_host(host: str) -> bool:
@@ -127,7 +122,7 @@ def _run_one(host: str, line: str, tr: Transport, connect: float, end: float, ca
     t0 = time.monotonic()
     if cancelled.is_set() or t0 >= end:
         return HostResult(host, False, "timed out (not started before the deadline)", None, 0.0)
-    local = is_this_machine(host)
+    local = is_local(host)
     argv = ["sh", "-c", line] if local else tr.argv(host, line, min(connect, end - t0))
     try:
         # A session of its own: on timeout the whole tree goes (sh -c's children too, not only the shell).

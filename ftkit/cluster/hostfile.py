@@ -21,20 +21,18 @@ Standard library only: the controller imports this on the head node.
 from __future__ import annotations
 
 import difflib
-import functools
-import ipaddress
 import re
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from ftkit.cluster.hosts import is_local
 from ftkit.errors import HostfileError, Problem
 
 __all__ = [
     "Host",
     "Hostfile",
     "apply_filters",
-    "is_local_host",
+    "is_local",
     "local_hostfile",
     "parse_hostfile",
     "parse_hostfile_text",
@@ -98,7 +96,7 @@ class Hostfile:
     @property
     def is_local_only(self) -> bool:
         """True when every host is this machine (localhost, 127.x, its hostname or FQDN): no ssh needed."""
-        return all(is_local_host(h.name) for h in self.hosts)
+        return all(is_local(h.name) for h in self.hosts)
 
     def host(self, name: str) -> Host:
         for h in self.hosts:
@@ -206,7 +204,7 @@ def parse_hostfile_text(text: str, path: str = "<hostfile>") -> Hostfile:
             as_written = "" if earlier.name == name else f" as {earlier.name!r}"
             bad(f"duplicate host {name!r} (already listed on line {earlier.line}{as_written})")
             continue
-        here = next((h for h in hosts if is_local_host(h.name)), None) if is_local_host(name) else None
+        here = next((h for h in hosts if is_local(h.name)), None) if is_local(name) else None
         if here is not None:
             bad(
                 f"{name!r} and {here.name!r} (line {here.line}) are both this machine: one line per machine, with "
@@ -255,26 +253,6 @@ def local_hostfile(slots: int) -> Hostfile:
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise HostfileError(Problem(f"slots must be a positive integer, got {slots!r}", file="<local>"))
     return Hostfile(path="<local>", hosts=(Host("localhost", slots, 0),))
-
-
-def is_local_host(name: str) -> bool:
-    """Whether ``name`` denotes this machine: localhost, a 127.x address, its hostname or its FQDN."""
-    n = name.lower().rstrip(".")
-    if n in ("localhost", "localhost.localdomain"):
-        return True
-    try:
-        return ipaddress.ip_address(n).is_loopback
-    except ValueError:
-        pass
-    if n == socket.gethostname().lower():
-        return True
-    return n == _fqdn()
-
-
-@functools.lru_cache(maxsize=1)
-def _fqdn() -> str:
-    # getfqdn may ask a resolver; only reached for names that are not obviously local, and asked once.
-    return socket.getfqdn().lower().rstrip(".")
 
 
 def apply_filters(hostfile: Hostfile, include: str | None = None, exclude: str | None = None) -> Hostfile:

@@ -16,8 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ftkit.cluster.fanout import LOCAL_HOSTS as LOCAL_HOSTS  # re-exported: callers import these from procs
-from ftkit.cluster.fanout import is_this_machine, run_on_hosts
+from ftkit.cluster.fanout import run_on_hosts
+from ftkit.cluster.hosts import LOCAL_HOSTS as LOCAL_HOSTS
+from ftkit.cluster.hosts import is_local
 
 
 def exit_meaning(code: int | None) -> str:
@@ -248,7 +249,7 @@ def teardown(
     by_host: dict[str, list[Target]] = {}
     seen: set[tuple[str, int, int | None]] = set()
     for t in targets:
-        host = "localhost" if is_this_machine(t.host) else t.host
+        host = "localhost" if is_local(t.host) else t.host
         if (host, t.pid, t.start_time) not in seen:  # an agent is named by the record of each of its ranks
             seen.add((host, t.pid, t.start_time))
             by_host.setdefault(host, []).append(t)
@@ -363,7 +364,7 @@ def remove_shm(
     keys = _shm_keys(records)
     remote = []
     for host, patterns in shm_patterns(records).items():
-        if not is_this_machine(host):
+        if not is_local(host):
             remote.append(host)
             continue
         try:

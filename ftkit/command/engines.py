@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ftkit.cluster.procs import LOCAL_HOSTS
+from ftkit.cluster.hosts import is_local
 from ftkit.cluster.slurm import require_allocation, slurm_env
 from ftkit.command.user_command import UserCommand
 from ftkit.errors import Problem, UserError
@@ -183,10 +183,6 @@ def _in_workdir(inp: LaunchInputs, argv: list[str]) -> list[str]:
     return ["env", "-C", inp.workdir, *argv]
 
 
-def _is_local(host: str) -> bool:
-    return host in LOCAL_HOSTS  # plans name this machine "localhost" (plan.resolve_hosts)
-
-
 def _ssh(inp: LaunchInputs, host: str, remote_argv: list[str], env: Mapping[str, str]) -> tuple[str, ...]:
     """ssh HOST 'cd RUN_PARENT && env K=V ... ARGV' — the environment travels inline, visible in --dry-run.
 
@@ -205,7 +201,7 @@ def _ssh(inp: LaunchInputs, host: str, remote_argv: list[str], env: Mapping[str,
 
 def _node_command(inp: LaunchInputs, i: int, host: str, argv: list[str], env: dict[str, str]) -> NodeCommand:
     """Start ``argv`` directly for this machine, or over ssh (environment inlined) for a remote host."""
-    if _is_local(host):
+    if is_local(host):
         return NodeCommand(host, i, tuple(_in_workdir(inp, argv)), env)
     return NodeCommand(host, i, _ssh(inp, host, argv, env), {}, remote=True)
 
@@ -289,7 +285,7 @@ def _deepspeed(inp: LaunchInputs, base_env: Mapping[str, str], attempt_dir: Path
     include = deepspeed_include(inp)
     if include:  # DeepSpeed's launch sets CUDA_VISIBLE_DEVICES on each node from it
         argv += ["--include", include]
-    remote = len(inp.hosts) > 1 or not _is_local(inp.hosts[0][0])
+    remote = len(inp.hosts) > 1 or not is_local(inp.hosts[0][0])
     if remote and pdsh_problems(inp.run_dir, inp.python, inp.master_addr):  # preflight said so already
         raise UserError(pdsh_problems(inp.run_dir, inp.python, inp.master_addr))
     # ftkit's preflight checks ssh itself (with cluster.ssh_config); DeepSpeed's own check would ignore that config.
@@ -408,7 +404,7 @@ def _torchrun(inp: LaunchInputs, base_env: Mapping[str, str]) -> LaunchCommand:
     for i, (host, slots) in enumerate(inp.hosts):
         env = forwarded_env(base_env, inp.accelerator, {**run_env(inp, base_env), **inp.node_env(host)})
         argv = torchrun_argv(inp, n, slots, f"{inp.name}-{inp.attempt}")
-        if n > 1 or not _is_local(host):
+        if n > 1 or not is_local(host):
             # Hosts may share a hostname (containers, namespaces): say explicitly which agent hosts the store, and
             # advertise the node by its hostfile name (which every node resolves) instead of its own FQDN. A single
             # remote node too (left after a shrink): torchrun's own guess compares the endpoint with its hostname.

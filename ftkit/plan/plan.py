@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ftkit.cluster.hostfile import apply_filters, parse_hostfile
-from ftkit.cluster.procs import LOCAL_HOSTS
+from ftkit.cluster.hosts import LOCAL_HOSTS
 from ftkit.cluster.slurm import allocation_hosts, in_allocation, job_port
 from ftkit.errors import Problem, RecipeError, UserError
 from ftkit.model.config import config_source

@@ -42,7 +42,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ftkit.cluster.fanout import LOCAL_HOSTS, run_on_hosts
+from ftkit.cluster.fanout import run_on_hosts
+from ftkit.cluster.hosts import LOCAL_HOSTS
 from ftkit.errors import PreflightError
 from ftkit.plan.comm import BANDWIDTH_FILE_VERSION, DEFAULT_NETWORK, NETWORK_PRESETS, bandwidth_file
 from ftkit.run.doctor_checks import DoctorReport, check_facts, check_locks

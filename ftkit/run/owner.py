@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ftkit.cluster.hosts import is_local
 from ftkit.cluster.procs import (
     Target,
     group_exists,
     is_alive,
-    is_this_machine,
     remote_signal,
     remove_shm,
     signal_hosts,
@@ -106,7 +106,7 @@ def leftovers(rd: RunDir, ssh_args: list[str] | None = None) -> Leftovers:
     remote: dict[str, list[dict[str, Any]]] = {}
     for rec in rd.records("pids", attempt):
         try:
-            if is_this_machine(str(rec["host"])):
+            if is_local(str(rec["host"])):
                 if is_alive(int(rec["pid"]), rec.get("start_time")) or (
                     rec.get("ppid_start_time") and is_alive(int(rec["ppid"]), rec["ppid_start_time"])
                 ):

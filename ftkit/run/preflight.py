@@ -13,7 +13,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ftkit.cluster.fanout import LOCAL_HOSTS, run_on_hosts
+from ftkit.cluster.fanout import run_on_hosts
+from ftkit.cluster.hosts import LOCAL_HOSTS, is_local_address
 from ftkit.cluster.pkgversions import PACKAGES, probe_source, versions
 from ftkit.cluster.slurm import transport_for
 from ftkit.command.engines import pdsh_problems
@@ -130,7 +131,7 @@ def run_preflight(
             )
     # The master port must be free where rank 0's rendezvous will listen: here, or on the first host when the
     # master is remote (probed in the same session as that host's versions).
-    master_here = master_addr in LOCAL_HOSTS or _is_local_address(master_addr)
+    master_here = master_addr in LOCAL_HOSTS or is_local_address(master_addr)
     if master_here:
         err = port_free(master_addr, master_port)
         if err:
@@ -207,12 +208,3 @@ def run_preflight(
     if problems:  # one line per problem: a message never spans lines (ssh's stderr is joined by ssh_run)
         raise PreflightError("\n".join(" ".join(str(p).split()) for p in problems))
     return PreflightReport(versions=versions, checks=checks)
-
-
-def _is_local_address(addr: str) -> bool:
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((addr, 0))
-        return True
-    except OSError:
-        return False

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ftkit.cluster.procs import is_this_machine, proc_start_time
+from ftkit.cluster.hosts import is_local
+from ftkit.cluster.procs import proc_start_time
 from ftkit.errors import Problem, UserError
 from ftkit.rundir.layout import RunDir
 
@@ -71,7 +72,7 @@ class Owner:
 
     @property
     def named_here(self) -> bool:
-        return is_this_machine(self.host) or self.host == this_host()
+        return is_local(self.host) or self.host == this_host()
 
 
 def read_owner(rd: RunDir) -> Owner | None:

@@ -15,7 +15,8 @@ from typing import Any
 
 from ftkit.checkpoint.directory import Selection, set_aside_newer
 from ftkit.checkpoint.verify import Verdict
-from ftkit.cluster.fanout import LOCAL_HOSTS, run_on_hosts
+from ftkit.cluster.fanout import run_on_hosts
+from ftkit.cluster.hosts import LOCAL_HOSTS
 from ftkit.errors import ExitCode
 from ftkit.supervise.universal import ConversionError, convert_to_universal
 

@@ -35,7 +35,8 @@ from typing import Any
 from ftkit.checkpoint.directory import list_checkpoints, select_resume, set_aside_newer
 from ftkit.checkpoint.layout import read_commit
 from ftkit.checkpoint.verify import verify
-from ftkit.cluster.procs import exit_meaning, is_alive, is_this_machine
+from ftkit.cluster.hosts import is_local
+from ftkit.cluster.procs import exit_meaning, is_alive
 from ftkit.cluster.slurm import transport_for
 from ftkit.command.engines import LaunchCommand, LaunchInputs, build_launch
 from ftkit.errors import ExitCode, UserError
@@ -616,7 +617,7 @@ class Supervisor:
 
         dead = []
         for r in self.rd.records("pids", attempt):
-            if is_this_machine(r["host"]):
+            if is_local(r["host"]):
                 if not is_alive(int(r["pid"]), r.get("start_time")):
                     dead.append(int(r["rank"]))
         return dead
