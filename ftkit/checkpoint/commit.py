@@ -30,7 +30,6 @@ from ftkit.checkpoint.layout import (
     COMMIT_FILE,
     COMMIT_FORMAT,
     COMMIT_VERSION,
-    _atomic_write,
     _fsync_path,
     _fsync_tree_dirs,
     _payload_files,
@@ -40,6 +39,7 @@ from ftkit.checkpoint.layout import (
     files_owned_by_rank,
 )
 from ftkit.errors import ExitCode, FtkitError
+from ftkit.rundir.layout import atomic_write
 
 
 class CommitError(FtkitError):
@@ -183,7 +183,7 @@ def write_commit(
         "extra": dict(extra or {}),
     }
     _fsync_tree_dirs(ckpt)  # the data files' directory entries must be durable before the record is
-    _atomic_write(ckpt / COMMIT_FILE, json.dumps(record, indent=1, sort_keys=False).encode() + b"\n")
+    atomic_write(ckpt / COMMIT_FILE, json.dumps(record, indent=1, sort_keys=False).encode() + b"\n", sync_dir=True)
     for stale in ckpt.glob(_TMP_PREFIX + "*"):  # from a write_commit that crashed before its rename
         stale.unlink(missing_ok=True)
     return ckpt / COMMIT_FILE

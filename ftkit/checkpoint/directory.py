@@ -24,6 +24,7 @@ from ftkit.checkpoint.layout import (
     _fsync_path,
 )
 from ftkit.checkpoint.verify import Verdict, verify
+from ftkit.rundir.layout import atomic_write
 
 
 @dataclass(frozen=True)
@@ -52,18 +53,7 @@ def _save_record(output_dir: str | os.PathLike[str], step: int) -> Path:
 def record_save_begun(output_dir: str | os.PathLike[str], step: int, attempt: int) -> None:
     """Every rank, before the Trainer writes ``checkpoint-<step>``: this save is ftkit's (see :data:`SAVES_DIR`).
     Written atomically and durably; several ranks writing the same record is harmless (the same content)."""
-    target = _save_record(output_dir, step)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    data = json.dumps({"step": step, "attempt": attempt}).encode()
-    tmp = target.with_name(f".{target.name}.{os.getpid()}-{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, target)
-    _fsync_path(target.parent, directory=True)
+    atomic_write(_save_record(output_dir, step), json.dumps({"step": step, "attempt": attempt}), sync_dir=True)
 
 
 def written_by_ftkit(path: str | os.PathLike[str]) -> bool:

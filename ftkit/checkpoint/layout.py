@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,24 +134,6 @@ def _fsync_tree_dirs(root: Path) -> None:
 def _checkpoint_step(path: Path) -> int | None:
     m = _CKPT_RE.match(path.name)
     return int(m.group(1)) if m else None
-
-
-def _atomic_write(target: Path, data: bytes) -> None:
-    tmp = target.with_name(f"{_TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_path(target.parent, directory=True)
 
 
 def read_commit(ckpt_dir: str | os.PathLike[str]) -> dict[str, Any] | None:

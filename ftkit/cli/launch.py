@@ -7,6 +7,8 @@ import sys
 import click
 
 from ftkit.cli.options import (
+    AfterDashes,
+    after_dashes,
     cli_overrides,
     engine_option,
     exclude_option,
@@ -18,21 +20,9 @@ from ftkit.cli.options import (
 from ftkit.run.job import LaunchRequest, launch
 
 
-class _CommandAfterDashes(click.Command):
-    """Everything after the first ``--`` is the user's command (ARGS may look like options or ``key=value``):
-    it is kept apart before click parses ftkit's own arguments."""
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if "--" in args:
-            i = args.index("--")
-            ctx.meta["ftkit.user_command"] = tuple(args[i + 1 :])
-            args = args[:i]
-        return super().parse_args(ctx, args)
-
-
 @click.command(
     "launch",
-    cls=_CommandAfterDashes,
+    cls=AfterDashes,
     epilog="""\b
 Examples:
   ftkit launch recipe.yaml                               # this machine
@@ -107,7 +97,7 @@ def command(
         dry_run=dry_run,
         takeover=takeover,
         allow_changes=allow_changes,
-        command=ctx.meta.get("ftkit.user_command"),
+        command=after_dashes(ctx),
         inject=not no_inject,
     )
     sys.exit(launch(request, echo=click.echo, warn=lambda line: click.echo(line, err=True)))

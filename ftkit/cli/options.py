@@ -53,3 +53,20 @@ def cli_overrides(overrides: tuple[str, ...], hostfile: str | None = None, engin
     if engine is not None:
         out.append(f"cluster.engine={engine}")
     return out
+
+
+class AfterDashes(click.Command):
+    """A command whose words after the first ``--`` are kept apart, untouched, before click parses ftkit's own
+    arguments (they may look like options or ``key=value``): ``rest(ctx)`` returns them (None: no ``--``)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if "--" in args:
+            i = args.index("--")
+            ctx.meta["ftkit.after_dashes"] = tuple(args[i + 1 :])
+            args = args[:i]
+        return super().parse_args(ctx, args)
+
+
+def after_dashes(ctx: click.Context) -> tuple[str, ...] | None:
+    """The words after ``--`` on the command line of an :class:`AfterDashes` command (None: there was no ``--``)."""
+    return ctx.meta.get("ftkit.after_dashes")

@@ -6,24 +6,13 @@ import sys
 
 import click
 
-from ftkit.cli.options import overrides_argument, recipe_argument
+from ftkit.cli.options import AfterDashes, after_dashes, overrides_argument, recipe_argument
 from ftkit.run.submit import SubmitRequest, submit
-
-
-class _SbatchAfterDashes(click.Command):
-    """Everything after the first ``--`` goes to sbatch as it is (it may look like ftkit's options)."""
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if "--" in args:
-            i = args.index("--")
-            ctx.meta["ftkit.sbatch_args"] = tuple(args[i + 1 :])
-            args = args[:i]
-        return super().parse_args(ctx, args)
 
 
 @click.command(
     "submit",
-    cls=_SbatchAfterDashes,
+    cls=AfterDashes,
     epilog="""\b
 Examples:
   ftkit submit recipe.yaml --nodes 2 --time 4:00:00 --partition gpu   # sbatch it; prints the job id
@@ -64,7 +53,7 @@ def command(
         time=time_limit,
         partition=partition,
         account=account,
-        sbatch_args=ctx.meta.get("ftkit.sbatch_args", ()),
+        sbatch_args=after_dashes(ctx) or (),
         dry_run=dry_run,
     )
     sys.exit(submit(req, echo=click.echo))

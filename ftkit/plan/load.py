@@ -7,6 +7,7 @@ from pathlib import Path
 import yaml
 
 from ftkit.errors import FtkitError
+from ftkit.plan.memory import zero_label
 from ftkit.plan.plan import Plan, build_plan
 from ftkit.recipe.load import Recipe, load_recipe
 from ftkit.recipe.scaffold import commented_recipe, split_header
@@ -55,6 +56,6 @@ def sized_for_model(text: str) -> tuple[str, str]:
     for sec in SECTIONS:
         if sec.optional and sec.name not in values:
             values[sec.name] = None
-    why = f"ZeRO-{p.stage}" + (f", optimizer offload {p.offload_optimizer}" if p.offload_optimizer != "none" else "")
+    why = zero_label(p.stage, p.offload_optimizer, p.offload_params)
     why += f", micro_batch_size {micro} (per ftkit plan for this model)"
     return commented_recipe(values, split_header(text)), why

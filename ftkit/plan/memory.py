@@ -84,6 +84,17 @@ ACT_SCORES = 5
 # ------------------------------------------------------------------------------------------------ candidates
 
 
+def zero_label(stage: int, offload_optimizer: str = "none", offload_params: str = "none") -> str:
+    """How ftkit names a ZeRO configuration everywhere (plan tables, launch summaries, ftkit init's note):
+    ``ZeRO-3 + optimizer offload (cpu) + param offload (cpu)``."""
+    parts = [f"ZeRO-{stage}"]
+    if offload_optimizer != "none":
+        parts.append(f"optimizer offload ({offload_optimizer})")
+    if offload_params != "none":
+        parts.append(f"param offload ({offload_params})")
+    return " + ".join(parts)
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One ZeRO configuration: stage plus where the optimizer states and (stage 3) the parameters live."""
@@ -104,12 +115,7 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        parts = [f"ZeRO-{self.stage}"]
-        if self.offload_optimizer != "none":
-            parts.append(f"optimizer offload ({self.offload_optimizer})")
-        if self.offload_params != "none":
-            parts.append(f"param offload ({self.offload_params})")
-        return " + ".join(parts)
+        return zero_label(self.stage, self.offload_optimizer, self.offload_params)
 
     def __str__(self) -> str:
         return self.label

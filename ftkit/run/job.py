@@ -23,6 +23,7 @@ from ftkit.command.engines import LaunchInputs, build_launch, describe
 from ftkit.command.user_command import UserCommand, builtin_only_keys, inject_dir, module_exists, parse_command
 from ftkit.errors import ExitCode, FtkitError, NoSpace, RecipeError, UserError
 from ftkit.model.config import checked_in_drift
+from ftkit.plan.memory import zero_label
 from ftkit.plan.plan import Plan, build_plan
 from ftkit.recipe.load import load_recipe
 from ftkit.report.live import ReportRefresher, plan_record
@@ -34,7 +35,7 @@ from ftkit.run.status import format_summary, summarize
 from ftkit.rundir.layout import RunDir
 from ftkit.rundir.owner import read_owner
 from ftkit.supervise.choose import foreign_refusal, select, space_refusal
-from ftkit.supervise.supervisor import Supervisor
+from ftkit.supervise.supervisor import STOP_SIGNALS, Supervisor
 
 
 def launch_inputs(
@@ -64,13 +65,12 @@ def launch_inputs(
 
 def plan_summary(plan: Plan) -> str:
     hosts = ", ".join(f"{h} ({n})" for h, n in plan.hosts)
-    off = f", optimizer offload {plan.offload_optimizer}" if plan.offload_optimizer != "none" else ""
-    off += f", parameter offload {plan.offload_params}" if plan.offload_params != "none" else ""
     r = plan.recipe
+    zero = zero_label(plan.stage, plan.offload_optimizer, plan.offload_params)
     steps = f"{r['train.max_steps']} steps" if r["train.max_steps"] else f"{r['train.epochs']} epochs"
     return (
         f"plan: {r['cluster.engine']} on {plan.num_nodes} node(s): {hosts}; world size {plan.world_size}; "
-        f"ZeRO-{plan.stage}{off}; batch {plan.global_batch_size} = micro {plan.micro_batch_size} x accum "
+        f"{zero}; batch {plan.global_batch_size} = micro {plan.micro_batch_size} x accum "
         f"{plan.grad_accum} x {plan.world_size} ranks; {steps}; {'LoRA' if r.has_peft else 'full fine-tuning'}, "
         f"{r['train.precision']}\nrun directory: {r['train.output_dir']}"
     )
@@ -131,8 +131,7 @@ def launch(req: LaunchRequest, echo: Callable[[str], None] = print, warn: Callab
         return code
     # Until the supervisor installs its own handlers, a signal ends the launch at once (subprocess.run kills a
     # running ssh probe when the exception passes through it): exit 128+N, nothing started.
-    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
-    old = {s: signal.signal(s, _raise_interrupted) for s in stops}
+    old = {s: signal.signal(s, _raise_interrupted) for s in STOP_SIGNALS}
     try:
         return _owned_launch(plan, req, echo, command)
     finally:

@@ -153,15 +153,19 @@ def _read_bytes(path: str) -> bytes:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: str | bytes, *, fsync: bool = True) -> None:
-    """Replace ``path`` in one step: readers see the old or the new content, never a torn one.
+def atomic_write(path: Path, data: str | bytes, *, fsync: bool = True, sync_dir: bool = False) -> None:
+    """Replace ``path`` in one step: readers see the old or the new content, never a torn one. The one way ftkit
+    writes a file others read while it changes (heartbeats, records, commit records).
 
-    The file gets the mode a plain ``open()`` would give it (0666 less the umask; mkstemp alone makes 0600). On
-    any error the temp file is removed; an OSError from writing or renaming names ``path`` (not the temp file).
+    ``fsync``: the data is on stable storage before the rename; ``sync_dir``: the rename is too (fsync of the
+    directory), for a record that must survive a crash of the machine (a commit record). The temp file is
+    ``.<name>.tmp-*`` beside it. The file gets the mode a plain ``open()`` would give it (0666 less the umask;
+    mkstemp alone makes 0600). On any error the temp file is removed; an OSError from writing or renaming names
+    ``path`` (not the temp file).
     """
     path.parent.mkdir(parents=True, exist_ok=True)  # an error here names the directory that could not be made
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     except OSError as e:
         raise OSError(e.errno, e.strerror, str(path)) from e
     try:
@@ -172,6 +176,8 @@ def atomic_write(path: Path, data: str | bytes, *, fsync: bool = True) -> None:
                 fh.flush()
                 os.fsync(fh.fileno())
         os.replace(tmp, path)
+        if sync_dir:
+            _fsync_dir(path.parent)
     except OSError as e:
         _unlink_quietly(tmp)
         if e.errno is None:
@@ -180,6 +186,17 @@ def atomic_write(path: Path, data: str | bytes, *, fsync: bool = True) -> None:
     except BaseException:
         _unlink_quietly(tmp)
         raise
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some file systems refuse fsync on a directory: nothing more to do there
+        if e.errno not in (22, 9):  # EINVAL, EBADF
+            raise
+    finally:
+        os.close(fd)
 
 
 def _unlink_quietly(tmp: str) -> None:

@@ -50,7 +50,7 @@ from ftkit.supervise.shrink import convert_newest, probe_hosts
 from ftkit.supervise.stragglers import hosts_to_exclude, record_step_times
 
 # A closed terminal (SIGHUP) is handled like SIGTERM; SIGUSR1 is Slurm's advance notice (--signal=B:USR1@T).
-SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 STOP_TIMEOUT_S = 120.0  # resilience.stop_timeout_s when a recipe predates it
 
 
@@ -350,7 +350,7 @@ class Supervisor:
 
     def run(self, first: Choice | None = None) -> int:
         """The whole job. ``first``: the choice the launcher already made (and checked) for the first attempt."""
-        old = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
+        old = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         try:
             return self._run(first)
         except OSError as e:
