@@ -204,16 +204,16 @@ def _auto(key: str, plan: Plan | None, flat: dict[str, Any]) -> tuple[Any, str]:
         "train_batch_size": (plan.global_batch_size, "HF: micro x accumulation x world size"),
         "train_micro_batch_size_per_gpu": (plan.micro_batch_size, "HF: per_device_train_batch_size"),
         "gradient_accumulation_steps": (plan.grad_accum, "HF: gradient_accumulation_steps"),
-        "gradient_clipping": (r["train.max_grad_norm"], "HF: max_grad_norm"),
-        "optimizer.params.lr": (r["train.learning_rate"], "HF: learning_rate"),
+        "gradient_clipping": (r.train.max_grad_norm, "HF: max_grad_norm"),
+        "optimizer.params.lr": (r.train.learning_rate, "HF: learning_rate"),
         "optimizer.params.betas": ([r["train.adam_beta1"], r["train.adam_beta2"]], "HF: adam_beta1, adam_beta2"),
-        "optimizer.params.eps": (r["train.adam_epsilon"], "HF: adam_epsilon"),
-        "optimizer.params.weight_decay": (r["train.weight_decay"], "HF: weight_decay"),
-        "fp16.enabled": (r["train.precision"] == "fp16", "HF: fp16"),
-        "bf16.enabled": (r["train.precision"] == "bf16", "HF: bf16"),
-        "scheduler.params.warmup_max_lr": (r["train.learning_rate"], "HF: learning_rate"),
+        "optimizer.params.eps": (r.train.adam_epsilon, "HF: adam_epsilon"),
+        "optimizer.params.weight_decay": (r.train.weight_decay, "HF: weight_decay"),
+        "fp16.enabled": (r.train.precision == "fp16", "HF: fp16"),
+        "bf16.enabled": (r.train.precision == "bf16", "HF: bf16"),
+        "scheduler.params.warmup_max_lr": (r.train.learning_rate, "HF: learning_rate"),
         "scheduler.params.warmup_min_lr": (0, "HF: 0"),
-        "scheduler.params.warmup_num_steps": (max(1, r["train.warmup_steps"]), "HF: warmup_steps (at least 1)"),
+        "scheduler.params.warmup_num_steps": (max(1, r.train.warmup_steps), "HF: warmup_steps (at least 1)"),
         "zero_optimization.stage3_gather_16bit_weights_on_model_save": (
             False,
             "Accelerate: zero3_save_16bit_model, false unless set",
@@ -224,8 +224,8 @@ def _auto(key: str, plan: Plan | None, flat: dict[str, Any]) -> tuple[Any, str]:
         if flat.get("zero_optimization.stage") == 3:
             filled["zero_optimization.stage3_prefetch_bucket_size"] = (int(0.9 * h * h), "HF: int(0.9 x hidden^2)")
             filled["zero_optimization.stage3_param_persistence_threshold"] = (10 * h, "HF: 10 x hidden_size")
-    if r["train.max_steps"] is not None:
-        filled["scheduler.params.total_num_steps"] = (r["train.max_steps"], "HF: the run's optimizer steps")
+    if r.train.max_steps is not None:
+        filled["scheduler.params.total_num_steps"] = (r.train.max_steps, "HF: the run's optimizer steps")
     if key in filled:
         return filled[key]
     return None, "HF and Accelerate do not fill it"

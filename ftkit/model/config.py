@@ -52,21 +52,21 @@ class ConfigSource:
 
 
 def _revision(recipe: Any) -> str:
-    return recipe.get("model.revision") or DEFAULT_REVISION
+    return recipe.model.revision or DEFAULT_REVISION
 
 
 def model_is_hub(recipe: Any) -> bool:
     """The recipe's model is a hub id (the loader left it unresolved; a local path is absolute by then)."""
-    path = recipe.get("model.path")
+    path = recipe.model.path
     return bool(path) and not os.path.isabs(path) and looks_like_hub_id(path)
 
 
 def config_source(recipe: Any, *, checked_in: bool = True) -> ConfigSource:
     """The config.json plan/render/check read: ``model.config`` when set (and ``checked_in``), the local model
     directory's, or the hub's (resolved into the local cache, fetched when the hub is reachable)."""
-    path = recipe.get("model.path")
-    if checked_in and recipe.get("model.config"):
-        return ConfigSource(recipe["model.config"], recipe["model.config"])
+    path = recipe.model.path
+    if checked_in and recipe.model.config:
+        return ConfigSource(recipe.model.config, recipe.model.config)
     if model_is_hub(recipe):
         rev = _revision(recipe)
         base = getattr(recipe, "base_dir", None)
@@ -176,14 +176,14 @@ def _error(repo_id: str, revision: str, what: str, fix: str) -> ModelConfigError
 def checked_in_drift(recipe: Any) -> str | None:
     """For ``ftkit launch``: a one-line warning when ``model.config`` differs from the model's actual config.json
     (the ranks load the real one), or cannot be compared; None when it is not set or matches."""
-    checked = recipe.get("model.config")
+    checked = recipe.model.config
     if not checked:
         return None
 
     try:
         mine = load_config_file(checked)
         actual_src = config_source(recipe, checked_in=False)
-        actual = load_config_file(actual_src.file) if actual_src.hub_id else load_model_config(recipe["model.path"])
+        actual = load_config_file(actual_src.file) if actual_src.hub_id else load_model_config(recipe.model.path)
     except ModelConfigError as e:
         return f"ftkit: warning: model.config {checked}: cannot compare with the model's config.json: {e.lines()[0]}"
     if mine == actual:

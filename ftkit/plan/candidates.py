@@ -124,7 +124,7 @@ class MemoryReport:
 
 def model_shape(plan: Any) -> ModelShape:
     """Closed form for known families; the meta device (imports transformers, ~seconds) for anything else."""
-    path = plan.recipe["model.path"]
+    path = plan.recipe.model.path
     shape = count_params(plan.model_config, source=plan.model_config_label or f"{path}/config.json")
     return shape if shape is not None else count_params_meta(plan.model_config_file or path)
 
@@ -144,7 +144,7 @@ def plan_memory(plan: Any) -> MemoryReport:
     lora = None
     if r.has_peft:
         try:
-            lora = lora_trainable_params(shape, r["peft.r"], r["peft.target_modules"])
+            lora = lora_trainable_params(shape, r.peft.r, r.peft.target_modules)
         except UserError as e:
             raise RecipeError([r.problem("peft.target_modules", p.message) for p in e.problems]) from None
     w = Workload(
@@ -152,23 +152,23 @@ def plan_memory(plan: Any) -> MemoryReport:
         world_size=plan.world_size,
         gpus_per_node=max(n for _, n in plan.hosts),
         micro_batch_size=plan.micro_batch_size,
-        seq_len=r["data.max_seq_len"],
-        precision=r["train.precision"],
+        seq_len=r.data.max_seq_len,
+        precision=r.train.precision,
         lora_params=lora,
-        gradient_checkpointing=r["model.gradient_checkpointing"],
-        reduce_bucket_size=None if r["zero.reduce_bucket_size"] == "auto" else r["zero.reduce_bucket_size"],
+        gradient_checkpointing=r.model.gradient_checkpointing,
+        reduce_bucket_size=None if r.zero.reduce_bucket_size == "auto" else r.zero.reduce_bucket_size,
         **_stage3_limits(r),
-        pin_memory=r["cluster.accelerator"] != "cpu",
+        pin_memory=r.cluster.accelerator != "cpu",
     )
-    gpu, host = float(r["cluster.gpu_memory_gb"]), float(r["cluster.host_memory_gb"])
-    stage, opt, par = r["zero.stage"], r["zero.offload_optimizer"], r["zero.offload_params"]
+    gpu, host = float(r.cluster.gpu_memory_gb), float(r.cluster.host_memory_gb)
+    stage, opt, par = r.zero.stage, r.zero.offload_optimizer, r.zero.offload_params
     auto = stage == "auto" or opt == "auto"
     # auto picks among the candidates the recipe leaves open: a fixed stage or offload stays fixed; parameter
     # offload is open only when the recipe did not set it; NVMe only when there is an nvme_path.
     par_open = stage == "auto" and "zero.offload_params" not in r.explicit
     allowed = [
         c
-        for c in candidates(include_stage0=plan.world_size == 1, include_nvme=bool(r["zero.nvme_path"]))
+        for c in candidates(include_stage0=plan.world_size == 1, include_nvme=bool(r.zero.nvme_path))
         if (stage == "auto" or c.stage == stage)
         and (opt == "auto" or c.offload_optimizer == opt)
         and (par_open or c.offload_params == par)
@@ -240,7 +240,7 @@ def plan_context_for(plan: Any, shape: ModelShape) -> dict[str, Any]:
 
 def predict_for(c: Candidate, w: Workload, plan: Any, ctx: dict[str, Any], gpu_gb: float) -> Prediction:
     """Step time of candidate ``c`` with the knobs the plan would give it (the rules of ftkit.plan.knobs)."""
-    oc = plan.recipe["zero.overlap_comm"]
+    oc = plan.recipe.zero.overlap_comm
     if oc == "auto":
         room = c.stage in (1, 2) and estimate(c, replace(w, overlap_comm=True)).total_gb <= gpu_gb * (1 - HEADROOM)
         oc, _ = overlap_comm_auto(c.stage, room)
@@ -367,7 +367,7 @@ def plan_context(recipe: Any, hosts: list[tuple[str, int]], shape: Any) -> dict[
     lora = None
     if r.has_peft:
         try:
-            lora = lora_tensors(shape, r["peft.r"], r["peft.target_modules"])
+            lora = lora_tensors(shape, r.peft.r, r.peft.target_modules)
         except Exception:  # noqa: BLE001 - the memory planner reported a bad target already
             lora = None
     return {"gpu": gpu, "gpu_source": gpu_src, "net": net, "lora_tensors": lora}
@@ -389,7 +389,7 @@ def predict_plan(plan: Any, candidate: Candidate | None = None) -> Prediction:
         ctx["gpu"],
         overlap_comm=bool(oc),
         gpu_source=ctx["gpu_source"],
-        comm_bytes=PRECISION_BYTES[plan.recipe["train.precision"]],
+        comm_bytes=PRECISION_BYTES[plan.recipe.train.precision],
         persistence_threshold=k["stage3_param_persistence_threshold"].value
         if "stage3_param_persistence_threshold" in k
         else None,

@@ -180,14 +180,14 @@ def resolve_network(recipe: Any, hosts: list[str]) -> Network:
     measured = read_bandwidth_file(hosts)
     if measured is not None:
         return measured
-    name = recipe["cluster.network"]
+    name = recipe.cluster.network
     if name == "auto":
-        name = "loopback" if recipe["cluster.accelerator"] == "cpu" else DEFAULT_NETWORK
+        name = "loopback" if recipe.cluster.accelerator == "cpu" else DEFAULT_NETWORK
         source = f"default ({name}: cluster.network is auto)"
     else:
         source = f"cluster.network {name}"
     base = NETWORK_PRESETS[name]
-    intra, inter = recipe["cluster.intra_node_gbs"], recipe["cluster.inter_node_gbs"]
+    intra, inter = recipe.cluster.intra_node_gbs, recipe.cluster.inter_node_gbs
     if intra is not None or inter is not None:
         source += " with cluster." + " and cluster.".join(
             k for k, v in (("intra_node_gbs", intra), ("inter_node_gbs", inter)) if v is not None
@@ -205,12 +205,12 @@ def resolve_network(recipe: Any, hosts: list[str]) -> Network:
 
 def resolve_gpu(recipe: Any) -> tuple[str, str]:
     """(table key, where it came from)."""
-    gpu = recipe["cluster.gpu"]
+    gpu = recipe.cluster.gpu
     if gpu != "auto":
         return gpu, "cluster.gpu"
-    if recipe["cluster.accelerator"] == "cpu":
+    if recipe.cluster.accelerator == "cpu":
         return "cpu", "cluster.accelerator cpu"
-    mem = float(recipe["cluster.gpu_memory_gb"])
+    mem = float(recipe.cluster.gpu_memory_gb)
     for size, name in _GPU_BY_MEMORY:
         if mem <= size * 1.1:
             return name, f"guessed from cluster.gpu_memory_gb {mem:g} (set cluster.gpu)"

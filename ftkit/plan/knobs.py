@@ -53,19 +53,19 @@ def decide_zero_knobs(plan: Plan, src: Any) -> None:
     r = plan.recipe
     report = plan.memory
     h = plan.hidden_size
-    if r["zero.reduce_bucket_size"] == "auto":
+    if r.zero.reduce_bucket_size == "auto":
         plan.note("reduce_bucket_size", h * h, f"hidden_size^2 = {h}^2")
     else:
-        plan.note("reduce_bucket_size", r["zero.reduce_bucket_size"], src(r, "zero.reduce_bucket_size"))
+        plan.note("reduce_bucket_size", r.zero.reduce_bucket_size, src(r, "zero.reduce_bucket_size"))
     tight = report.tight if report is not None else False
-    if r["zero.allgather_bucket_size"] == "auto":
+    if r.zero.allgather_bucket_size == "auto":
         if tight:
             plan.note("allgather_bucket_size", int(2e8), "2e8: memory is tight at the chosen stage (ftkit plan)")
         else:
             plan.note("allgather_bucket_size", int(5e8), "5e8: DeepSpeed's default, memory allows it")
     else:
-        plan.note("allgather_bucket_size", r["zero.allgather_bucket_size"], src(r, "zero.allgather_bucket_size"))
-    oc = r["zero.overlap_comm"]
+        plan.note("allgather_bucket_size", r.zero.allgather_bucket_size, src(r, "zero.allgather_bucket_size"))
+    oc = r.zero.overlap_comm
     if oc == "auto":
         plan.note("overlap_comm", *overlap_comm_auto(plan.stage, report is not None and report.room_for_overlap))
     else:
@@ -95,12 +95,12 @@ def decide_config_knobs(plan: Plan) -> None:
     """The rest of ds_config.json and accelerate.yaml: clipping, precision, optimizer, per-stage ZeRO flags,
     pinned offload buffers, zero3_init_flag. Only the knobs the chosen stage renders are recorded."""
     r = plan.recipe
-    plan.note("gradient_clipping", r["train.max_grad_norm"], "train.max_grad_norm")
-    plan.note("precision", r["train.precision"], "train.precision; TrainingArguments gets the same flag")
-    if r["train.precision"] == "fp16":
+    plan.note("gradient_clipping", r.train.max_grad_norm, "train.max_grad_norm")
+    plan.note("precision", r.train.precision, "train.precision; TrainingArguments gets the same flag")
+    if r.train.precision == "fp16":
         for name, rule, why in FP16_LOSS_SCALING:
             _rule_or_recipe(plan, f"fp16.{name}", f"train.fp16_{name}", rule, why)
-    if plan.offload_optimizer == "none" and r["cluster.accelerator"] == "cpu":
+    if plan.offload_optimizer == "none" and r.cluster.accelerator == "cpu":
         # FusedAdam is a CUDA kernel; on the cpu accelerator without offload use torch's AdamW.
         plan.note("optimizer.torch_adam", True, "cpu accelerator without offload")
     plan.note("optimizer", "AdamW", "DeepSpeed's optimizer (CPU Adam when offloading); params equal TrainingArguments")
@@ -132,9 +132,9 @@ def decide_config_knobs(plan: Plan) -> None:
 
 
 def _pin_memory(plan: Plan, what: str) -> None:
-    if plan.recipe["zero.pin_memory"] != "auto":
-        plan.note(f"{what}.pin_memory", plan.recipe["zero.pin_memory"], "zero.pin_memory")
-    elif plan.recipe["cluster.accelerator"] == "cpu":
+    if plan.recipe.zero.pin_memory != "auto":
+        plan.note(f"{what}.pin_memory", plan.recipe.zero.pin_memory, "zero.pin_memory")
+    elif plan.recipe.cluster.accelerator == "cpu":
         plan.note(f"{what}.pin_memory", False, "cpu accelerator: there is no device memory to pin for")
     elif plan.memory is not None and plan.memory.host_tight:
         plan.note(f"{what}.pin_memory", False, "host RAM is tight: pinned buffers cannot be paged out")

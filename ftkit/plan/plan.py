@@ -103,22 +103,22 @@ def resolve_cluster(
     and 3. With a filter every kept host is in the dict (as DeepSpeed, which sets each node's visible devices to
     its selection); without one the dict is empty and the ranks use devices ``0..n-1`` (of what is visible).
     """
-    hostfile = recipe["cluster.hostfile"]
-    if recipe["cluster.engine"] == "slurm":  # the allocation's nodes (ftkit launch refuses outside one)
+    hostfile = recipe.cluster.hostfile
+    if recipe.cluster.engine == "slurm":  # the allocation's nodes (ftkit launch refuses outside one)
         import os
 
         if include or exclude:
             raise RecipeError(Problem("--include/--exclude do not apply to engine slurm (use sbatch -w/-x)", file=CLI))
         if in_allocation(os.environ):
-            return allocation_hosts(os.environ, recipe["cluster.gpus_per_node"]), {}
-        return [(f"node{i}", recipe["cluster.gpus_per_node"]) for i in range(recipe["cluster.num_nodes"])], {}
+            return allocation_hosts(os.environ, recipe.cluster.gpus_per_node), {}
+        return [(f"node{i}", recipe.cluster.gpus_per_node) for i in range(recipe.cluster.num_nodes)], {}
     if hostfile is None:
         if include or exclude:
             raise RecipeError(Problem("--include/--exclude need a hostfile (cluster.hostfile or --hostfile)", file=CLI))
-        n = recipe["cluster.num_nodes"]
+        n = recipe.cluster.num_nodes
         if n == 1:
-            return [("localhost", recipe["cluster.gpus_per_node"])], {}
-        return [(f"node{i}", recipe["cluster.gpus_per_node"]) for i in range(n)], {}
+            return [("localhost", recipe.cluster.gpus_per_node)], {}
+        return [(f"node{i}", recipe.cluster.gpus_per_node) for i in range(n)], {}
 
     hf = parse_hostfile(hostfile)
     if include or exclude:
@@ -134,8 +134,8 @@ def _master_port(recipe: Recipe) -> int:
     """The recipe's port; under Slurm with the default port, one of the job's own (two jobs may share a node)."""
     import os
 
-    port = recipe["cluster.master_port"]
-    if recipe["cluster.engine"] == "slurm" and recipe.sources.get("cluster.master_port", DEFAULT) == DEFAULT:
+    port = recipe.cluster.master_port
+    if recipe.cluster.engine == "slurm" and recipe.sources.get("cluster.master_port", DEFAULT) == DEFAULT:
         return job_port(os.environ, port)
     return port
 
@@ -168,8 +168,8 @@ def build_plan(
     def problem(key: str, message: str) -> None:
         problems.append(recipe.problem(key, message))
 
-    micro = recipe["train.micro_batch_size"]
-    gbs = recipe["train.global_batch_size"]
+    micro = recipe.train.micro_batch_size
+    gbs = recipe.train.global_batch_size
     per_step = micro * world
     if gbs % per_step != 0:
         problem(
@@ -177,25 +177,25 @@ def build_plan(
             f"{gbs} is not divisible by micro_batch_size {micro} x world size {world} = {per_step}; "
             f"use a multiple of {per_step} (e.g. {max(per_step, gbs - gbs % per_step)}) or change micro_batch_size",
         )
-    engine = recipe["cluster.engine"]
+    engine = recipe.cluster.engine
     if engine in ("torchrun", "accelerate") and len({n for _, n in hosts}) > 1:
         problem(
             "cluster.engine",
             f"{engine} needs the same number of processes on every host; the hostfile has "
             f"{', '.join(f'{h}={n}' for h, n in hosts)} (use engine: deepspeed)",
         )
-    min_nodes = recipe["cluster.min_nodes"]
+    min_nodes = recipe.cluster.min_nodes
     if min_nodes is not None and min_nodes > len(hosts):
         problem("cluster.min_nodes", f"{min_nodes} is more than the {len(hosts)} host(s) in the cluster")
 
-    master = recipe["cluster.master_addr"]
+    master = recipe.cluster.master_addr
     if master is None:
         first = hosts[0][0]
         if len(hosts) == 1 and first in LOCAL_HOSTS:
             master, master_why = "127.0.0.1", "single local node"
         elif engine == "slurm":
             master, master_why = first, "first node of the Slurm allocation"
-        elif recipe["cluster.hostfile"] is None:
+        elif recipe.cluster.hostfile is None:
             problem(
                 "cluster.master_addr",
                 f"required when num_nodes is {len(hosts)} without a hostfile: the address of the first node",
@@ -211,17 +211,17 @@ def build_plan(
         source = config_source(recipe)
         cfg = (
             load_config_file(source.file)
-            if source.hub_id or recipe["model.config"]
-            else load_model_config(recipe["model.path"])
+            if source.hub_id or recipe.model.config
+            else load_model_config(recipe.model.path)
         )
         h = hidden_size(cfg)
     except UserError as e:  # ModelConfigError: re-anchor it at the recipe's model.path line
-        key = "model.config" if recipe["model.config"] else "model.path"
+        key = "model.config" if recipe.model.config else "model.path"
         unknown_why = "; ".join(p.message for p in e.problems) or str(e)
         if not unknown_model_ok:
             for p in e.problems:
                 problem(key, p.message if p.file else str(p))
-        elif recipe["zero.stage"] == "auto" or recipe["zero.offload_optimizer"] == "auto":
+        elif recipe.zero.stage == "auto" or recipe.zero.offload_optimizer == "auto":
             problem("zero.stage", f"auto needs the model's config ({unknown_why}): set zero.stage and offload")
         cfg, h = {}, 0
     if problems:
@@ -294,12 +294,9 @@ def _ints(values: tuple[int, ...]) -> str:
 def _resolve_zero(plan: Plan, with_memory: bool, strict: bool = True) -> None:
 
     r = plan.recipe
-    stage, opt = r["zero.stage"], r["zero.offload_optimizer"]
+    stage, opt = r.zero.stage, r.zero.offload_optimizer
     needs_memory = (
-        stage == "auto"
-        or opt == "auto"
-        or r["zero.overlap_comm"] == "auto"
-        or r["zero.allgather_bucket_size"] == "auto"
+        stage == "auto" or opt == "auto" or r.zero.overlap_comm == "auto" or r.zero.allgather_bucket_size == "auto"
     )
     report = None
     if needs_memory and with_memory:
@@ -323,7 +320,7 @@ def _resolve_zero(plan: Plan, with_memory: bool, strict: bool = True) -> None:
     else:
         plan.stage = plan.note("zero_optimization.stage", stage, _src(r, "zero.stage"))
         plan.offload_optimizer = plan.note("offload_optimizer", opt, _src(r, "zero.offload_optimizer"))
-        plan.offload_params = plan.note("offload_param", r["zero.offload_params"], _src(r, "zero.offload_params"))
+        plan.offload_params = plan.note("offload_param", r.zero.offload_params, _src(r, "zero.offload_params"))
     # No copy of the stage/offload rules here: the recipe loader reports a user's mistake (ftkit.recipe.load), a
     # Candidate refuses an impossible pairing (ftkit.plan.memory), and auto only ever chooses among valid candidates.
     Candidate(plan.stage, plan.offload_optimizer, plan.offload_params)

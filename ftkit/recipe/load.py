@@ -28,6 +28,16 @@ from ftkit.errors import Problem, RecipeError
 from ftkit.model.config import is_hub_id
 from ftkit.recipe.rules import offload_problems
 from ftkit.recipe.schema import FIELD_BY_KEY, REQUIRED, SECTION_BY_NAME, SECTIONS, TOP_LEVEL, Field
+from ftkit.recipe.sections import (
+    SECTION_TYPES,
+    ClusterSection,
+    DataSection,
+    ModelSection,
+    PeftSection,
+    ResilienceSection,
+    TrainSection,
+    ZeroSection,
+)
 
 try:  # the C loader is ~10x faster; fall back quietly where libyaml is missing
     from yaml import CSafeLoader as _Loader
@@ -57,10 +67,49 @@ class Recipe:
     explicit: set[str] = field(default_factory=set)  # keys given in the file or on the command line
 
     def __getitem__(self, key: str) -> Any:
+        """By dotted key, for the loader and the generic tools of this folder (explain, scaffold); code elsewhere
+        reads the typed sections (``recipe.train.save_steps``)."""
         return self.values[key]
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.values.get(key, default)
+
+    def _section(self, name: str) -> Any:
+        fields = SECTION_BY_NAME[name].fields
+        return SECTION_TYPES[name](**{f.name: self.values.get(f"{name}.{f.name}") for f in fields})
+
+    @property
+    def name(self) -> str:
+        return str(self.values["name"])
+
+    @property
+    def model(self) -> ModelSection:
+        return self._section("model")  # type: ignore[no-any-return]
+
+    @property
+    def peft(self) -> PeftSection | None:
+        """None for full fine-tuning (the section is absent)."""
+        return self._section("peft") if self.has_peft else None  # type: ignore[no-any-return]
+
+    @property
+    def data(self) -> DataSection:
+        return self._section("data")  # type: ignore[no-any-return]
+
+    @property
+    def train(self) -> TrainSection:
+        return self._section("train")  # type: ignore[no-any-return]
+
+    @property
+    def zero(self) -> ZeroSection:
+        return self._section("zero")  # type: ignore[no-any-return]
+
+    @property
+    def cluster(self) -> ClusterSection:
+        return self._section("cluster")  # type: ignore[no-any-return]
+
+    @property
+    def resilience(self) -> ResilienceSection:
+        return self._section("resilience")  # type: ignore[no-any-return]
 
     def where(self, key: str) -> tuple[str | None, int | None]:
         """(file, line) where ``key`` was set: the recipe file and line, the command line, or the file alone."""

@@ -33,7 +33,7 @@ def accelerate_dict(plan: Plan, ds_config_path: str, machine_rank: int = 0) -> d
         "num_processes": plan.world_size,
         "rdzv_backend": "static",
         "same_network": True,
-        "use_cpu": plan.recipe["cluster.accelerator"] == "cpu",
+        "use_cpu": plan.recipe.cluster.accelerator == "cpu",
     }
 
 

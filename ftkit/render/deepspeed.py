@@ -21,7 +21,7 @@ def to_json(cfg: dict[str, Any]) -> str:
 def _offload(plan: Plan, device: str, what: str) -> dict[str, Any]:
     block: dict[str, Any] = {"device": device}
     if device == "nvme":
-        block["nvme_path"] = plan.recipe["zero.nvme_path"]
+        block["nvme_path"] = plan.recipe.zero.nvme_path
     block["pin_memory"] = plan.knobs[f"{what}.pin_memory"].value
     return block
 
@@ -47,10 +47,10 @@ def render_deepspeed(plan: Plan) -> dict[str, Any]:
         cfg["fp16"] = {"enabled": False}
 
     params: dict[str, Any] = {
-        "lr": r["train.learning_rate"],
+        "lr": r.train.learning_rate,
         "betas": [r["train.adam_beta1"], r["train.adam_beta2"]],
-        "eps": r["train.adam_epsilon"],
-        "weight_decay": r["train.weight_decay"],
+        "eps": r.train.adam_epsilon,
+        "weight_decay": r.train.weight_decay,
     }
     if "optimizer.torch_adam" in k:
         params["torch_adam"] = k["optimizer.torch_adam"].value

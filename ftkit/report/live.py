@@ -35,19 +35,19 @@ def plan_record(plan: Any) -> dict[str, Any]:
     user command's model that the plan could not read), the record says why instead."""
     r = plan.recipe
     rec: dict[str, Any] = {
-        "engine": r["cluster.engine"],
-        "accelerator": r["cluster.accelerator"],
+        "engine": r.cluster.engine,
+        "accelerator": r.cluster.accelerator,
         "hosts": [[h, n] for h, n in plan.hosts],
         "world_size": plan.world_size,
         "stage": plan.stage,
         "offload_optimizer": plan.offload_optimizer,
         "offload_params": plan.offload_params,
-        "precision": r["train.precision"],
+        "precision": r.train.precision,
         "micro_batch_size": plan.micro_batch_size,
         "grad_accum": plan.grad_accum,
         "global_batch_size": plan.global_batch_size,
-        "seq_len": r["data.max_seq_len"],
-        "gpu_memory_gb": r["cluster.gpu_memory_gb"],
+        "seq_len": r.data.max_seq_len,
+        "gpu_memory_gb": r.cluster.gpu_memory_gb,
         "lora": bool(r.has_peft),
     }
     try:

@@ -87,8 +87,8 @@ def _facts(
 
     r = plan.recipe
     hosts = rep.hosts
-    args = ["facts", "--run-dir", str(Path(r["train.output_dir"]).resolve()), "--master-addr", plan.master_addr]
-    args += ["--accelerator", r["cluster.accelerator"]]
+    args = ["facts", "--run-dir", str(Path(r.train.output_dir).resolve()), "--master-addr", plan.master_addr]
+    args += ["--accelerator", r.cluster.accelerator]
     line = _probe_line(python, args, _probe_env(env))
     results = run_on_hosts(
         hosts, line, ssh_args, deadline_s=FACTS_DEADLINE_S, connect_timeout_s=FACTS_DEADLINE_S - 2, transport=transport
@@ -113,7 +113,7 @@ def _facts(
             )
             continue
         rep.set(host, "ssh", "local" if host in LOCAL_HOSTS else f"{res.seconds:.1f}s")
-        check_facts(rep, host, f, mine, time.time(), r["cluster.accelerator"])
+        check_facts(rep, host, f, mine, time.time(), r.cluster.accelerator)
         locks[host] = f.get("locks", [])
     check_locks(rep, locks)
     return unreachable
@@ -128,8 +128,8 @@ def _preflight(plan: Any, hosts: list[str], ssh_args: list[str], python: str) ->
             hosts=plan.hosts,
             master_addr=plan.master_addr,
             master_port=plan.master_port,
-            run_dir=Path(r["train.output_dir"]),
-            engine=r["cluster.engine"],
+            run_dir=Path(r.train.output_dir),
+            engine=r.cluster.engine,
             ssh_args=ssh_args,
             python=python,
         )
@@ -159,7 +159,7 @@ def _rendezvous(
 ) -> None:
     r = plan.recipe
     hosts = rep.hosts
-    backend = "nccl" if r["cluster.accelerator"] == "cuda" else "gloo"
+    backend = "nccl" if r.cluster.accelerator == "cuda" else "gloo"
     world = len(hosts)
     penv = _probe_env(env)
 
@@ -231,10 +231,10 @@ def _bandwidth(plan: Any, hosts: list[str], outs: dict[str, dict[str, Any]], bac
         for p in o.get("pairs", []):
             i, j = p["ranks"]
             pairs.append({"hosts": [hosts[i], hosts[j]], **{k: p[k] for k in ("bytes", "seconds", "busbw_gbs")}})
-    name = r["cluster.network"]
+    name = r.cluster.network
     if name == "auto":
-        name = "loopback" if r["cluster.accelerator"] == "cpu" else DEFAULT_NETWORK
-    intra = r["cluster.intra_node_gbs"] or NETWORK_PRESETS[name].intra_gbs
+        name = "loopback" if r.cluster.accelerator == "cpu" else DEFAULT_NETWORK
+    intra = r.cluster.intra_node_gbs or NETWORK_PRESETS[name].intra_gbs
     return {
         "version": BANDWIDTH_FILE_VERSION,
         "measured_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),

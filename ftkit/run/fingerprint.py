@@ -341,7 +341,7 @@ def _actual_config_file(plan: Any) -> str:
     the model's own where it can be resolved here."""
     r = plan.recipe
     file = getattr(plan, "model_config_file", "") or ""
-    if r.get("model.config") and r.get("model.path"):
+    if r.model.config and r.model.path:
         try:
             return config_source(r, checked_in=False).file
         except UserError:
@@ -374,14 +374,14 @@ def compute(plan: Any) -> dict[str, Any]:
     r = plan.recipe
     has_peft = bool(getattr(r, "has_peft", False))
     recipe = {k: (v if has_peft or not k.startswith("peft.") else None) for k, v in r.values.items()}
-    model_path = r.get("model.path")
+    model_path = r.model.path
     fp = {
         "format": FORMAT,
         "recipe": _jsonable(recipe),
         "peft": has_peft,
-        "data": _data_part(r.get("data.train")),
-        "model": _model_part(model_path, _actual_config_file(plan), r.get("model.revision")),
-        "tokenizer": _tokenizer_part(r.get("model.tokenizer") or model_path),
+        "data": _data_part(r.data.train),
+        "model": _model_part(model_path, _actual_config_file(plan), r.model.revision),
+        "tokenizer": _tokenizer_part(r.model.tokenizer or model_path),
         "versions": versions(),
     }
     fp["seconds"] = round(time.perf_counter() - t0, 4)

@@ -34,7 +34,7 @@ from ftkit.run.prepare import prepare_run
 from ftkit.run.status import format_summary, summarize
 from ftkit.rundir.layout import RunDir
 from ftkit.rundir.owner import read_owner
-from ftkit.supervise.choose import foreign_refusal, select, space_refusal
+from ftkit.supervise.choose import StepLimits, foreign_refusal, select, space_refusal
 from ftkit.supervise.supervisor import STOP_SIGNALS, Supervisor
 
 
@@ -44,17 +44,17 @@ def launch_inputs(
     r = plan.recipe
 
     return LaunchInputs(
-        engine=r["cluster.engine"],
+        engine=r.cluster.engine,
         hosts=tuple(plan.hosts),
         master_addr=plan.master_addr,
         master_port=plan.master_port,
-        run_dir=str(Path(r["train.output_dir"]).resolve()),
+        run_dir=str(Path(r.train.output_dir).resolve()),
         attempt=attempt,
         resume=resume,
-        accelerator=r["cluster.accelerator"],
+        accelerator=r.cluster.accelerator,
         python=sys.executable,
-        name=r["name"],
-        ssh_config=r["cluster.ssh_config"],
+        name=r.name,
+        ssh_config=r.cluster.ssh_config,
         devices=dict(plan.devices),
         command=command,
         inject=inject,
@@ -67,7 +67,7 @@ def plan_summary(plan: Plan) -> str:
     hosts = ", ".join(f"{h} ({n})" for h, n in plan.hosts)
     r = plan.recipe
     zero = zero_label(plan.stage, plan.offload_optimizer, plan.offload_params)
-    steps = f"{r['train.max_steps']} steps" if r["train.max_steps"] else f"{r['train.epochs']} epochs"
+    steps = f"{r['train.max_steps']} steps" if r.train.max_steps else f"{r['train.epochs']} epochs"
     return (
         f"plan: {r['cluster.engine']} on {plan.num_nodes} node(s): {hosts}; world size {plan.world_size}; "
         f"{zero}; batch {plan.global_batch_size} = micro {plan.micro_batch_size} x accum "
@@ -102,7 +102,7 @@ def _raise_interrupted(signum: int, frame: Any) -> None:  # noqa: ARG001
 
 
 def ssh_args_of(plan: Plan) -> list[str]:
-    cfg = plan.recipe["cluster.ssh_config"]
+    cfg = plan.recipe.cluster.ssh_config
     return ["-F", cfg] if cfg else []
 
 
@@ -111,10 +111,10 @@ def launch(req: LaunchRequest, echo: Callable[[str], None] = print, warn: Callab
     ``warn`` gets warnings (stderr on the command line)."""
 
     recipe = load_recipe(req.recipe, list(req.overrides))
-    if recipe["cluster.engine"] == "slurm":  # hosts, ranks and teardown come from the allocation: none, none here
+    if recipe.cluster.engine == "slurm":  # hosts, ranks and teardown come from the allocation: none, none here
         require_allocation(os.environ)
     # A user command loads its own model: a config.json the plan cannot read limits the plan, not the launch.
-    custom = req.command is not None or recipe.values.get("train.command") is not None
+    custom = req.command is not None or recipe.train.command is not None
     plan = build_plan(recipe, include=req.include, exclude=req.exclude, unknown_model_ok=custom)
 
     warning = checked_in_drift(plan.recipe)  # model.config (checked in) differs from the model's real config.json
@@ -154,7 +154,7 @@ def _check_inputs(plan: Plan, command: UserCommand | None) -> None:
                 problems.append(r.problem(key, f"{data}: {what}"))
         if problems:
             raise RecipeError(problems)
-    refusal = foreign_refusal(RunDir(r["train.output_dir"]))
+    refusal = foreign_refusal(RunDir(r.train.output_dir))
     if refusal is not None:
         raise UserError(refusal)
 
@@ -165,17 +165,17 @@ def _dry_run_verdict(plan: Plan, req: LaunchRequest, echo: Callable[[str], None]
     (ssh to every host): `ftkit doctor` runs that."""
 
     r = plan.recipe
-    rd = RunDir(r["train.output_dir"])
+    rd = RunDir(r.train.output_dir)
     owner = read_owner(rd) if rd.meta.is_dir() else None
     if owner is not None and owner_state(owner, ssh_args_of(plan)) != "dead":
         echo(f"ftkit: error: a live job owns {rd.path} ({owner.describe()}): a launch now would be refused")
         return ExitCode.RUN_BUSY
     choice = select(
         rd,
-        checksums=bool(r["resilience.verify_checksums"]),
+        checksums=bool(r.resilience.verify_checksums),
         world_size=plan.world_size,
         stage=plan.stage,
-        max_steps=r["train.max_steps"],
+        max_steps=r.train.max_steps,
         limits=step_limits(plan),
     )
     for v in choice.selection.rejected if choice.selection else []:
@@ -204,7 +204,7 @@ def _user_command(
     import shutil
 
     r = plan.recipe
-    argv = req.command if req.command is not None else r.values.get("train.command")
+    argv = req.command if req.command is not None else r.train.command
     if argv is None:
         return None
     trl = importlib.util.find_spec("trl")
@@ -230,7 +230,7 @@ def _owned_launch(
 ) -> int:
 
     r = plan.recipe
-    rd = RunDir(r["train.output_dir"])
+    rd = RunDir(r.train.output_dir)
     ssh_args = ssh_args_of(plan)
     ownership = Ownership(rd, ssh_args)
     ownership.acquire(takeover=req.takeover, teardown=lambda left: stop_leftovers(left, ssh_args, echo), echo=echo)
@@ -238,7 +238,7 @@ def _owned_launch(
         # preflight plus doctor's cheap checks on every host at once (versions, space, /dev/shm, clock, interface,
         # stale build locks); `ftkit doctor` adds the rendezvous and all-reduce
 
-        report = cheap_checks(plan, ssh_args, transport=transport_for(r["cluster.engine"], os.environ))
+        report = cheap_checks(plan, ssh_args, transport=transport_for(r.cluster.engine, os.environ))
         sup = _supervisor(plan, rd, ssh_args, echo, command, req.inject)
         choice = sup.select(step_limits(plan))
         if choice.exit_code is not None:
@@ -278,8 +278,8 @@ def _owned_launch(
     return code
 
 
-def step_limits(plan: Plan) -> dict[str, Any]:
-    return {k: plan.recipe[k] for k in ("train.max_steps", "train.epochs")}
+def step_limits(plan: Plan) -> StepLimits:
+    return StepLimits(plan.recipe.train.max_steps, plan.recipe.train.epochs)
 
 
 def finished_line(where: str) -> str:
@@ -327,12 +327,12 @@ def _supervisor(
         resilience={k.split(".", 1)[1]: v for k, v in r.values.items() if k.startswith("resilience.")},
         stage=plan.stage,
         world_size=plan.world_size,
-        max_steps=r["train.max_steps"],
+        max_steps=r.train.max_steps,
         global_batch=plan.global_batch_size,
-        logging_steps=r["train.logging_steps"],
+        logging_steps=r.train.logging_steps,
         ssh_args=ssh_args,
         echo=echo,
-        min_nodes=r["cluster.min_nodes"],
+        min_nodes=r.cluster.min_nodes,
         replan=lambda hosts: build_plan(r, hosts=hosts),
         prepare=lambda p, universal: prepare_run(
             p, load_universal=universal, command=command.display() if command else None
@@ -343,7 +343,7 @@ def _supervisor(
 def dry_run(plan: Plan, command: UserCommand | None = None, inject: bool = True) -> str:
     """What a launch would start (per-node argv and environment), and who owns the run directory now. Reads only."""
 
-    rd = RunDir(plan.recipe["train.output_dir"])
+    rd = RunDir(plan.recipe.train.output_dir)
     lines = []
     resume = None
     if rd.path.is_dir():

@@ -29,7 +29,7 @@ def prepare_run(
     attempts of one launch (a later shrink rewrites the spec with them too). ``fingerprint``: already computed by
     the caller (it hashes the data file), else computed here.
     """
-    rd = RunDir(plan.recipe["train.output_dir"])
+    rd = RunDir(plan.recipe.train.output_dir)
     files = render_files(plan, rd.meta, ds_path_in_yaml=str(rd.ds_config.resolve()))
     if load_universal:
         cfg = json.loads(files["ds_config.json"])

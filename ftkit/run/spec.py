@@ -53,30 +53,30 @@ STATED_WHEN_EXPLICIT = {
 def training_arguments(plan: Plan, output_dir: str, ds_config_path: str) -> dict[str, Any]:
     """Keyword arguments for ``transformers.TrainingArguments``, from the same plan as ds_config.json."""
     r = plan.recipe
-    precision = r["train.precision"]
+    precision = r.train.precision
     args: dict[str, Any] = {
         "output_dir": output_dir,
         "per_device_train_batch_size": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.grad_accum,
-        "learning_rate": r["train.learning_rate"],
-        "lr_scheduler_type": r["train.lr_scheduler"],
-        "warmup_steps": r["train.warmup_steps"],
-        "weight_decay": r["train.weight_decay"],
+        "learning_rate": r.train.learning_rate,
+        "lr_scheduler_type": r.train.lr_scheduler,
+        "warmup_steps": r.train.warmup_steps,
+        "weight_decay": r.train.weight_decay,
         "adam_beta1": r["train.adam_beta1"],
         "adam_beta2": r["train.adam_beta2"],
-        "adam_epsilon": r["train.adam_epsilon"],
-        "max_grad_norm": r["train.max_grad_norm"],
-        "logging_steps": r["train.logging_steps"],
+        "adam_epsilon": r.train.adam_epsilon,
+        "max_grad_norm": r.train.max_grad_norm,
+        "logging_steps": r.train.logging_steps,
         "save_strategy": "steps",
-        "save_steps": r["train.save_steps"],
+        "save_steps": r.train.save_steps,
         "save_total_limit": None,  # ftkit rotates: HF's rotation would count torn checkpoints
-        "seed": r["train.seed"],
-        "data_seed": r["train.seed"],
+        "seed": r.train.seed,
+        "data_seed": r.train.seed,
         "bf16": precision == "bf16",
         "fp16": precision == "fp16",
         "deepspeed": ds_config_path,
-        "gradient_checkpointing": r["model.gradient_checkpointing"],
-        "report_to": list(r["train.report_to"]),
+        "gradient_checkpointing": r.model.gradient_checkpointing,
+        "report_to": list(r.train.report_to),
         "disable_tqdm": True,
         "dataloader_num_workers": 0,
         "remove_unused_columns": False,
@@ -86,17 +86,17 @@ def training_arguments(plan: Plan, output_dir: str, ds_config_path: str) -> dict
     # tokens seen (non-padding input tokens: the attention mask summed, all tokens without one) in every log record: the
     # progress line's tokens/s. HF 5.x: "all" | "non_padding" | "no" (True means "all").
     args["include_num_input_tokens_seen"] = "non_padding"
-    if r["data.eval"] is not None:
+    if r.data.eval is not None:
         args["eval_strategy"] = "steps"
-        args["eval_steps"] = r["train.eval_steps"] or r["train.save_steps"]
+        args["eval_steps"] = r.train.eval_steps or r.train.save_steps
         args["per_device_eval_batch_size"] = plan.micro_batch_size
     # TensorBoard's directory: transformers 5.x has no TrainingArguments.logging_dir any more; its TensorBoardCallback
     # reads TENSORBOARD_LOGGING_DIR (default <output_dir>/runs/<time>_<host>), see tensorboard_dir() below.
-    if r["train.max_steps"] is not None:
-        args["max_steps"] = r["train.max_steps"]
+    if r.train.max_steps is not None:
+        args["max_steps"] = r.train.max_steps
     else:
-        args["num_train_epochs"] = r["train.epochs"]
-    if r["cluster.accelerator"] == "cpu":
+        args["num_train_epochs"] = r.train.epochs
+    if r.cluster.accelerator == "cpu":
         args["use_cpu"] = True
         args["ddp_backend"] = "gloo"
     return args
@@ -128,10 +128,10 @@ def build_spec(
     targs = training_arguments(plan, str(run_dir), str(ds_config_path))
     if "max_steps" not in targs:
         targs["max_steps"] = -1
-    command = command if command is not None else r.get("train.command")
+    command = command if command is not None else r.train.command
     return RunSpec(
         ftkit_version=__version__,
-        name=r["name"],
+        name=r.name,
         recipe=r.to_dict(),
         recipe_hash=r.hash(),
         world_size=plan.world_size,
@@ -139,22 +139,22 @@ def build_spec(
         stage=plan.stage,
         offload_optimizer=plan.offload_optimizer,
         offload_params=plan.offload_params,
-        accelerator=r["cluster.accelerator"],
-        model_path=r["model.path"],
-        tokenizer_path=r["model.tokenizer"] or r["model.path"],
+        accelerator=r.cluster.accelerator,
+        model_path=r.model.path,
+        tokenizer_path=r.model.tokenizer or r.model.path,
         # a hub id's revision (main unless pinned): the ranks call from_pretrained(id, revision=...); None: local
-        model_revision=(r["model.revision"] or DEFAULT_REVISION) if model_is_hub(r) else None,
-        tokenizer_revision=(r["model.revision"] or DEFAULT_REVISION)
-        if model_is_hub(r) and not r["model.tokenizer"]
+        model_revision=(r.model.revision or DEFAULT_REVISION) if model_is_hub(r) else None,
+        tokenizer_revision=(r.model.revision or DEFAULT_REVISION)
+        if model_is_hub(r) and not r.model.tokenizer
         else None,
         peft=r.to_dict()["peft"],
         data=DataSpec(
-            train=r["data.train"],
-            max_seq_len=r["data.max_seq_len"],
-            truncate=r["data.truncate"],
-            eval=r.get("data.eval"),
+            train=r.data.train,
+            max_seq_len=r.data.max_seq_len,
+            truncate=r.data.truncate,
+            eval=r.data.eval,
         ),
-        save_total_limit=r["train.save_total_limit"],
+        save_total_limit=r.train.save_total_limit,
         training_args=targs,
         fingerprint=fingerprint if fingerprint is not None else compute_fingerprint(plan),
         resume_overrides=dict(resume_overrides or {}),

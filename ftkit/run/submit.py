@@ -134,30 +134,29 @@ def submit(req: SubmitRequest, echo: Callable[[str], None] = print, env: Mapping
     env = dict(os.environ if env is None else env)
     overrides = list(req.overrides)
     recipe = load_recipe(req.recipe, overrides)
-    if recipe["cluster.engine"] != "slurm":  # the job's ranks start with srun, whatever the recipe uses elsewhere
+    if recipe.cluster.engine != "slurm":  # the job's ranks start with srun, whatever the recipe uses elsewhere
         overrides.append("cluster.engine=slurm")
-        if recipe["cluster.hostfile"] is not None:
+        if recipe.cluster.hostfile is not None:
             overrides.append("cluster.hostfile=null")  # the allocation gives the hosts
         recipe = load_recipe(req.recipe, overrides)
     for what, value in (("time", req.time), ("partition", req.partition), ("account", req.account)):
         _directive_value(what, value)
-    nodes = req.nodes if req.nodes is not None else recipe["cluster.num_nodes"]
+    nodes = req.nodes if req.nodes is not None else recipe.cluster.num_nodes
     if nodes < 1:
         raise UserError(f"--nodes {nodes}: at least 1")
-    run_dir = Path(recipe["train.output_dir"]).resolve()
-    res = recipe.values
-    stop_timeout = float(res.get("resilience.stop_timeout_s") or 120)
+    run_dir = Path(recipe.train.output_dir).resolve()
+    stop_timeout = float(recipe.resilience.stop_timeout_s or 120)
     lead = signal_lead_s(run_dir, stop_timeout)
     text = batch_script(
-        name=recipe["name"],
+        name=recipe.name,
         run_dir=run_dir,
         recipe=Path(req.recipe).resolve(),
         overrides=overrides,
         workdir=os.getcwd(),
         python=sys.executable,
         nodes=nodes,
-        gpus_per_node=recipe["cluster.gpus_per_node"],
-        accelerator=recipe["cluster.accelerator"],
+        gpus_per_node=recipe.cluster.gpus_per_node,
+        accelerator=recipe.cluster.accelerator,
         lead_s=lead,
         time_limit=req.time,
         partition=req.partition,
@@ -258,8 +257,8 @@ def batch(recipe: str, overrides: Sequence[str], echo: Callable[[str], None] = p
         )
     restarts = int(env.get("SLURM_RESTART_COUNT") or 0)
     r = load_recipe(recipe, list(overrides))
-    run_dir = Path(r["train.output_dir"]).resolve()
-    budget = r.values.get("resilience.max_requeues")
+    run_dir = Path(r.train.output_dir).resolve()
+    budget = r.resilience.max_requeues
     budget = MAX_REQUEUES if budget is None else int(budget)
     early: list[int] = []
 

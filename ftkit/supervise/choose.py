@@ -78,19 +78,26 @@ def _size(n: int) -> str:
     return f"{n} bytes"
 
 
-def finished(rd: RunDir, recipe_limits: dict[str, Any], newest: int | None) -> str | None:
+@dataclass(frozen=True)
+class StepLimits:
+    """How long the recipe asks to train: ``train.max_steps`` (None: by epochs) and ``train.epochs``."""
+
+    max_steps: int | None
+    epochs: float | None
+
+
+def finished(rd: RunDir, limits: StepLimits, newest: int | None) -> str | None:
     """Where the run already finished (``final/`` committed for these step limits, nothing newer), else None.
-    ``recipe_limits``: ``train.max_steps`` and ``train.epochs`` as the recipe now says; a relaunch with a raised
-    limit is not finished (it continues from the newest checkpoint)."""
+    A relaunch with a raised limit is not finished (it continues from the newest checkpoint)."""
     v = verify(rd.final, checksums=False, require_commit=True)
     if not (v.ok and v.committed) or v.step is None or (newest is not None and newest > v.step):
         return None
+    # the limits the final model was trained for, as its commit record's fingerprint holds the recipe (by key)
     recorded = (((v.record or {}).get("extra") or {}).get("fingerprint") or {}).get("recipe") or {}
-    max_steps = recipe_limits.get("train.max_steps")
     if recorded:
-        same = all(recorded.get(k) == recipe_limits.get(k) for k in ("train.max_steps", "train.epochs"))
+        same = recorded.get("train.max_steps") == limits.max_steps and recorded.get("train.epochs") == limits.epochs
     else:  # a final model from an ftkit that recorded no fingerprint: only a step limit can tell
-        same = max_steps is not None and v.step >= max_steps
+        same = limits.max_steps is not None and v.step >= limits.max_steps
     if not same:
         return None
     return f"final/ committed at step {v.step}"
@@ -104,11 +111,11 @@ def select(
     stage: int,
     max_steps: int | None,
     convert_from_world: int | None = None,
-    limits: dict[str, Any] | None = None,
+    limits: StepLimits | None = None,
 ) -> Choice:
     """The checkpoint to resume from, or why the run cannot continue. ``convert_from_world``: after a shrink,
-    checkpoints of that world size are converted rather than refused. ``limits`` (``train.max_steps`` and
-    ``train.epochs`` as the recipe says now): given, a run that already finished for them is reported as such."""
+    checkpoints of that world size are converted rather than refused. ``limits`` (the recipe's step limits now):
+    given, a run that already finished for them is reported as such."""
     refusal = foreign_refusal(rd)
     if refusal is not None:
         return Choice(None, exit_code=ExitCode.USAGE, refusal=refusal)

@@ -42,7 +42,7 @@ from ftkit.command.engines import LaunchCommand, LaunchInputs, build_launch
 from ftkit.errors import ExitCode, UserError
 from ftkit.rundir.layout import NEARLY_FULL, STOP_FILE, RunDir, append_jsonl, atomic_write, read_jsonl
 from ftkit.supervise.attempt import Spawned, spawn, teardown_attempt
-from ftkit.supervise.choose import Choice, select
+from ftkit.supervise.choose import Choice, StepLimits, select
 from ftkit.supervise.decide import Action, Decision, FailureKind, Progress, RestartPolicy, Situation, decide
 from ftkit.supervise.fidelity import FidelityCheck
 from ftkit.supervise.observe import Observer, log_tail, root_cause
@@ -155,7 +155,7 @@ class Supervisor:
 
     # ------------------------------------------------------------------------------------------------ choose
 
-    def select(self, limits: dict[str, Any] | None = None) -> Choice:
+    def select(self, limits: StepLimits | None = None) -> Choice:
         """Read-only: the checkpoint to resume from, or why the run cannot continue. Writes nothing. ``limits``
         (the recipe's step limits, at launch): a run already finished for them says so."""
         return select(
