@@ -289,13 +289,15 @@ class _Reader:
             return self.cfg[alias]
         return self.defaults.get(key)
 
-    def int(self, key: str, allow_none: bool = False) -> int | None:
+    def int(self, key: str) -> int:
         value = self.raw(key)
-        if value is None and allow_none:
-            return None
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ModelConfigError(Problem(f"{key} must be a positive integer, got {value!r}", file=self.source))
         return value
+
+    def optional_int(self, key: str) -> int | None:
+        """:meth:`int`, or None when the key is absent or null."""
+        return None if self.raw(key) is None else self.int(key)
 
     def bool(self, key: str) -> bool:
         value = self.raw(key)
@@ -342,8 +344,8 @@ def _llama_like(family: str, r: _Reader) -> tuple[_Dims, list[TensorSpec]]:
     """llama, mistral, mixtral, qwen2, qwen3, gemma, gemma2, phi3: pre-norm decoder with rotary attention."""
     h, layers = r.int("hidden_size"), r.int("num_hidden_layers")
     heads, inter, vocab = r.int("num_attention_heads"), r.int("intermediate_size"), r.int("vocab_size")
-    kv = r.int("num_key_value_heads", allow_none=True) or heads
-    hd = r.int("head_dim", allow_none=True) or h // heads
+    kv = r.optional_int("num_key_value_heads") or heads
+    hd = r.optional_int("head_dim") or h // heads
     tied = r.bool("tie_word_embeddings")
     attn_bias = family in ("llama", "qwen3", "gemma", "gemma2") and r.bool("attention_bias")
     mlp_bias = family == "llama" and r.bool("mlp_bias")
@@ -389,7 +391,7 @@ def _gpt2(r: _Reader) -> tuple[_Dims, list[TensorSpec]] | None:
         return None  # cross-attention blocks: leave it to the meta-device path
     h, layers, heads = r.int("n_embd"), r.int("n_layer"), r.int("n_head")
     vocab, positions = r.int("vocab_size"), r.int("n_positions")
-    inter = r.int("n_inner", allow_none=True) or 4 * h
+    inter = r.optional_int("n_inner") or 4 * h
     tied = r.bool("tie_word_embeddings")
     t = [
         TensorSpec("transformer.wte.weight", (vocab, h), EMBEDDING),
