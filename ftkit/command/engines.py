@@ -287,7 +287,7 @@ def _deepspeed(inp: LaunchInputs, base_env: Mapping[str, str], attempt_dir: Path
         argv += ["--include", include]
     remote = len(inp.hosts) > 1 or not is_local(inp.hosts[0][0])
     if remote and pdsh_problems(inp.run_dir, inp.python, inp.master_addr):  # preflight said so already
-        raise UserError(pdsh_problems(inp.run_dir, inp.python, inp.master_addr))
+        raise UserError([Problem(m) for m in pdsh_problems(inp.run_dir, inp.python, inp.master_addr)])
     # ftkit's preflight checks ssh itself (with cluster.ssh_config); DeepSpeed's own check would ignore that config.
     argv.append("--no_ssh_check")
     if remote:
