@@ -46,7 +46,7 @@ _LAUNCH = "launcher plumbing: ftkit builds the launch command (cluster.*)"
 
 def read(sink: Sink, data: dict[str, Any], ctx: Context) -> None:
     kind = str(data.get("distributed_type", "DEEPSPEED")).upper()
-    ds = data.get("deepspeed_config") if isinstance(data.get("deepspeed_config"), dict) else {}
+    ds = ds if isinstance(ds := data.get("deepspeed_config"), dict) else {}
     has_file = bool(ds.get("deepspeed_config_file"))
     for key, value in data.items():
         key = str(key)

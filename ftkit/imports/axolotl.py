@@ -93,7 +93,7 @@ def _fsdp(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
     if unset(value) or value is False:
         sink.same(key, "FSDP off")
     else:
-        config = args.get("fsdp_config") if isinstance(args.get("fsdp_config"), dict) else {}
+        config = config if isinstance(config := args.get("fsdp_config"), dict) else {}
         version = str(args.get("fsdp_version", config.get("fsdp_version", 1))).strip()
         refuse_fsdp(sink, key, value, 2 if version == "2" else 1)
 

@@ -20,7 +20,7 @@ from ftkit.imports.values import to_bool, to_float, to_int, to_str, unset
 if TYPE_CHECKING:  # pragma: no cover
     from ftkit.imports.build import Context
 
-Handler = Callable[[Sink, str, Any, dict, "Context"], None]
+Handler = Callable[[Sink, str, Any, dict, "Context"], object]  # what it returns is ignored (a Sink method's Claim)
 ROUNDING = "same update up to floating-point rounding"
 NONE = "no effect on training"
 
