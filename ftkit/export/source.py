@@ -253,9 +253,9 @@ class RunFacts:
 def run_facts(source: Source) -> RunFacts:
 
     spec = RunSpec.read(RunDir(source.run_dir).spec)
-    flat = source.fingerprint.get("recipe") if isinstance(source.fingerprint.get("recipe"), dict) else {}
-    model = source.fingerprint.get("model") if isinstance(source.fingerprint.get("model"), dict) else {}
-    weights = model.get("weights") if isinstance(model.get("weights"), dict) else {}
+    flat = flat if isinstance(flat := source.fingerprint.get("recipe"), dict) else {}
+    model = model if isinstance(model := source.fingerprint.get("model"), dict) else {}
+    weights = weights if isinstance(weights := model.get("weights"), dict) else {}
     return RunFacts(
         name=spec.name,
         model_path=str(flat.get("model.path") or spec.model_path),

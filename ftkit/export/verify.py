@@ -296,8 +296,8 @@ def prove(
         run_probe = _read_probe(probe) if probe is not None else None
         if probe is None and source.name == "final":
             run_probe = _run_probe(source.run_dir)
-        tokens = run_probe or _run_probe(source.run_dir)
-        batches = probe_batches(config.vocab_size, getattr(config, "max_position_embeddings", None), tokens)
+        probe_input = run_probe or _run_probe(source.run_dir)
+        batches = probe_batches(config.vocab_size, getattr(config, "max_position_embeddings", None), probe_input)
 
         ref, what, held = reference_model(source, facts, kind)
         exact = logits_of(ref, batches)
