@@ -129,7 +129,7 @@ def model_shape(plan: Any) -> ModelShape:
     return shape if shape is not None else count_params_meta(plan.model_config_file or path)
 
 
-def _stage3_limits(r: Any) -> dict[str, int]:
+def _stage3_limits(r: Any) -> dict[str, Any]:  # Workload keyword arguments (int values)
     """Stage 3 sizes a recipe sets explicitly (zero.prefetch_bucket_size, zero.max_live_parameters), for Workload."""
     pairs = (
         ("stage3_prefetch_bucket_size", "prefetch_bucket_size"),
@@ -210,7 +210,7 @@ def plan_memory(plan: Any) -> MemoryReport:
     else:
         reason = f"fixed by the recipe ({selected.reason})" if selected else "fixed by the recipe"
     speed = speed_reason(choice, preds, ctx) if auto and choice.chosen is not None else ""
-    if speed:
+    if speed and choice.chosen is not None:  # a speed reason is only given for a chosen candidate
         rejected = "; ".join(f"{c.label}: {why}" for c, why in choice.rejected)
         reason = f"{speed}; memory {choice.chosen.total_gb:.1f} of {limit:.1f} GiB per GPU" + (
             f"; faster but rejected: {rejected}" if rejected else ""
@@ -294,7 +294,8 @@ def speed_reason(choice: Choice, preds: dict[str, Prediction], ctx: dict[str, An
     if held:
         f = min(held, key=lambda e: preds[e.candidate.label].step_time_s)
         q = preds[f.candidate.label]
-        why = " (its quantization changes the numerics)" if f.candidate.qwz or f.candidate.qgz else ""
+        quantized = isinstance(f.candidate, ZeroPP) and (f.candidate.qwz or f.candidate.qgz)  # held: only ZeRO++
+        why = " (its quantization changes the numerics)" if quantized else ""
         head = (
             f"{chosen.candidate.label} is chosen: {numbers}; {f.candidate.label} is predicted "
             f"{1 - q.step_time_s / p.step_time_s:.0%} faster ({q.step_time_s:.3g} s/step) but ZeRO++ must win by "

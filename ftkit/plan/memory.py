@@ -56,6 +56,7 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ftkit.model.shape import ModelShape, TensorSpec
 from ftkit.recipe.rules import offload_problems
@@ -442,7 +443,7 @@ def choose(
         if chosen is not None and e.candidate == chosen.candidate:
             out.append(replace(e, reason=f"chosen: fastest option that fits ({e.reason.removeprefix('fits: ')})"))
             passed = True
-        elif passed:
+        elif passed and chosen is not None:  # passed: chosen was met
             out.append(replace(e, reason=f"not needed: {chosen.candidate.label} is faster and fits"))
         else:
             out.append(e)
@@ -503,7 +504,7 @@ def suggestions(
         # no single change is enough: stack them, cheapest first, and say how far that gets
         v = w
         steps = []
-        stack = [
+        stack: list[tuple[str, dict[str, Any]]] = [  # Workload fields to replace()
             ("gradient checkpointing", {"gradient_checkpointing": True}),
             ("micro batch 1", {"micro_batch_size": 1}),
         ]
