@@ -18,6 +18,7 @@ This module is part of the import-light controller: torch/transformers are impor
 
 from __future__ import annotations
 
+import builtins
 import json
 import math
 import os
@@ -295,7 +296,7 @@ class _Reader:
             raise ModelConfigError(Problem(f"{key} must be a positive integer, got {value!r}", file=self.source))
         return value
 
-    def optional_int(self, key: str) -> int | None:
+    def optional_int(self, key: str) -> builtins.int | None:  # builtins: `int` here is the method above
         """:meth:`int`, or None when the key is absent or null."""
         return None if self.raw(key) is None else self.int(key)
 

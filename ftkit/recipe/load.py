@@ -166,7 +166,7 @@ def _yaml_limits(text: str, filename: str) -> None:
                     raise RecipeError(
                         Problem(f"recursive YAML alias *{ev.anchor} (it refers to itself)", file=filename, line=line)
                     )
-                n = sizes.get(ev.anchor, 1)
+                n = sizes.get(ev.anchor, 1) if ev.anchor is not None else 1
             elif isinstance(ev, yaml.ScalarEvent):
                 n = 1
                 if ev.anchor:
@@ -551,8 +551,8 @@ def load_recipe(path: str | os.PathLike[str] | None, overrides: list[str] | tupl
     # Paths: relative to the recipe's directory when from the file, to the current directory from the command line.
     base = rpath.parent if rpath else Path.cwd()
     for key, value in list(values.items()):
-        f = _field(key)
-        if f and "path" in f.type.split("|") and isinstance(value, str):
+        fld = _field(key)
+        if fld and "path" in fld.type.split("|") and isinstance(value, str):
             anchor = Path.cwd() if sources.get(key) == CLI else base
             if key in HUB_KEYS and is_hub_id(value, anchor):
                 continue  # org/name with no such local directory: a hub id, resolved by ftkit.model.config

@@ -106,7 +106,7 @@ class RunDir:
         """
         cache: dict[str, tuple[tuple[int, ...], dict[str, Any]]] = getattr(self, "_heartbeat_cache", {})
         seen: dict[str, tuple[tuple[int, ...], dict[str, Any]]] = {}
-        out = []
+        out: list[dict[str, Any]] = []
         try:
             with os.scandir(self.heartbeat_dir) as it:
                 entries = sorted(

@@ -47,7 +47,7 @@ class RunSpec:
     tokenizer_revision: str | None
     peft: dict[str, Any] | None
     data: DataSpec
-    save_total_limit: int | None
+    save_total_limit: int  # train.save_total_limit: an int of at least 1
     training_args: dict[str, Any]  # keyword arguments of transformers.TrainingArguments, from the plan
     fingerprint: dict[str, Any]
     resume_overrides: dict[str, Any] = field(default_factory=dict)
