@@ -312,12 +312,12 @@ def _model_part(path: str | None, config_file: str = "", revision: str | None = 
     out: dict[str, Any] = {"path": path}
     if revision is not None:
         out["revision"] = revision
-    local = bool(path) and Path(path).is_dir()
-    cfg = Path(config_file) if config_file else (Path(path) / "config.json" if local else None)
+    local = Path(path) if path and Path(path).is_dir() else None  # the model directory, when it is one here
+    cfg = Path(config_file) if config_file else (local / "config.json" if local is not None else None)
     if cfg is None or not cfg.is_file():
         return out  # a hub id not resolved here: nothing cheap to look at
-    d = Path(path) if local else cfg.parent
-    if not local and cfg.parent.parent.name == "snapshots":
+    d = local if local is not None else cfg.parent
+    if local is None and cfg.parent.parent.name == "snapshots":
         out["commit"] = cfg.parent.name  # the hub cache's snapshots/<commit>/config.json
     try:
         h = _xxh3()

@@ -158,7 +158,7 @@ class Ownership:
         self,
         *,
         takeover: bool = False,
-        teardown: Callable[[list[dict[str, Any]]], Any] | None = None,
+        teardown: Callable[[Leftovers], object] | None = None,
         echo: Callable[[str], None] = print,
     ) -> None:
         """Become the run's owner or raise RunBusy naming who owns it and how to stop it. Ranks of a dead supervisor
@@ -199,7 +199,7 @@ class Ownership:
             f"stop it with `ftkit stop {self.rd.path}` or use another train.output_dir"
         )
 
-    def _claim(self, takeover: bool, teardown: Callable[[list[dict[str, Any]]], Any] | None) -> None:
+    def _claim(self, takeover: bool, teardown: Callable[[Leftovers], object] | None) -> None:
         for _ in range(3):
             old = read_owner(self.rd)
             if old is not None:

@@ -104,7 +104,7 @@ def training_arguments(plan: Plan, output_dir: str, ds_config_path: str) -> dict
 
 def stated_arguments(plan: Plan, args: dict[str, Any]) -> list[str]:
     """The names in ``args`` that a wrapped script's own TrainingArguments get from the recipe."""
-    explicit = getattr(plan.recipe, "explicit", set())
+    explicit: set[str] = getattr(plan.recipe, "explicit", set())
     names = [k for k in ALWAYS_STATED if k in args]
     names += [k for k, key in STATED_WHEN_EXPLICIT.items() if k in args and key in explicit]
     if "max_steps" not in args:  # epochs decide: a script's own max_steps (default -1) must not override them

@@ -192,8 +192,8 @@ def summarize(run_dir: str | Path, *, checksums: bool = False) -> RunSummary:
     try:
         found = list_checkpoints(rd.path)
         set_aside = list_set_aside(rd.path)
-    except OSError as e:
-        raise _unreadable(rd.path, e) from None
+    except OSError as err:
+        raise _unreadable(rd.path, err) from None
     for step, path in found:
         v = verify(path, checksums)
         ckpts.append({"step": step, "path": str(path), "committed": v.ok, "reason": v.reason if not v.ok else ""})
