@@ -68,7 +68,8 @@ def written_by_ftkit(path: str | os.PathLike[str]) -> bool:
 
 def foreign_checkpoints(output_dir: str | os.PathLike[str]) -> list[Path]:
     """``checkpoint-<int>`` directories in ``output_dir`` that ftkit did not write, oldest first."""
-    return sorted((p for _, p in list_checkpoints(output_dir) if not written_by_ftkit(p)), key=_checkpoint_step)
+    found = [(step, p) for step, p in list_checkpoints(output_dir) if not written_by_ftkit(p)]
+    return [p for _, p in sorted(found, key=lambda sp: sp[0])]
 
 
 def _scan(output_dir: str | os.PathLike[str], pattern: re.Pattern[str], follow: bool) -> list[tuple[int, Path]]:

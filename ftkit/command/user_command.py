@@ -8,8 +8,13 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ftkit.errors import UserError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from importlib.machinery import ModuleSpec
+    from types import SimpleNamespace
 
 # Launchers under a launcher would start launchers inside ranks: ftkit starts the engine itself.
 _LAUNCHER_PROGRAMS = {"accelerate", "torchrun", "deepspeed", "srun", "mpirun"}
@@ -136,6 +141,7 @@ def module_exists(name: str, search: Sequence[str]) -> bool:
     top, *rest = name.split(".")
     saved = list(sys.path)
     sys.path[:0] = [p for p in search if p not in sys.path]
+    spec: ModuleSpec | SimpleNamespace | None
     try:
         spec = importlib.util.find_spec(top)
     except (ImportError, ValueError):
@@ -152,7 +158,7 @@ def module_exists(name: str, search: Sequence[str]) -> bool:
     return spec is not None
 
 
-def _find_submodule(fullname: str, locations: list[str]) -> object | None:
+def _find_submodule(fullname: str, locations: list[str]) -> ModuleSpec | SimpleNamespace | None:
     """Ask the import system's finders for ``fullname`` inside a package's locations; imports nothing (an editable
     install maps subpackages that are not under the package's directory, e.g. ``ftkit.launch``)."""
     import importlib.machinery
