@@ -30,7 +30,7 @@ CATEGORY_COLOURS = {
     "backoff": "#F0E442",
     "other": "#DDDDDD",
 }
-PHASE_STYLE = {
+PHASE_STYLE: dict[str, dict[str, str | None]] = {
     "startup": {"color": "#BBBBBB", "hatch": None},
     "training": {"color": None, "hatch": None},  # the attempt's colour
     "ending": {"color": "#555555", "hatch": None},

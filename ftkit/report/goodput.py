@@ -196,7 +196,8 @@ class Attempt:
     @property
     def progress_end(self) -> float | None:
         """The newest progress record of the attempt (a step, an evaluation, a commit)."""
-        times = [r.time for r in (*self.steps, *self.evals, *self.commits)]
+        progress: list[Logged | Eval | Commit] = [*self.steps, *self.evals, *self.commits]
+        times = [r.time for r in progress]
         return max(times) if times else None
 
     @property
@@ -310,7 +311,8 @@ def _session_end(sess: list[dict[str, Any]], metrics: Metrics) -> float:
     start, end = float(sess[0]["time"]), float(sess[-1]["time"])
     if sess[-1]["event"] in ENDS:
         return end
-    newest = [r.time for r in (*metrics.steps, *metrics.evals, *metrics.commits) if r.time >= start]
+    progress: list[Logged | Eval | Commit] = [*metrics.steps, *metrics.evals, *metrics.commits]
+    newest = [r.time for r in progress if r.time >= start]
     return max([end, *newest])
 
 

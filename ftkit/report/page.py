@@ -409,7 +409,7 @@ NOTABLE = {
 
 def _timeline_section(tl: Timeline, events: list[dict[str, Any]], chart: str | None) -> str:
     t0 = tl.start_epoch
-    rows = []
+    rows: list[list[object]] = []
     for e in events:
         if e["event"] not in NOTABLE and not (e["event"] == "teardown" and e.get("message")):
             continue
@@ -573,7 +573,7 @@ def _plan_section(plan: Mapping[str, Any] | None, through: list[dict[str, Any]])
         )
     measured = [r["median_step_s"] for r in through if r["median_step_s"]]
     pred = plan.get("predicted_step_s")
-    rows = [
+    rows: list[list[object]] = [
         ["engine, hosts", f"{plan.get('engine')} on {', '.join(f'{h} ({n})' for h, n in plan.get('hosts') or [])}"],
         ["world size", plan.get("world_size")],
         [
