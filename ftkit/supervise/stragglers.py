@@ -238,7 +238,7 @@ def record_step_times(rd: RunDir, attempt: int, events: Callable[..., None]) -> 
         return
     if not report.hosts:
         return
-    by_rank = hosts_by_rank(rd, attempt)
+    by_rank: dict[Any, str] = hosts_by_rank(rd, attempt)  # looked up with a heartbeat's rank as it is written
     ranks = [
         {
             "rank": b.get("rank"),

@@ -469,7 +469,7 @@ class Supervisor:
                 self.echo(f"    {line[:300]}")
         if failure.kind is FailureKind.NO_SPACE:
             self._discard_torn()
-        self._lost: list[str] = []
+        self._lost = []
         if failure.kind in (FailureKind.EXIT, FailureKind.HANG, FailureKind.STARTUP) and not failure.traceback:
             log_tail(self.rd, attempt, self._say)
         if failure.kind in (FailureKind.EXIT, FailureKind.HANG, FailureKind.STARTUP):
@@ -526,8 +526,8 @@ class Supervisor:
                     pass
 
     def _step(self, attempt: int) -> int | None:
-        steps = [hb.get("step") for hb in self.rd.heartbeats() if hb.get("attempt") == attempt]
-        steps = [s for s in steps if isinstance(s, int)]
+        found = [hb.get("step") for hb in self.rd.heartbeats() if hb.get("attempt") == attempt]
+        steps = [s for s in found if isinstance(s, int)]
         return max(steps) if steps else None
 
     def _final_committed(self, attempt: int) -> bool:
@@ -536,7 +536,9 @@ class Supervisor:
             rec = read_commit(self.rd.final)
         except (OSError, ValueError):
             return False
-        return bool(rec) and (rec.get("extra") or {}).get("attempt") == attempt
+        if not rec:
+            return False
+        return (rec.get("extra") or {}).get("attempt") == attempt
 
     def _newest_commit(self) -> int | None:
         # Sizes only: this feeds the no-progress rule; the resume choice itself (select) reads every byte.
@@ -634,9 +636,11 @@ UNWATCHED_END = "it built no HF Trainer and called no ftkit.hf.step(), so ftkit 
 def not_resumed(beats: list[dict[str, Any]], resumed_from: tuple[int | None, str] | None) -> str | None:
     """One line when a rank of an attempt ftkit resumed from checkpoint K began training before step K (its
     heartbeat's ``started_at_step``, or a step it trained): it retrains from scratch and would pass for a resume."""
-    if resumed_from is None or resumed_from[0] is None:
+    if resumed_from is None:
         return None
     k, name = resumed_from
+    if k is None:
+        return None
     for hb in beats:
         started, step = hb.get("started_at_step"), hb.get("step")
         began = started if isinstance(started, int) else None
