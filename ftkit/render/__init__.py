@@ -53,8 +53,8 @@ def write_files(out_dir: Path, files: dict[str, str]) -> list[Path]:
         mode = creation_mode()
         for name, text in files.items():
             target = out_dir / name
-            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=out_dir)
-            staged.append((name, Path(tmp)))
+            fd, tmp_name = tempfile.mkstemp(prefix=f".{name}.", dir=out_dir)
+            staged.append((name, Path(tmp_name)))
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
                 os.fchmod(fh.fileno(), mode)
                 fh.write(text)
