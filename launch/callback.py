@@ -356,7 +356,7 @@ def guard_trackers(trackers: Trackers) -> Any:
         for name, tracker in _TRACKER_OF.items():
             cls = getattr(mod, name, None)
             original = cls.__dict__.get("on_log") if cls is not None else None
-            if original is not None and not getattr(original, "_ftkit", False):
+            if cls is not None and original is not None and not getattr(original, "_ftkit", False):
                 cls.on_log = make(original, tracker)
 
     return patch
@@ -392,7 +392,7 @@ def install_train_guard() -> None:
             return TrainOutput(e.step, 0.0, {})
 
     train._ftkit_guard = True  # type: ignore[attr-defined]
-    Trainer.train = train
+    Trainer.train = train  # type: ignore[method-assign]  # the guard wraps transformers' own Trainer.train once
 
 
 def _lr_scheduler_of(lr_scheduler: Any) -> Any:

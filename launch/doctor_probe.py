@@ -73,7 +73,7 @@ def _route_dev(addr: str) -> dict:
     out: dict = {}
     try:
         infos = socket.getaddrinfo(addr, 1, socket.AF_INET, socket.SOCK_DGRAM)
-        ip = infos[0][4][0]
+        ip = str(infos[0][4][0])  # AF_INET: (address, port)
     except (OSError, UnicodeError) as e:
         return {"error": f"{addr} does not resolve here: {getattr(e, 'strerror', None) or e}"}
     out["ip"] = ip

@@ -220,7 +220,8 @@ class PostImportHook(importlib.abc.MetaPathFinder):
             for patch in list(patches):
                 patch(module)
 
-        loader.exec_module = exec_module
+        # this loader instance only (the wrapper deletes itself after the import): shadows the class's method
+        loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 
@@ -343,4 +344,5 @@ class Fault:
             return original(trainer, output_dir)
 
         _save_rng_state._ftkit_fault = True  # type: ignore[attr-defined]
-        Trainer._save_rng_state = _save_rng_state
+        # fault injection patches transformers' own method (a plain function taking the Trainer as self)
+        Trainer._save_rng_state = _save_rng_state  # type: ignore[method-assign,assignment]

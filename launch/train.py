@@ -62,7 +62,8 @@ def _load_model(spec: RunSpec, targs: Any):
             task_type="CAUSAL_LM",
         )
         try:
-            model = get_peft_model(model, cfg)
+            # peft's PeftModel wraps the transformers model (another class, the same interface for the Trainer)
+            model = get_peft_model(model, cfg)  # type: ignore[assignment]
         except ValueError as e:  # e.g. a target module the model does not have
             raise ModelConfigError(Problem(f"peft.target_modules: {e}".splitlines()[0], file=path)) from None
         if targs.gradient_checkpointing:
