@@ -58,9 +58,12 @@ demo: install
 bench: install
 	$(PY) benchmarks/cli_speed.py
 
+# Style, then the import contracts (.importlinter: the house by stage, the rank side), then the types (mypy.ini).
 lint: install
 	$(PY) -m ruff check ftkit launch tests benchmarks
 	$(PY) -m ruff format --check ftkit launch tests benchmarks
+	PYTHONPATH=. $(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 format: install
 	$(PY) -m ruff format ftkit launch tests benchmarks
