@@ -1,0 +1,188 @@
+"""Tier 0: the house keeps its structure. The import contracts hold (``.importlinter``), no module imports an ftkit
+module from inside a function (such imports hid import cycles), no module-level import cycle exists, ``ftkit/`` has
+only its few flat modules, and no comment points at a design document the repository does not have."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+
+REPO = Path(__file__).resolve().parent.parent
+FIRST_PARTY = ("ftkit", "launch")  # launch/ is shipped as ftkit.launch
+FLAT_MODULES = {"__init__", "__main__", "errors", "hf", "demo"}
+
+
+def _sources() -> list[Path]:
+    return sorted(p for root in FIRST_PARTY for p in (REPO / root).rglob("*.py"))
+
+
+def _first_party(name: str) -> bool:
+    return name.split(".")[0] in FIRST_PARTY
+
+
+def test_import_contracts_hold():
+    lint_imports = Path(sys.executable).parent / "lint-imports"  # import-linter, in the dev extra
+    r = subprocess.run(
+        [str(lint_imports), "--no-cache", "--no-logo"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _function_local_imports(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, module) of every import inside a function (methods and nested functions too); relative imports are
+    named with their dots."""
+    out = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Import):
+                out += [(node.lineno, a.name) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                out.append((node.lineno, "." * node.level + (node.module or "")))
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, (ast.Attribute, ast.Name))
+                and (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id)
+                in ("import_module", "__import__")
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+            ):
+                out.append((node.lineno, node.args[0].value))
+    return out
+
+
+def test_no_function_local_import_of_ftkit():
+    """Imports inside functions are for the heavy stack (torch, transformers, ...) or the standard library only: a
+    function-local ftkit import is how an import cycle hides from the module graph."""
+    found = []
+    for path in _sources():
+        tree = ast.parse(path.read_text(), str(path))
+        for line, module in _function_local_imports(tree):
+            if module.startswith(".") or _first_party(module):
+                found.append(f"{path.relative_to(REPO)}:{line}: {module}")
+    assert not found, "function-local imports of ftkit modules (import them at module level):\n" + "\n".join(found)
+
+
+def _rank_side_imports(graph: grimp.ImportGraph) -> set[tuple[str, str]]:
+    """(importer, imported) for the module-level imports of ``ftkit.launch.*``: launch/ is installed as ftkit.launch,
+    which grimp cannot see from the source tree (there is no ftkit/launch), so those edges are added as launch.*."""
+    edges = set()
+    for path in _sources():
+        rel = path.relative_to(REPO).with_suffix("")
+        importer = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        if importer not in graph.modules:
+            continue  # not a module of the packages (launch/inject/sitecustomize.py)
+        for node in ast.parse(path.read_text(), str(path)).body:  # module level
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [f"{node.module}.{a.name}" for a in node.names] or [node.module]
+            for name in names:
+                if name == "ftkit.launch" or name.startswith("ftkit.launch."):
+                    target = name.removeprefix("ftkit.")
+                    while target not in graph.modules:  # from ftkit.launch.rank import on_import -> launch.rank
+                        target = target.rpartition(".")[0]
+                    edges.add((importer, target))
+    return edges
+
+
+def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:
+    """One cycle (a -> b -> ... -> a) per strongly connected group of modules (Tarjan's algorithm)."""
+    imports = {m: sorted(graph.find_modules_directly_imported_by(m)) for m in sorted(graph.modules)}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in imports[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while (w := stack.pop()) != v:
+                group.append(w)
+            groups.append([v, *group])
+
+    for v in imports:
+        if v not in index:
+            visit(v)
+    cycles = []
+    for group in groups:
+        a = group[0]
+        b = next((w for w in imports[a] if w in group), None)
+        if b is None:
+            continue  # a module on its own, importing nothing of its group
+        back = graph.find_shortest_chain(importer=b, imported=a) if b != a else (a,)
+        cycles.append([a, *(back or (b, a))])
+    return cycles
+
+
+def test_no_import_cycle():
+    """No cycle among module-level imports (imports under ``if TYPE_CHECKING:`` do not run, so they do not count)."""
+    sys.path.insert(0, str(REPO))
+    try:
+        graph = grimp.build_graph(*FIRST_PARTY, exclude_type_checking_imports=True, cache_dir=None)
+    finally:
+        sys.path.remove(str(REPO))
+    for importer, imported in _rank_side_imports(graph):
+        graph.add_import(importer=importer, imported=imported)
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_few_flat_modules():
+    flat = {p.stem for p in (REPO / "ftkit").glob("*.py")}
+    assert flat <= FLAT_MODULES, (
+        f"new flat modules in ftkit/ (put them in the folder of their stage): {flat - FLAT_MODULES}"
+    )
+
+
+# References to DESIGN.md, which is not in the repository (docs/design.md is), still being rewritten: a file may keep
+# at most this many; any other file, or a new reference, fails. Lower or drop an entry as its comments are rewritten.
+DESIGN_REFERENCES_LEFT = {
+    "ftkit/model/shape.py": 1,
+    "ftkit/plan/knobs.py": 1,
+    "ftkit/plan/comm.py": 1,
+    "ftkit/plan/candidates.py": 2,
+    "ftkit/plan/memory.py": 4,
+    "ftkit/render/deepspeed.py": 1,
+    "ftkit/imports/fsdp.py": 1,
+    "ftkit/run/owner.py": 1,
+    "ftkit/run/spec.py": 1,
+    "ftkit/run/job.py": 1,
+    "launch/watchdog.py": 1,
+    "launch/hook.py": 1,
+}
+
+
+def test_no_new_reference_to_a_missing_design_document():
+    pattern = re.compile(r"DESIGN(\.md)? ?§")
+    over = []
+    for path in _sources():
+        rel = path.relative_to(REPO).as_posix()
+        lines = [f"{rel}:{i}" for i, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+        if len(lines) > DESIGN_REFERENCES_LEFT.get(rel, 0):
+            over += lines
+    assert not over, "comments that refer to DESIGN § (a file not in the repository; say it here instead):\n" + (
+        "\n".join(over)
+    )
