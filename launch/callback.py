@@ -42,6 +42,7 @@ def callback_class() -> Any:
             self._t0: float | None = None
             self._compute = 0.0
             self._hooked = False
+            self._save_t0: float | None = None
 
         # ------------------------------------------------------------------ lifecycle
 
@@ -97,7 +98,9 @@ def callback_class() -> Any:
             """The Trainer saves right after these events when ``should_save`` is set (HF's own flow callback ran
             first): record that ftkit began this save, so a torn checkpoint-N is known to be ftkit's own."""
             if control.should_save:
-                record_save_begun(args.output_dir, state.global_step, self.ctx.attempt)
+                self._save_t0 = time.time()  # what a save blocks the ranks for: from here to the commit's end
+                where = self.r.tier.dir if self.r.tier is not None else args.output_dir
+                record_save_begun(where, state.global_step, self.ctx.attempt)
 
         def on_log(self, args, state, control, logs=None, **kw):  # noqa: ANN001
             logs = logs or {}
@@ -122,9 +125,13 @@ def callback_class() -> Any:
         def on_save(self, args, state, control, **kw):  # noqa: ANN001
             import torch.distributed as dist
 
-            ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            tier = self.r.tier
+            ckpt = (tier.dir if tier is not None else Path(args.output_dir)) / f"checkpoint-{state.global_step}"
             if not ckpt.is_dir():  # every rank sees the shared directory: all of them stop, none waits in a gather
                 self._save_wrote_nothing(ckpt)
+            if tier is not None:
+                self._commit_local(args, state)
+                return
             t0 = time.time()
             part = manifest_part(ckpt, self.ctx.rank, self.ctx.world_size, checksum=self.spec.checksum)
             parts: list[Any] = [None] * self.ctx.world_size
@@ -158,6 +165,38 @@ def callback_class() -> Any:
             if dist.is_available() and dist.is_initialized():
                 dist.barrier()  # nobody trains on (or dies) before the commit is on disk
             self.ctx.heartbeat("train", state.global_step, committed=state.global_step)
+
+        def _commit_local(self, args, state) -> None:  # noqa: ANN001
+            """A save to the node-local tier (ftkit.launch.tier): committed per node; the agents copy it to the run
+            directory when due. A graceful stop's save waits (bounded) for that copy before the rank exits."""
+            step = state.global_step
+            stop = self.r.stop.stopped_at == step
+            done = self.r.tier.commit(self.ctx, self.spec, step, stop)
+            if self._save_t0 is not None:
+                done["save_s"] = round(time.time() - self._save_t0, 3)
+            if self.ctx.rank == 0:
+                append_jsonl(
+                    self.ctx.rd.metrics,
+                    {
+                        "event": "commit",
+                        "step": step,
+                        "attempt": self.ctx.attempt,
+                        **done,
+                        "stop": stop or None,
+                        "time": time.time(),
+                    },
+                )
+            self.ctx.heartbeat("train", step, committed=step)
+            if stop:
+                timeout = 0.7 * self.r.stop.timeout_s()  # within the supervisor's own bound
+                if self.r.tier.wait_durable(Path(args.output_dir), step, timeout):
+                    print(f"ftkit: step {step} is durable in the run directory", flush=True)
+                else:
+                    print(
+                        f"ftkit: warning: step {step} was not copied to the run directory within {timeout:g} s; "
+                        "the local tier keeps it",
+                        flush=True,
+                    )
 
         def _save_wrote_nothing(self, ckpt: Path) -> None:
 

@@ -156,6 +156,14 @@ class StopRequest:
             return False
         return isinstance(rec, dict) and rec.get("attempt") == self.attempt
 
+    def timeout_s(self, default: float = 300.0) -> float:
+        """How long the supervisor waits for this stop (its request says), ``default`` when it cannot be read."""
+        try:
+            rec = json.loads(self.path.read_text())
+            return float(rec.get("timeout_s") or default)
+        except (OSError, ValueError, TypeError, AttributeError):
+            return default
+
     def agreed(self, device: Any = None) -> bool:
         flag = 1 if self.requested_here() else 0
         import torch.distributed as dist

@@ -44,6 +44,7 @@ from typing import Any
 
 from ftkit.checkpoint.commit import manifest_part, write_commit
 from ftkit.checkpoint.directory import record_save_begun, rotate
+from ftkit.checkpoint.tiers import for_node
 from ftkit.errors import ExitCode, FtkitError
 from ftkit.launch.callback import (
     COMPUTE_EWMA,
@@ -54,6 +55,7 @@ from ftkit.launch.callback import (
     install_train_guard,
 )
 from ftkit.launch.rank import Fault, RankContext, StopRequest, _env_int, _redirect_output, install_startup, on_import
+from ftkit.launch.tier import local_tier
 from ftkit.launch.watchdog import SupervisorWatchdog, remove_own_shm
 from ftkit.rundir.env import ATTEMPT_ENV, FAULT_ENV, RESUME_ENV, RUN_DIR_ENV
 from ftkit.rundir.layout import STOP_FILE, RunDir, append_jsonl, atomic_write, tensorboard_dir
@@ -87,7 +89,8 @@ class _Rank:
     def __init__(self, run_dir: Path, attempt: int, resume: str | None):
         self.spec = RunSpec.read(RunDir(run_dir).spec)
         self.ctx = RankContext(run_dir, attempt, self.spec)
-        self.resume = resume or None
+        self.resume = for_node(resume, self.ctx.node_host) if resume else None  # a local tier's path names {host}
+        self.tier = local_tier(self.spec, self.ctx)  # this node's local checkpoint tier, None: saves go to the run
         self.stop = StopRequest(self.ctx.rd, attempt)
         self.changes_recorded = False
         self.dog: Any = None  # the supervisor watchdog (None: no supervisor owns the run)
@@ -141,6 +144,9 @@ def start(
         r.ctx.heartbeat("starting")
         atexit.register(_at_exit, r)
         install_startup()
+        if r.tier is not None:
+            r.tier.start(r.ctx)
+            on_import("transformers.trainer", r.tier.patch_trainer)
         r.trackers = Trackers(r.ctx.rd, attempt, r.resume)
         for key, value in r.trackers.environment().items():
             os.environ.setdefault(key, value)  # before any tracker starts; the user's own values win

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:  # a damaged or foreign spec.json
         return hf.report(e)
     try:
-        train(ctx, args.resume)
+        train(ctx, hf.resume_checkpoint())  # the path on this node (a local tier names {host})
     except UserError as e:
         return hf.report(e)
     except Exception as e:  # noqa: BLE001 - only a full disk is turned into a record; the rest re-raises

@@ -75,6 +75,9 @@ def write_recipe(directory: Path, fixtures: dict[str, Path], **overrides: Any) -
             "seed": 7,
         },
         "zero": {"stage": 2},
+        # every save to the run directory, as the tests of checkpoints there expect; tests/test_tiers.py turns the
+        # local tier on (the recipe's default is auto)
+        "checkpoint": {"local_dir": None},
         "cluster": {
             "gpus_per_node": 2,
             "accelerator": "cpu",

@@ -56,8 +56,10 @@ def manifest_part(
     checksum: str = "full",
     fsync: bool = True,
     spec: SampleSpec = DEFAULT_SPEC,
+    files: list[str] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """``{relative path: {size, checksum, rank}}`` for the files this rank wrote.
+    """``{relative path: {size, checksum, rank}}`` for the files this rank wrote (``files``: these instead of
+    the ones :func:`files_owned_by_rank` assigns it, e.g. one node's part of a local checkpoint).
 
     Call it right after the save, so the bytes are read back from the page cache rather than the disk.
     ``checksum="full"`` (the default, ``resilience.checksum``) hashes every byte with XXH3-128;
@@ -78,7 +80,8 @@ def manifest_part(
         digest = full_checksum(path, use_mmap=True) if checksum == "full" else sampled_checksum(path, spec)
         return rel, {"size": size, "checksum": digest, "rank": rank}
 
-    files = files_owned_by_rank(ckpt, rank, world_size)
+    if files is None:
+        files = files_owned_by_rank(ckpt, rank, world_size)
     if len(files) <= 1:
         return dict(map(one, files))
     # A few threads: fsync and hashing release the GIL, and concurrent fsyncs share the filesystem's journal
@@ -102,8 +105,9 @@ def write_commit(
     """Merge the ranks' manifest parts and write the commit record atomically; returns its path.
 
     ``kind="model"`` commits a final model directory (HF weights, no trainer state), ``kind="state"`` a training
-    loop's own checkpoint (:func:`ftkit.hf.checkpoint`, e.g. ``Accelerator.save_state``): the coverage and size
-    checks apply, HF Trainer's checkpoint structure and RNG checks do not.
+    loop's own checkpoint (:func:`ftkit.hf.checkpoint`, e.g. ``Accelerator.save_state``), ``kind="node"`` one
+    node's part of a local-tier checkpoint (:mod:`ftkit.checkpoint.tiers`): the coverage and size checks apply, HF
+    Trainer's checkpoint structure and RNG checks (which need every rank's files) do not.
 
     Refuses (:class:`CommitError`) when a file in the directory is covered by no part, a listed file is gone or
     changed size since its rank measured it (the caller's barrier was missing), two parts disagree about a file,
@@ -143,7 +147,8 @@ def write_commit(
                 f"{name}: {rel} is {size} bytes, rank {merged[rel]['rank']} measured {merged[rel]['size']}"
             )
 
-    if kind in ("model", "state"):  # a final model, or a training loop's own state (ftkit.hf.checkpoint)
+    # a final model, a training loop's own state (ftkit.hf.checkpoint), or one node's part of a local checkpoint
+    if kind in ("model", "state", "node"):
         structure = _Structure()
     else:
         structure = _structure(ckpt, stage=stage, expect_step=step)

@@ -323,6 +323,13 @@ def targets_from_records(records: Iterable[Mapping[str, Any]]) -> list[Target]:
     return out
 
 
+def agent_targets(records: Iterable[Mapping[str, Any]]) -> list[Target]:
+    """Checkpoint agent records (ftkit.launch.tier) -> teardown targets: a copy in flight is stopped too."""
+    return [
+        Target(r["host"], int(r["pid"]), r.get("start_time"), what=f"checkpoint agent on {r['host']}") for r in records
+    ]
+
+
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "deepspeed_allreduce_buffer_"  # DeepSpeed's CPU shared-memory collectives: ~70 MB per rank per run
 

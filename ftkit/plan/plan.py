@@ -10,6 +10,7 @@ Every knob the configs carry is decided here (the rules in :mod:`ftkit.plan.knob
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ftkit.cluster.hostfile import apply_filters, parse_hostfile
@@ -21,7 +22,8 @@ from ftkit.model.shape import hidden_size, load_config_file, load_model_config
 from ftkit.plan.candidates import plan_memory
 from ftkit.plan.comm import ZeroPP
 from ftkit.plan.knobs import decide_config_knobs, decide_zero_knobs
-from ftkit.plan.memory import Candidate
+from ftkit.plan.memory import PRECISION_BYTES, Candidate
+from ftkit.plan.tiers import LocalTier, measured_costs, plan_local_tier
 from ftkit.recipe.load import CLI, DEFAULT, Recipe
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -58,6 +60,8 @@ class Plan:
     model_config_label: str = ""
     # what the plan could not estimate (a user command's model whose config.json cannot be read): one line each
     unknown: list[str] = field(default_factory=list)
+    local_tier: LocalTier | None = None  # the node-local checkpoint tier (ftkit.plan.tiers), None: off
+    local_tier_off: str = ""  # why it is off
 
     @property
     def world_size(self) -> int:
@@ -275,7 +279,40 @@ def build_plan(
             if recipe[key] == "auto":
                 plan.note(knob, value, "DeepSpeed's default: the model's hidden size is unknown")
     decide_config_knobs(plan)
+    _resolve_local_tier(plan)
     return plan
+
+
+def _resolve_local_tier(plan: Plan) -> None:
+    """checkpoint.local_dir / local_steps, with the memory the tier needs per node (ftkit.plan.tiers)."""
+    r = plan.recipe
+    rep = plan.memory
+    total = rep.shape.total_params if rep is not None else None
+    trainable = (rep.workload.lora_params or total) if rep is not None else None
+    selected = rep.selected if rep is not None else None
+    step_s = None
+    if rep is not None and selected is not None and selected.candidate.label in rep.predictions:
+        step_s = rep.predictions[selected.candidate.label].step_time_s
+    save_s, measured_step = measured_costs(Path(r.train.output_dir))
+    tier, why = plan_local_tier(
+        r,
+        num_nodes=plan.num_nodes,
+        per_node=plan.procs_per_node,
+        world_size=plan.world_size,
+        stage=plan.stage,
+        total_params=total,
+        trainable_params=trainable,
+        weight_bytes=PRECISION_BYTES[r.train.precision],
+        host_memory_gb=r.cluster.host_memory_gb,
+        host_used_gb=selected.host_ram_gb_per_node if selected is not None else 0.0,
+        step_time_s=step_s,
+        measured_save_s=save_s,
+        measured_step_s=measured_step,
+    )
+    plan.local_tier, plan.local_tier_off = tier, why
+    if tier is not None:
+        plan.note("local_tier", tier.dir, tier.why.split("; ", 1)[0])
+        plan.note("local_steps", tier.steps, tier.why.split("; ", 1)[-1])
 
 
 def note_zeropp(plan: Plan, chosen: Any, why: str) -> None:

@@ -30,6 +30,7 @@ from ftkit.recipe.rules import offload_problems
 from ftkit.recipe.schema import FIELD_BY_KEY, REQUIRED, SECTION_BY_NAME, SECTIONS, TOP_LEVEL, Field
 from ftkit.recipe.sections import (
     SECTION_TYPES,
+    CheckpointSection,
     ClusterSection,
     DataSection,
     ModelSection,
@@ -98,6 +99,10 @@ class Recipe:
     @property
     def train(self) -> TrainSection:
         return self._section("train")  # type: ignore[no-any-return]
+
+    @property
+    def checkpoint(self) -> CheckpointSection:
+        return self._section("checkpoint")  # type: ignore[no-any-return]
 
     @property
     def zero(self) -> ZeroSection:
@@ -553,6 +558,8 @@ def load_recipe(path: str | os.PathLike[str] | None, overrides: list[str] | tupl
     for key, value in list(values.items()):
         fld = _field(key)
         if fld and "path" in fld.type.split("|") and isinstance(value, str):
+            if value == "auto" and "auto" in fld.type.split("|"):
+                continue  # ftkit decides (checkpoint.local_dir: auto)
             anchor = Path.cwd() if sources.get(key) == CLI else base
             if key in HUB_KEYS and is_hub_id(value, anchor):
                 continue  # org/name with no such local directory: a hub id, resolved by ftkit.model.config

@@ -271,6 +271,46 @@ SECTIONS: tuple[Section, ...] = (
         ),
     ),
     Section(
+        "checkpoint",
+        "Checkpoint tiers: a node-local tier saved often, copied to the run directory in the background.",
+        (
+            _f(
+                "local_dir",
+                "path|auto|null",
+                "auto",
+                "Node-local directory for frequent checkpoints (a RAM disk such as /dev/shm, or local NVMe; {host} is "
+                "replaced by the node's name); auto: a directory under /dev/shm when the plan shows the tier fits in "
+                "host memory with headroom, else off; null: off (every save goes to the run directory).",
+            ),
+            _f(
+                "local_steps",
+                "int|auto",
+                "auto",
+                "Save to the local tier every N optimizer steps; auto: the Young/Daly interval sqrt(2 x save cost x "
+                "MTBF) from the save cost ftkit measured (or estimates) and resilience.mtbf_hours, at most "
+                "train.save_steps. train.save_steps stays the cadence of the copies to the run directory.",
+                minimum=1,
+            ),
+            _f(
+                "local_keep",
+                "int",
+                2,
+                "Committed checkpoints each node keeps in the local tier (the newest; one still being copied to the "
+                "run directory is kept as well).",
+                minimum=1,
+            ),
+            _f(
+                "peer_copies",
+                "int",
+                0,
+                "1: each node's committed local part is also copied to the next node's local tier, so losing a node "
+                "still leaves the newest complete checkpoint; 0: no peer copies.",
+                minimum=0,
+                maximum=1,
+            ),
+        ),
+    ),
+    Section(
         "zero",
         "DeepSpeed ZeRO sharding.",
         (
@@ -501,6 +541,13 @@ SECTIONS: tuple[Section, ...] = (
                 "Seconds a graceful stop (first SIGTERM/SIGINT, ftkit stop) waits for the save at the next step "
                 "boundary before tearing down; one optimizer step plus one checkpoint save must fit (120 covers a "
                 "multi-GB sharded save on local NVMe).",
+                exclusive_minimum=0,
+            ),
+            _f(
+                "mtbf_hours",
+                "float",
+                24,
+                "Mean time between failures of the whole job, in hours, for checkpoint.local_steps: auto (Young/Daly).",
                 exclusive_minimum=0,
             ),
             _f(

@@ -77,6 +77,17 @@ class TrainSection:
 
 
 @dataclass(frozen=True)
+class CheckpointSection:
+    """``checkpoint``: Checkpoint tiers: a node-local tier saved often, copied to the run directory in the
+    background."""
+
+    local_dir: str | None
+    local_steps: int | str
+    local_keep: int
+    peer_copies: int
+
+
+@dataclass(frozen=True)
 class ZeroSection:
     """``zero``: DeepSpeed ZeRO sharding."""
 
@@ -128,6 +139,7 @@ class ResilienceSection:
     backoff_s: float
     backoff_max_s: float
     stop_timeout_s: float
+    mtbf_hours: float
     max_requeues: int
     exclude_stragglers: bool
     orphan_timeout_s: float
@@ -141,6 +153,7 @@ SECTION_TYPES: dict[str, type] = {
     "peft": PeftSection,
     "data": DataSection,
     "train": TrainSection,
+    "checkpoint": CheckpointSection,
     "zero": ZeroSection,
     "cluster": ClusterSection,
     "resilience": ResilienceSection,

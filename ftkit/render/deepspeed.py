@@ -87,4 +87,7 @@ def render_deepspeed(plan: Plan) -> dict[str, Any]:
             if key in k:
                 z[key] = k[key].value
     cfg["zero_optimization"] = z
+    if plan.local_tier is not None and plan.num_nodes > 1:
+        # the local checkpoint tier: every node writes its own copy of the shared files (ftkit.checkpoint.tiers)
+        cfg["checkpoint"] = {"use_node_local_storage": True}
     return cfg

@@ -115,6 +115,7 @@ POLICY: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ),
     (SAFE, ("train.save_steps", "train.save_total_limit", "train.logging_steps"), "save/log cadence"),
     (SAFE, ("resilience.*",), "restart policy and timeouts"),
+    (SAFE, ("checkpoint.*",), "where and how often checkpoints are kept, not what they hold"),
     (SAFE, ("train.report_to",), "where metrics are reported, not how a step is computed"),
     (
         SAFE,

@@ -99,6 +99,10 @@ def training_arguments(plan: Plan, output_dir: str, ds_config_path: str) -> dict
     if r.cluster.accelerator == "cpu":
         args["use_cpu"] = True
         args["ddp_backend"] = "gloo"
+    if plan.local_tier is not None:  # the Trainer saves to the local tier, often; copies go to the run directory
+        args["save_steps"] = plan.local_tier.steps
+        if plan.num_nodes > 1:
+            args["save_on_each_node"] = True  # every node holds the shared files of its own part
     return args
 
 
@@ -160,4 +164,19 @@ def build_spec(
         resume_overrides=dict(resume_overrides or {}),
         command=list(command) if command else None,
         stated_args=stated_arguments(plan, targs),
+        local_tier=local_tier_spec(plan),
     )
+
+
+def local_tier_spec(plan: Plan) -> dict[str, Any] | None:
+    """What the ranks and their agents need of the local tier (ftkit.checkpoint.tiers), None when it is off."""
+    tier = plan.local_tier
+    if tier is None:
+        return None
+    r = plan.recipe
+    return {
+        **tier.to_json(),
+        "durable_steps": r.train.save_steps,  # copies to the run directory: train.save_steps' cadence
+        "nodes": [h for h, _ in plan.hosts],
+        "ssh_config": r.cluster.ssh_config,
+    }

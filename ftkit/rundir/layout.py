@@ -128,11 +128,12 @@ class RunDir:
         return out
 
     def records(self, kind: str, attempt: int) -> list[dict[str, Any]]:
-        """The pid or error records of one attempt (kind: 'pids' or 'errors')."""
+        """The pid or error records of one attempt (kind: 'pids' or 'errors'), or its nodes' checkpoint agents
+        ('agents': ``agent-<host>.json``, :mod:`ftkit.launch.tier`)."""
         out = []
         d = self.attempt_dir(attempt) / kind
         if d.is_dir():
-            for p in sorted(d.glob("rank-*.json")):
+            for p in sorted(d.glob("agent-*.json" if kind == "agents" else "rank-*.json")):
                 try:
                     out.append(json.loads(p.read_text()))
                 except (OSError, ValueError):

@@ -54,6 +54,9 @@ class RunSpec:
     command: list[str] | None = None  # the user's command run on every rank; None: the built-in entry
     # the training_args names the recipe states: applied to a wrapped script's own TrainingArguments (ftkit.hf)
     stated_args: list[str] = field(default_factory=list)
+    # the local checkpoint tier (dir template with {host}, steps, keep, peer_copies, durable_steps, nodes, ssh_config);
+    # None: every save goes to the run directory
+    local_tier: dict[str, Any] | None = None
 
     # -------------------------------------------------------------------------------- recipe values ranks need
 

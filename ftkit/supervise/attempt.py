@@ -17,7 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ftkit.cluster.procs import group_exists, proc_start_time, remove_shm, targets_from_records, teardown
+from ftkit.cluster.procs import (
+    agent_targets,
+    group_exists,
+    proc_start_time,
+    remove_shm,
+    targets_from_records,
+    teardown,
+)
 from ftkit.command.engines import LaunchCommand
 from ftkit.rundir.layout import RunDir, atomic_write
 
@@ -76,7 +83,7 @@ def teardown_attempt(
     records = rd.records("pids", attempt)
     res = teardown(
         sorted(set(groups)),
-        targets_from_records(records),
+        targets_from_records(records) + agent_targets(rd.records("agents", attempt)),
         grace_s=grace_s,
         ssh_args=ssh_args,
         transport=transport,

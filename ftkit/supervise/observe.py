@@ -102,7 +102,15 @@ class Observer:
             if m.get("attempt") != attempt:
                 continue
             if m.get("event") == "commit":
-                self.echo(f"  committed checkpoint-{m.get('step')} ({m.get('commit_s', 0):.2f}s)")
+                if m.get("tier") != "local":  # local-tier saves (every few steps) are said when they become durable
+                    self.echo(f"  committed checkpoint-{m.get('step')} ({m.get('commit_s', 0):.2f}s)")
+                continue
+            if m.get("event") == "durable":
+                if m.get("published"):
+                    self.echo(
+                        f"  committed checkpoint-{m.get('step')} (local tier, copied in the background in "
+                        f"{m.get('copy_s', 0):.2f}s)"
+                    )
                 continue
             self.progress.update(m)
             if isinstance(m.get("loss"), (int, float)):

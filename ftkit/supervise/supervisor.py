@@ -1,11 +1,12 @@
 """Supervision as a fixed script: choose checkpoint → spawn → monitor → tear down → decide → (back off, again).
 
-* **choose** (:func:`ftkit.supervise.choose.select`, read-only) walks the checkpoints newest first and takes the first
-whose   commit record verifies, every byte checked; :meth:`Supervisor.apply` then logs the rejected ones and sets newer
-  torn ones aside, so the resumed run can write that step again.
+* **choose** (:func:`ftkit.supervise.choose.select`, read-only) walks the checkpoints newest first and takes the
+  first whose commit record verifies, every byte checked; :meth:`Supervisor.apply` then logs the rejected ones and
+  sets newer torn ones aside, so the resumed run can write that step again. With a local checkpoint tier, a newer
+  step verified on every node's tier (or assembled from peer copies) wins (:mod:`ftkit.supervise.tiers`).
 * **spawn** starts the engine's processes (:mod:`ftkit.supervise.attempt`); **monitor** watches their exits, every
-rank's   heartbeat (:class:`ftkit.supervise.decide.Progress`), error records, and what :mod:`ftkit.supervise.observe`
-reads   (metrics, resume fidelity, stragglers).
+  rank's heartbeat (:class:`ftkit.supervise.decide.Progress`), error records, and what
+  :mod:`ftkit.supervise.observe` reads (metrics, resume fidelity, stragglers).
 * **graceful stop**: the first SIGTERM/SIGINT/SIGHUP/SIGUSR1 (``ftkit stop``, Ctrl-C, Slurm's notice) writes
   ``ftkit/stop.json``; every rank sees it at the same optimizer step (:mod:`ftkit.hf`), saves and commits that
   step and ends; then teardown, and exit 8. Bounded by ``resilience.stop_timeout_s``; past it, or on a second
@@ -17,6 +18,7 @@ reads   (metrics, resume fidelity, stragglers).
   (:mod:`ftkit.supervise.shrink`), or stop with a documented exit code.
 
 Every decision is a line in ``events.jsonl``. A full disk ends the run with "no space left on <path>" (exit 12).
+At the end, whatever the outcome, the local tier's newest step is copied to the run directory and the tier removed.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any
 
 from ftkit.checkpoint.directory import list_checkpoints, select_resume, set_aside_newer
 from ftkit.checkpoint.layout import read_commit
+from ftkit.checkpoint.tiers import set_records
 from ftkit.checkpoint.verify import verify
 from ftkit.cluster.hosts import is_local
 from ftkit.cluster.procs import exit_meaning, is_alive
@@ -41,6 +44,7 @@ from ftkit.cluster.slurm import transport_for
 from ftkit.command.engines import LaunchCommand, LaunchInputs, build_launch
 from ftkit.errors import ExitCode, UserError
 from ftkit.rundir.layout import NEARLY_FULL, STOP_FILE, RunDir, append_jsonl, atomic_write, read_jsonl
+from ftkit.rundir.spec import RunSpec
 from ftkit.supervise.attempt import Spawned, spawn, teardown_attempt
 from ftkit.supervise.choose import Choice, StepLimits, select
 from ftkit.supervise.decide import Action, Decision, FailureKind, Progress, RestartPolicy, Situation, decide
@@ -48,6 +52,7 @@ from ftkit.supervise.fidelity import FidelityCheck
 from ftkit.supervise.observe import Observer, log_tail, root_cause
 from ftkit.supervise.shrink import convert_newest, probe_hosts
 from ftkit.supervise.stragglers import hosts_to_exclude, record_step_times
+from ftkit.supervise.tiers import Agents, TierChoice, choose_tier, end_local_tier
 
 # A closed terminal (SIGHUP) is handled like SIGTERM; SIGUSR1 is Slurm's advance notice (--signal=B:USR1@T).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
@@ -351,15 +356,19 @@ class Supervisor:
     def run(self, first: Choice | None = None) -> int:
         """The whole job. ``first``: the choice the launcher already made (and checked) for the first attempt."""
         old = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+        code: int | None = None
         try:
-            return self._run(first)
+            code = self._run(first)
+            return code
         except OSError as e:
             if not is_no_space(e):
                 raise
             self.echo(f"ftkit: error: no space left on {e.filename or self.rd.path}")
             self.events("gave_up", f"no space left on {e.filename or self.rd.path}", kind=FailureKind.NO_SPACE.value)
-            return ExitCode.NO_SPACE
+            code = ExitCode.NO_SPACE
+            return code
         finally:
+            self._end_local_tier(finished=code == ExitCode.OK)
             self.observer.finish()
             for s, h in old.items():
                 signal.signal(s, h)
@@ -383,6 +392,9 @@ class Supervisor:
             if self.interrupted or self.stop_requested:
                 return self._stop_between_attempts()
             self._exclude, self._stop_sent_at, self._unwatched = [], None, False
+            choice, tier = self._choose_tier(choice)
+            if choice.exit_code is not None:
+                return choice.exit_code
             self._resumed_from = (choice.step, Path(choice.resume).name) if choice.resume else None
             self._start_fidelity(attempt, choice.step)
             inputs = LaunchInputs(**{**self.inputs.__dict__, "attempt": attempt, "resume": choice.resume})
@@ -390,9 +402,11 @@ class Supervisor:
             self.events(
                 "launch",
                 f"attempt {attempt}: starting {cmd.engine} on {', '.join(h for h, _ in inputs.hosts)}"
-                + (f", resuming from {Path(choice.resume).name}" if choice.resume else ""),
+                + (f", resuming from {Path(choice.resume).name} ({tier} tier)" if choice.resume else ""),
                 engine=cmd.engine,
                 resume=choice.resume,
+                step=choice.step,
+                tier=tier if choice.resume else None,
             )
             procs: list[Spawned] = []
             try:
@@ -541,11 +555,60 @@ class Supervisor:
         return (rec.get("extra") or {}).get("attempt") == attempt
 
     def _newest_commit(self) -> int | None:
-        # Sizes only: this feeds the no-progress rule; the resume choice itself (select) reads every byte.
+        # Sizes only: this feeds the no-progress rule; the resume choice itself (select) reads every byte. A step
+        # every node committed in its local tier counts too (the next attempt resumes from it when it verifies).
         sel = select_resume(
             self.rd.path, checksums=False, require_commit=True, world_size=self.world_size, stage=self.stage
         )
-        return sel.step
+        local = [r["step"] for r in set_records(self.rd.path)] if self._tier() else []
+        steps = [s for s in [sel.step, *local] if s is not None]
+        return max(steps) if steps else None
+
+    # ------------------------------------------------------------------------------------------------ tiers
+
+    def _tier(self) -> dict[str, Any] | None:
+        """The run's local checkpoint tier as the spec has it now (a shrink rewrites the spec), None: off."""
+        try:
+            return RunSpec.read(self.rd.spec).local_tier
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def _agents(self) -> Agents:
+        return Agents(self.rd, self.inputs.python, self.ssh_args, self.transport)
+
+    def _choose_tier(self, choice: Choice) -> tuple[Choice, str]:
+        """A newer step from the local tiers (verified on every node) or assembled from peer copies, when there is
+        one; else the durable choice. Returns the choice and its tier: local, peer or durable."""
+        tier = self._tier()
+        if not tier:
+            return choice, "durable"
+        hosts = [h for h, _ in self.inputs.hosts]
+        picked: TierChoice | None = choose_tier(
+            self.rd, tier, hosts, self.world_size, choice.step, self.max_steps, self._agents(), self.events
+        )
+        if picked is None:
+            return choice, "durable"
+        if picked.tier == "peer":  # now a durable checkpoint like any other (converted after a shrink)
+            return self.apply(self.select()), "peer"
+        self.events(
+            "checkpoint_chosen",
+            f"resuming from checkpoint-{picked.step} in the local tier (commit verified on every node)",
+            checkpoint=picked.resume,
+            step=picked.step,
+            tier="local",
+        )
+        return Choice(choice.selection, picked.resume, picked.step, None), "local"
+
+    def _end_local_tier(self, finished: bool) -> None:
+        tier = self._tier()
+        if not tier:
+            return
+        try:
+            end_local_tier(
+                self.rd, tier, list(tier.get("nodes") or []), self._agents(), self.events, flush=not finished
+            )
+        except Exception as e:  # noqa: BLE001 - the launch's outcome stands; say what was left
+            self.events("tier_left", f"could not end the local tier: {type(e).__name__}: {e}")
 
     def _say(self, text: str) -> None:
         """A line for the user: above the progress line on a terminal (it is rewritten in place there)."""

@@ -1,0 +1,347 @@
+"""Checkpoint tiers on disk: a node-local tier the ranks save to often, the run directory (durable) the copies go to.
+
+A **local checkpoint** is ``<local_dir(host)>/checkpoint-N/`` on every node of the attempt: HF Trainer with
+``save_on_each_node`` and DeepSpeed with ``use_node_local_storage`` write the shared files (weights, module states,
+trainer state, ``latest``) on each node and each rank's own files (optimizer shard, RNG state) on its node. Each node
+has its own commit record (``kind: node``: that node's files only, every byte checksummed); rank 0 then writes a
+**set record** in the run directory (``RUN/ftkit/local/checkpoint-N.json``: the step, the attempt and the nodes), the
+sign that every node committed its part.
+
+The **durable copy** of step N is assembled in ``RUN/.staging-checkpoint-N/``: each node's agent copies its part
+there (the first node also the shared files), hashing every byte as it copies and comparing with the node's record,
+then writes its part record (``RUN/.staging-checkpoint-N.parts/<host>.json``). Whoever sees every node's part first
+writes the commit record over the whole set (the same check as a direct save: every file covered, the structure
+sound) and renames the staging directory to ``RUN/checkpoint-N`` in one step. A copy killed at any moment leaves at
+most a staging directory, which no reader ever takes for a checkpoint. A node's local checkpoint is marked
+(``.ftkit_durable``) once its step is durable, so the local rotation may drop it.
+
+**Peer copies** (``checkpoint.peer_copies: 1``): each node's agent also copies its committed part to the next node's
+tier, under ``peer/<host>/checkpoint-N``, with its node record: a survivor holding its own part and the lost node's
+can assemble step N in the run directory (:func:`assemble`) without the lost node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from ftkit.checkpoint.checksums import DEFAULT_SPEC, SAMPLED, SampleSpec, recompute_or_error
+from ftkit.checkpoint.commit import CommitError, write_commit
+from ftkit.checkpoint.directory import list_checkpoints, rotate
+from ftkit.checkpoint.layout import (
+    _ACCELERATE_RNG_RE,
+    _OFFLOAD_RANK_RE,
+    _RNG_RANK_RE,
+    _ZERO_RANK_RE,
+    COMMIT_FILE,
+    DURABLE_MARK,
+    _payload_files,
+    read_commit,
+)
+from ftkit.checkpoint.verify import Verdict, verify
+from ftkit.rundir.layout import atomic_write, read_jsonl
+
+SETS_DIR = "ftkit/local"  # RUN/ftkit/local/checkpoint-N.json: every node committed its part of step N
+STAGING_PREFIX = ".staging-"  # RUN/.staging-checkpoint-N: a durable copy being assembled
+PEER_DIR = "peer"  # <local_dir(host)>/peer/<other host>/checkpoint-N: the previous node's part
+COPY_CHUNK = 8 << 20
+_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def node_dir(template: str, host: str) -> Path:
+    """The local tier directory of ``host`` (``{host}`` in the template becomes the node's name)."""
+    return Path(template.replace("{host}", host))
+
+
+def resume_path(template: str, step: int) -> str:
+    """What every rank of a resumed attempt is told to resume from: one string for all nodes, each rank replacing
+    ``{host}`` with its own node (:func:`for_node`)."""
+    return f"{template.rstrip('/')}/checkpoint-{step}"
+
+
+def for_node(path: str, host: str) -> str:
+    return path.replace("{host}", host)
+
+
+def per_rank(rel: str) -> int | None:
+    """The rank a file belongs to when it is one rank's own (RNG state, ZeRO shard, NVMe-offloaded tensors); None for
+    the shared files every node holds."""
+    parts = rel.split("/")
+    name = parts[-1]
+    if m := _RNG_RANK_RE.match(name) or _ACCELERATE_RNG_RE.match(name):
+        return int(m.group(1))
+    if m := _ZERO_RANK_RE.search(name):
+        return int(m.group(1))
+    for i, comp in enumerate(parts[:-2]):
+        if comp == "offloaded_tensors" and (m := _OFFLOAD_RANK_RE.match(parts[i + 1])):
+            return int(m.group(1))
+    return None
+
+
+def files_on_node(ckpt: str | os.PathLike[str], rank: int, first_rank_of_node: int) -> list[str]:
+    """What ``rank`` checksums in its node's local checkpoint: its own files, and the shared ones when it is the
+    node's first rank."""
+    out = []
+    for rel in _payload_files(Path(ckpt)):
+        owner = per_rank(rel)
+        if owner == rank or (owner is None and rank == first_rank_of_node):
+            out.append(rel)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ set records
+
+
+def write_set_record(run_dir: str | os.PathLike[str], step: int, **data: Any) -> None:
+    """Rank 0, once every node committed its part of ``step`` (after a barrier)."""
+    path = Path(run_dir) / SETS_DIR / f"checkpoint-{step}.json"
+    atomic_write(path, json.dumps({"step": step, **data}), sync_dir=True)
+
+
+def set_records(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every set record, newest step first."""
+    out = []
+    d = Path(run_dir) / SETS_DIR
+    for p in d.glob("checkpoint-*.json") if d.is_dir() else []:
+        try:
+            rec = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            out.append(rec)
+    return sorted(out, key=lambda r: -r["step"])
+
+
+def prune_set_records(run_dir: str | os.PathLike[str], keep: int, durable_every: int) -> None:
+    """Set records a resume can no longer use: older than the run directory's newest durable step, or neither among
+    the ``keep`` newest nor due in the run directory (the local tiers rotated them away)."""
+    durable = newest_durable(run_dir)
+    for i, rec in enumerate(set_records(run_dir)):
+        step = rec["step"]
+        due = step % durable_every == 0 or rec.get("stop")
+        if (durable is not None and step < durable) or (i >= keep and not due):
+            try:
+                (Path(run_dir) / SETS_DIR / f"checkpoint-{step}.json").unlink()
+            except OSError:
+                pass
+
+
+def clear_set_records(run_dir: str | os.PathLike[str]) -> None:
+    shutil.rmtree(Path(run_dir) / SETS_DIR, ignore_errors=True)
+
+
+def newest_durable(run_dir: str | os.PathLike[str]) -> int | None:
+    """The newest step the run directory holds with a commit record (sizes are not checked here)."""
+    for step, path in list_checkpoints(run_dir):
+        if (path / COMMIT_FILE).is_file():
+            return step
+    return None
+
+
+def local_checkpoints(directory: Path) -> list[tuple[int, Path, dict[str, Any]]]:
+    """``(step, path, record)`` of the committed checkpoints in one node's tier directory, newest first."""
+    out = []
+    for step, path in list_checkpoints(directory):
+        try:
+            rec = read_commit(path)
+        except (OSError, ValueError):
+            continue
+        if rec is not None:
+            out.append((step, path, rec))
+    return out
+
+
+def rotate_local(directory: Path, keep: int, durable_every: int, durable_step: int | None) -> list[Path]:
+    """Keep the ``keep`` newest committed local checkpoints, and any whose step is due in the run directory (a
+    multiple of ``durable_every``, or a stop's save) and not yet there. Torn saves older than the newest go."""
+    protect = []
+    for step, path, rec in local_checkpoints(directory):
+        due = step % durable_every == 0 or (rec.get("extra") or {}).get("stop")
+        if due and not (path / DURABLE_MARK).exists() and (durable_step is None or step > durable_step):
+            protect.append(path)
+    return rotate(directory, keep, protect=protect)
+
+
+# ------------------------------------------------------------------------------------------------ copying
+
+
+class CopyError(Exception):
+    """A file read back differs from the node's record: the local part is torn, nothing may be published."""
+
+
+def copy_part(
+    src: Path, dst: Path, files: Mapping[str, Mapping[str, Any]], record: Mapping[str, Any] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Copy ``files`` (relative path -> the node record's entry) from ``src`` to ``dst``, hashing every byte as it
+    is copied and comparing with the entry; each file is fsynced. Returns the entries (for the part record)."""
+    out: dict[str, dict[str, Any]] = {}
+    for rel, entry in sorted(files.items()):
+        s, d = src / rel, dst / rel
+        d.parent.mkdir(parents=True, exist_ok=True)
+        expected = str(entry["checksum"])
+        algo = expected.split(":", 1)[0]
+        h = xxhash.xxh3_128() if algo == "xxh3_128" else None
+        size = 0
+        with open(s, "rb") as fi, open(d, "wb") as fo:
+            while chunk := fi.read(COPY_CHUNK):
+                if h is not None:
+                    h.update(chunk)
+                fo.write(chunk)
+                size += len(chunk)
+            fo.flush()
+            os.fsync(fo.fileno())
+        digest = f"{algo}:{h.hexdigest()}" if h is not None else _other(d, expected, record)
+        if size != int(entry["size"]) or digest != expected:
+            raise CopyError(f"{rel}: {size} bytes, {digest} read from {s}; the node's record says {entry}")
+        out[rel] = {"size": size, "checksum": expected, "rank": int(entry.get("rank", 0))}
+    return out
+
+
+def _other(path: Path, expected: str, record: Mapping[str, Any] | None) -> str:
+    """A checksum of another algorithm (sampled, blake2b): recomputed from the copy with the record's parameters."""
+    spec = DEFAULT_SPEC
+    if record is not None and expected.startswith(SAMPLED + ":"):
+        spec = SampleSpec.from_json(record["checksum"])
+    return recompute_or_error(path, expected, spec)
+
+
+def _staging(run_dir: Path, step: int) -> Path:
+    return run_dir / f"{STAGING_PREFIX}checkpoint-{step}"
+
+
+def _parts_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / f"{STAGING_PREFIX}checkpoint-{step}.parts"
+
+
+def clear_staging(run_dir: str | os.PathLike[str]) -> None:
+    """Copies no agent is making any more (between attempts): a staging directory is never a checkpoint."""
+    for p in Path(run_dir).glob(STAGING_PREFIX + "*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class NodePart:
+    """One node's committed part of a local checkpoint, as its agent finds it."""
+
+    host: str
+    step: int
+    path: Path
+    record: dict[str, Any]
+
+    @property
+    def nodes(self) -> list[str]:
+        return list((self.record.get("extra") or {}).get("nodes") or [self.host])
+
+    def files(self, with_shared: bool) -> dict[str, dict[str, Any]]:
+        return {
+            rel: entry
+            for rel, entry in (self.record.get("files") or {}).items()
+            if with_shared or per_rank(rel) is not None
+        }
+
+
+def copy_to_durable(run_dir: Path, part: NodePart) -> dict[str, dict[str, Any]]:
+    """This node's part of ``part.step`` into the staging directory (the first node also copies the shared files),
+    then its part record. Returns what was copied."""
+    first = part.nodes[0] == part.host
+    copied = copy_part(part.path, _staging(run_dir, part.step), part.files(with_shared=first), part.record)
+    atomic_write(
+        _parts_dir(run_dir, part.step) / f"{part.host}.json",
+        json.dumps({"host": part.host, "files": copied}),
+        sync_dir=True,
+    )
+    return copied
+
+
+def publish(run_dir: Path, step: int, record: Mapping[str, Any]) -> Path | None:
+    """When every node's part of ``step`` is in the staging directory: the commit record over the whole set, then
+    the rename to ``checkpoint-<step>``. None while parts are missing, or when another agent published first."""
+    nodes = list((record.get("extra") or {}).get("nodes") or [])
+    parts_dir = _parts_dir(run_dir, step)
+    parts = []
+    for host in nodes:
+        try:
+            parts.append(json.loads((parts_dir / f"{host}.json").read_text())["files"])
+        except (OSError, ValueError, KeyError):
+            return None
+    final = run_dir / f"checkpoint-{step}"
+    if (final / COMMIT_FILE).is_file():
+        return None
+    try:
+        os.mkdir(parts_dir / "publishing")  # one publisher: mkdir is atomic, on NFS too
+    except FileExistsError:
+        return None
+    staging = _staging(run_dir, step)
+    extra = {k: v for k, v in (record.get("extra") or {}).items() if k not in ("node", "ranks")}
+    try:
+        write_commit(
+            staging,
+            parts,
+            step=step,
+            world_size=int(record["world_size"]),
+            stage=record.get("stage"),
+            recipe_hash=str(record.get("recipe_hash", "")),
+            extra={**extra, "tier": "durable"},
+        )
+    except CommitError:
+        shutil.rmtree(parts_dir / "publishing", ignore_errors=True)
+        raise
+    if final.exists():  # an uncommitted leftover of this step (a torn direct save): ftkit's own, set aside
+        final.rename(final.with_name(f"{final.name}.rejected-staged"))
+        shutil.rmtree(final.with_name(f"{final.name}.rejected-staged"), ignore_errors=True)
+    os.rename(staging, final)
+    shutil.rmtree(parts_dir, ignore_errors=True)
+    return final
+
+
+def copy_to_peer(part: NodePart, peer_tier: Path, send: Callable[[Path, Path], None] | None = None) -> Path:
+    """This node's committed part (files and node record) into the next node's tier as ``peer/<host>/``. ``send``
+    copies a directory to another host (ssh); None: the peer's tier is a path here."""
+    dst = peer_tier / PEER_DIR / part.host / f"checkpoint-{part.step}"
+    if send is not None:
+        send(part.path, dst)
+        return dst
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    copy_part(part.path, tmp, part.record.get("files") or {}, part.record)
+    shutil.copy2(part.path / COMMIT_FILE, tmp / COMMIT_FILE)
+    shutil.rmtree(dst, ignore_errors=True)
+    os.rename(tmp, dst)
+    return dst
+
+
+def peer_parts(tier: Path, host: str) -> list[tuple[int, Path]]:
+    """``(step, path)`` of the committed peer copies of ``host``'s parts held in ``tier``, newest first."""
+    d = tier / PEER_DIR / host
+    out = []
+    for p in d.iterdir() if d.is_dir() else []:
+        m = _CKPT_RE.match(p.name)
+        if m and (p / COMMIT_FILE).is_file():
+            out.append((int(m.group(1)), p))
+    return sorted(out, reverse=True)
+
+
+def verify_part(path: Path, checksums: bool = True) -> Verdict:
+    return verify(path, checksums, require_commit=True)
+
+
+def assemble(run_dir: Path, parts: Iterable[NodePart]) -> Path | None:
+    """Step N into the run directory from parts held here (this node's own and the peer copies it keeps)."""
+    parts = list(parts)
+    record = parts[0].record
+    for part in parts:
+        copy_to_durable(run_dir, part)
+    return publish(run_dir, parts[0].step, record)
+
+
+def durable_progress(run_dir: Path) -> list[dict[str, Any]]:
+    """The commit records of the run's metrics.jsonl that the agents wrote (durable copies), oldest first."""
+    return [m for m in read_jsonl(Path(run_dir) / "metrics.jsonl") if m.get("event") == "durable"]

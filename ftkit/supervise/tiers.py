@@ -1,0 +1,150 @@
+"""Resume across checkpoint tiers, and the local tiers' end (:mod:`ftkit.checkpoint.tiers`).
+
+Before an attempt the supervisor looks for a step newer than the run directory's newest durable checkpoint that
+every node of the attempt can resume from: each node's agent verifies its part in its own tier, every byte against
+the node's commit record (``python -m ftkit.launch.agent verify`` on every host at once). All parts verify: the
+attempt resumes from the **local** tier. A node's part is missing (the node is gone, or lost its memory) and
+``checkpoint.peer_copies: 1`` left a copy of it on a survivor: the survivors assemble the step in the run directory
+from their own parts and the peer copies (a staging directory, committed only when every part verified there), and
+the attempt resumes from it as from any durable checkpoint (**peer**; after a shrink it is converted as usual).
+Otherwise it resumes from the run directory (**durable**).
+
+At the end of a launch, whatever its outcome, each node's agent copies the newest committed local step the run
+directory does not have yet (``flush``), then removes the run's local tier from the node (``clean``).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ftkit.checkpoint.tiers import clear_set_records, clear_staging, newest_durable, resume_path, set_records
+from ftkit.cluster.fanout import HostResult, run_on_hosts
+from ftkit.rundir.layout import RunDir
+
+AGENT_TIMEOUT_S = 600.0  # one fan-out of the agents (verify reads every byte of a node's part)
+
+
+@dataclass(frozen=True)
+class TierChoice:
+    """Where an attempt resumes from when it is not the run directory's newest durable checkpoint."""
+
+    tier: str  # "local" or "peer"
+    step: int
+    resume: str | None  # the local tier's path ({host} replaced by each rank); None for peer: select() finds it
+
+
+class Agents:
+    """The nodes' checkpoint agents, run as one-shot commands on every host (``ftkit.launch.agent``)."""
+
+    def __init__(self, rd: RunDir, python: str, ssh_args: list[str], transport: Any = None):
+        self.rd, self.python, self.ssh_args, self.transport = rd, python, ssh_args, transport
+
+    def run(self, hosts: list[str], command: str, **options: Any) -> dict[str, dict[str, Any]]:
+        """host -> the agent's JSON answer; a host that did not answer gets ``{"ok": False, "reason": ...}``."""
+        q = shlex.quote
+
+        def line(host: str) -> str:
+            opts = " ".join(f"--{k} {q(str(v))}" for k, v in options.items() if v is not None)
+            return f"{q(self.python)} -m ftkit.launch.agent {command} {q(str(self.rd.path))} --host {q(host)} {opts}"
+
+        results = run_on_hosts(
+            hosts, line, self.ssh_args, deadline_s=AGENT_TIMEOUT_S, connect_timeout_s=15, transport=self.transport
+        )
+        return {h: _answer(r) for h, r in results.items()}
+
+
+def _answer(r: HostResult) -> dict[str, Any]:
+    if not r.reachable:
+        return {"ok": False, "reason": f"not reachable: {r.out}"}
+    for line in reversed(r.out.splitlines()):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            return rec
+    return {"ok": False, "reason": f"the agent answered nothing (exit {r.rc}): {r.out.strip()[-200:]}"}
+
+
+def choose_tier(
+    rd: RunDir,
+    tier: dict[str, Any],
+    hosts: list[str],
+    world_size: int,
+    durable_step: int | None,
+    max_steps: int | None,
+    agents: Agents,
+    events: Callable[..., None],
+) -> TierChoice | None:
+    """The newest step newer than ``durable_step`` that the attempt on ``hosts`` can resume from, else None."""
+    clear_staging(rd.path)  # copies no agent is making any more: never a checkpoint
+    for rec in set_records(rd.path):
+        step = rec["step"]
+        # a step also durable is resumed from the local tier: the same bytes, read from memory
+        if (durable_step is not None and step < durable_step) or (max_steps is not None and step > max_steps):
+            continue
+        nodes = [str(n) for n in rec.get("nodes") or []]
+        here = [n for n in nodes if n in hosts]
+        answers = agents.run(here, "verify", step=step) if here else {}
+        bad = {
+            n: (answers.get(n) or {}).get("reason") or "not in this attempt"
+            for n in nodes
+            if not (answers.get(n) or {}).get("ok")
+        }
+        if not bad and nodes == hosts and rec.get("world_size") == world_size:
+            events("tier_chosen", f"step {step} verified in the local tier of every node", step=step, tier="local")
+            return TierChoice("local", step, resume_path(tier["dir"], step))
+        for node, why in bad.items():
+            events("tier_rejected", f"step {step} on {node}: {why}", step=step, node=node, reason=why)
+        if not tier.get("peer_copies"):
+            continue
+        # the part of each bad node from the next node's tier, when that node is here and its own part verified
+        holders: dict[str, list[str]] = {}
+        for i, node in enumerate(nodes):
+            if node in bad:
+                holder = nodes[(i + 1) % len(nodes)]
+                if holder in bad:
+                    break
+                holders.setdefault(holder, []).append(node)
+        else:
+            good = [n for n in nodes if n not in bad and n not in holders]
+            answers = agents.run(good, "assemble", step=step) if good else {}  # their own parts ...
+            for holder, lost in holders.items():  # ... then each holder's, with the peer copies it keeps
+                answers[holder] = agents.run([holder], "assemble", step=step, lost=",".join(lost))[holder]
+            if all(a.get("ok") for a in answers.values()) and (rd.path / f"checkpoint-{step}").is_dir():
+                events(
+                    "tier_chosen",
+                    f"step {step} assembled in the run directory from peer copies of {', '.join(bad)}",
+                    step=step,
+                    tier="peer",
+                )
+                return TierChoice("peer", step, None)
+    return None
+
+
+def end_local_tier(
+    rd: RunDir, tier: dict[str, Any], hosts: list[str], agents: Agents, events: Callable[..., None], flush: bool
+) -> None:
+    """The end of a launch: with ``flush`` (the run did not finish), the newest step every node committed in its
+    local tier and the run directory lacks is copied there; then the run's local tier is removed from every node
+    (nothing of the run is left in /dev/shm)."""
+    durable = newest_durable(rd.path)
+    newest = next((r for r in set_records(rd.path) if durable is None or r["step"] > durable), None)
+    if flush and newest is not None and set(newest.get("nodes") or []) <= set(hosts):
+        step = newest["step"]
+        answers = agents.run(list(newest["nodes"]), "flush", step=step)
+        if (rd.path / f"checkpoint-{step}").is_dir():
+            events("tier_flushed", f"copied step {step} from the local tier to the run directory", step=step)
+        else:
+            why = "; ".join(f"{h}: {a.get('reason')}" for h, a in answers.items() if not a.get("ok"))
+            events("tier_flush_failed", f"could not copy step {step} to the run directory ({why})", step=step)
+    cleaned = agents.run(hosts, "clean")
+    left = [h for h, a in cleaned.items() if not a.get("ok")]
+    if left:
+        events("tier_left", f"could not remove the local tier on {', '.join(left)}", hosts=left)
+    clear_staging(rd.path)
+    clear_set_records(rd.path)

@@ -1,0 +1,213 @@
+"""The checkpoint agent of one node: copies the node's committed local-tier checkpoints to the run directory in the
+background (and to the next node's tier with ``peer_copies: 1``), so a durable save never blocks the ranks.
+
+``python -m ftkit.launch.agent run RUN_DIR --host H --attempt N``: started by the node's first rank with the attempt
+(its child: torn down with it), it looks every :data:`POLL_S` for local checkpoints that are due in the run directory
+(every ``train.save_steps``, and a graceful stop's save), copies this node's part, hashing every byte, and publishes
+the step once every node's part is there (:mod:`ftkit.checkpoint.tiers`). It ends when its rank does.
+
+One-shot commands the supervisor runs on every host (``ftkit.cluster.fanout``), each printing one JSON line:
+
+* ``verify RUN_DIR --host H --step N``: this node's part of step N, every byte against its record;
+* ``flush RUN_DIR --host H --step N``: this node's part of step N copied now (the end of a launch: the local tier
+  is about to be removed);
+* ``assemble RUN_DIR --host H --step N --lost A,B``: step N into the run directory from this node's part and the
+  peer copies it holds of the lost nodes' parts;
+* ``clean RUN_DIR --host H``: the run's local tier on this node, removed.
+
+Standard library and xxhash only (the controller's contract folders).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ftkit.checkpoint.directory import rotate
+from ftkit.checkpoint.layout import DURABLE_MARK
+from ftkit.checkpoint.tiers import (
+    CopyError,
+    NodePart,
+    copy_to_durable,
+    copy_to_peer,
+    local_checkpoints,
+    newest_durable,
+    node_dir,
+    peer_parts,
+    publish,
+    verify_part,
+)
+from ftkit.cluster.hosts import is_local
+from ftkit.rundir.layout import RunDir, append_jsonl
+from ftkit.rundir.spec import RunSpec
+
+POLL_S = 0.5
+
+
+def _tier(run_dir: str) -> tuple[RunSpec, dict[str, Any]]:
+    spec = RunSpec.read(RunDir(run_dir).spec)
+    if not spec.local_tier:
+        raise SystemExit("ftkit agent: this run has no local checkpoint tier")
+    return spec, spec.local_tier
+
+
+def _due(step: int, record: dict[str, Any], every: int) -> bool:
+    return step % every == 0 or bool((record.get("extra") or {}).get("stop"))
+
+
+def _send(ssh_config: str | None, host: str) -> Any:
+    """Copy a directory to ``host``'s file system over ssh (tar through one session), atomically there."""
+
+    def send(src: Path, dst: Path) -> None:
+        import shlex
+
+        tmp = dst.with_name(f".{dst.name}.tmp")
+        remote = (
+            f"rm -rf {shlex.quote(str(tmp))} && mkdir -p {shlex.quote(str(tmp))} && tar -C {shlex.quote(str(tmp))} "
+            f"-xf - && rm -rf {shlex.quote(str(dst))} && mv {shlex.quote(str(tmp))} {shlex.quote(str(dst))}"
+        )
+        ssh = ["ssh", "-o", "BatchMode=yes", *(["-F", ssh_config] if ssh_config else []), "--", host, remote]
+        tar = subprocess.Popen(["tar", "-C", str(src), "-cf", "-", "."], stdout=subprocess.PIPE)
+        done = subprocess.run(ssh, stdin=tar.stdout, capture_output=True, timeout=600)
+        tar.wait()
+        if done.returncode != 0 or tar.returncode != 0:
+            raise CopyError(f"peer copy to {host} failed: {done.stderr.decode(errors='replace').strip()[-300:]}")
+
+    return send
+
+
+class Agent:
+    def __init__(self, run_dir: str, host: str, attempt: int):
+        self.rd = RunDir(run_dir)
+        self.spec, self.tier = _tier(run_dir)
+        self.host, self.attempt = host, attempt
+        self.dir = node_dir(self.tier["dir"], host)
+        nodes = list(self.tier["nodes"])
+        self.peer = nodes[(nodes.index(host) + 1) % len(nodes)] if host in nodes and len(nodes) > 1 else None
+        self.done: set[int] = set()
+
+    def say(self, event: str, **data: Any) -> None:
+        append_jsonl(
+            self.rd.metrics, {"event": event, "host": self.host, "attempt": self.attempt, **data, "time": time.time()}
+        )
+
+    def pending(self) -> list[NodePart]:
+        """Committed local parts due in the run directory and not there yet, oldest first."""
+        durable = newest_durable(self.rd.path)
+        out = []
+        for step, path, rec in local_checkpoints(self.dir):
+            if step in self.done or (path / DURABLE_MARK).exists():
+                continue
+            if durable is not None and step <= durable:
+                (path / DURABLE_MARK).touch()
+                continue
+            if _due(step, rec, int(self.tier["durable_steps"])):
+                out.append(NodePart(self.host, step, path, rec))
+        return sorted(out, key=lambda p: p.step)[-1:]  # the newest due one: older ones are superseded
+
+    def copy(self, part: NodePart) -> None:
+        t0 = time.time()
+        copied = copy_to_durable(self.rd.path, part)
+        published = publish(self.rd.path, part.step, part.record)
+        if published is not None:
+            keep = self.spec.save_total_limit
+            if keep:
+                rotate(self.rd.path, keep)
+        (part.path / DURABLE_MARK).touch()  # this node's part is in the run directory (published by someone)
+        self.done.add(part.step)
+        size = sum(int(e["size"]) for e in copied.values())
+        self.say("durable", step=part.step, bytes=size, copy_s=round(time.time() - t0, 3), published=bool(published))
+
+    def peer_copy(self) -> None:
+        if not self.peer or not int(self.tier.get("peer_copies") or 0):
+            return
+        held = {s for s, _ in peer_parts(node_dir(self.tier["dir"], self.peer), self.host)}
+        for step, path, rec in local_checkpoints(self.dir)[:1]:
+            if step in held or step in getattr(self, "_peered", set()):
+                continue
+            send = None if is_local(self.peer) else _send(self.tier.get("ssh_config"), self.peer)
+            t0 = time.time()
+            copy_to_peer(NodePart(self.host, step, path, rec), node_dir(self.tier["dir"], self.peer), send)
+            self._peered = getattr(self, "_peered", set()) | {step}
+            self.say("peer_copy", step=step, to=self.peer, copy_s=round(time.time() - t0, 3))
+
+    def run(self, parent: int) -> int:
+        while os.getppid() == parent:
+            try:
+                for part in self.pending():
+                    self.copy(part)
+                self.peer_copy()
+            except (CopyError, OSError) as e:  # a torn local part, a full disk: say so, try the next one
+                print(f"ftkit agent on {self.host}: {e}", file=sys.stderr, flush=True)
+            time.sleep(POLL_S)
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ftkit.launch.agent", description=__doc__.splitlines()[0])
+    ap.add_argument("command", choices=("run", "verify", "flush", "assemble", "clean"))
+    ap.add_argument("run_dir")
+    ap.add_argument("--host", required=True)
+    ap.add_argument("--attempt", type=int, default=-1)
+    ap.add_argument("--step", type=int)
+    ap.add_argument("--lost", default="")
+    ap.add_argument("--parent", type=int, default=0)
+    a = ap.parse_args(argv)
+    if a.command == "clean":
+        spec = RunSpec.read(RunDir(a.run_dir).spec)
+        tier = spec.local_tier or {}
+        d = node_dir(tier.get("dir", ""), a.host) if tier.get("dir") else None
+        if d is not None:
+            shutil.rmtree(d, ignore_errors=True)
+            root = d.parent
+            if "{host}" in tier["dir"] and root.is_dir() and not any(root.iterdir()):
+                root.rmdir()  # the run's own directory under /dev/shm, once every node's is gone
+        print(json.dumps({"host": a.host, "ok": True, "cleaned": str(d) if d else None}))
+        return 0
+    agent = Agent(a.run_dir, a.host, a.attempt)
+    if a.command == "run":
+        return agent.run(a.parent or os.getppid())
+    if a.command == "verify":
+        path = agent.dir / f"checkpoint-{a.step}"
+        v = verify_part(path)
+        print(json.dumps({"host": a.host, "ok": v.ok, "reason": v.reason}))
+        return 0
+    if a.command == "flush":
+        path = agent.dir / f"checkpoint-{a.step}"
+        v = verify_part(path)
+        if not v.ok:
+            print(json.dumps({"host": a.host, "ok": False, "reason": v.reason}))
+            return 0
+        copy_to_durable(agent.rd.path, NodePart(a.host, a.step, path, v.record or {}))
+        published = publish(agent.rd.path, a.step, v.record or {})
+        print(json.dumps({"host": a.host, "ok": True, "published": published is not None}))
+        return 0
+    # assemble
+    own = agent.dir / f"checkpoint-{a.step}"
+    parts = []
+    for host, path in [(a.host, own)] + [
+        (lost, p) for lost in filter(None, a.lost.split(",")) for s, p in peer_parts(agent.dir, lost) if s == a.step
+    ]:
+        v = verify_part(path)
+        if not v.ok:
+            print(json.dumps({"host": a.host, "ok": False, "reason": v.reason}))
+            return 0
+        parts.append(NodePart(host, a.step, path, v.record or {}))
+    for part in parts:
+        copy_to_durable(agent.rd.path, part)
+    published = publish(agent.rd.path, a.step, parts[0].record)
+    print(
+        json.dumps({"host": a.host, "ok": published is not None or (agent.rd.path / f"checkpoint-{a.step}").is_dir()})
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

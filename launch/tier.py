@@ -1,0 +1,163 @@
+"""A rank's side of the local checkpoint tier (:mod:`ftkit.checkpoint.tiers`): the Trainer saves into this node's
+tier directory, each node commits its own part, rank 0 records that every node did, and the node's first rank runs
+the node's checkpoint agent (:mod:`ftkit.launch.agent`), which copies due checkpoints to the run directory.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ftkit.checkpoint.commit import manifest_part, write_commit
+from ftkit.checkpoint.layout import COMMIT_FILE
+from ftkit.checkpoint.tiers import (
+    files_on_node,
+    newest_durable,
+    node_dir,
+    prune_set_records,
+    rotate_local,
+    write_set_record,
+)
+from ftkit.cluster.procs import proc_start_time
+from ftkit.rundir.layout import atomic_write
+from ftkit.rundir.spec import RunSpec
+
+
+class NodeTier:
+    """This rank's view of its node's tier: where saves go, and (on the node's first rank) the agent."""
+
+    def __init__(self, spec: RunSpec, host: str):
+        tier = spec.local_tier or {}
+        self.template: str = tier["dir"]
+        self.dir = node_dir(self.template, host)
+        self.keep = int(tier.get("keep") or 2)
+        self.durable_steps = int(tier.get("durable_steps") or 1)
+        self.nodes: list[str] = list(tier.get("nodes") or [host])
+        self.host = host
+        self.agent: subprocess.Popen | None = None
+
+    def start(self, ctx: Any) -> None:
+        """The tier directory, and on the node's first rank its agent (a child: it ends with the rank)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if ctx.local_rank != 0:
+            return
+        self.agent = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ftkit.launch.agent",
+                "run",
+                str(ctx.rd.path),
+                "--host",
+                self.host,
+                "--attempt",
+                str(ctx.attempt),
+                "--parent",
+                str(os.getpid()),
+            ],
+            stdin=subprocess.DEVNULL,
+        )
+        pid = self.agent.pid
+        record = {
+            "host": ctx.node_host,
+            "pid": pid,
+            "start_time": proc_start_time(pid),
+            "attempt": ctx.attempt,
+            "agent_of_rank": ctx.rank,
+        }
+        atomic_write(ctx.rd.attempt_dir(ctx.attempt) / "agents" / f"agent-{self.host}.json", json.dumps(record))
+
+    def patch_trainer(self, mod: Any) -> None:
+        """HF Trainer saves ``checkpoint-N`` under ``_get_output_dir()``: this node's tier directory instead."""
+        cls = mod.Trainer
+        if getattr(cls._get_output_dir, "_ftkit_tier", False):
+            return
+        original = cls._get_output_dir
+        directory = str(self.dir)
+
+        @functools.wraps(original)
+        def _get_output_dir(trainer: Any, trial: Any = None) -> str:
+            return directory if trial is None else original(trainer, trial)
+
+        _get_output_dir._ftkit_tier = True  # type: ignore[attr-defined]
+        cls._get_output_dir = _get_output_dir
+
+    def commit(self, ctx: Any, spec: RunSpec, step: int, stop: bool) -> dict[str, Any]:
+        """After the Trainer saved ``checkpoint-<step>`` to every node's tier: each rank checksums its files there,
+        each node's first rank commits the node's part, rank 0 records that every node did (the set record), and
+        each node rotates its tier. Every rank calls it (two collectives)."""
+        import torch.distributed as dist
+
+        ckpt = self.dir / f"checkpoint-{step}"
+        t0 = time.time()
+        multi = len(self.nodes) > 1
+        first = ctx.rank - ctx.local_rank
+        files = files_on_node(ckpt, ctx.rank, first) if multi else None
+        part = manifest_part(ckpt, ctx.rank, ctx.world_size, checksum=spec.checksum, files=files)
+        parts: list[Any] = [(ctx.rank, self.host, part)]
+        if dist.is_available() and dist.is_initialized():
+            parts = [None] * ctx.world_size
+            dist.all_gather_object(parts, (ctx.rank, self.host, part))  # every rank finished writing
+        mine = [p for r, h, p in sorted(parts) if h == self.host]
+        extra = {
+            "attempt": ctx.attempt,
+            "fingerprint": spec.fingerprint,
+            "tier": "local",
+            "node": self.host,
+            "nodes": self.nodes,
+            "ranks": sorted(r for r, h, _ in parts if h == self.host),
+            "stop": stop or None,
+        }
+        if ctx.local_rank == 0:
+            write_commit(
+                ckpt,
+                mine,
+                step=step,
+                world_size=ctx.world_size,
+                stage=spec.stage,
+                recipe_hash=spec.recipe_hash,
+                extra=extra,
+                kind="node" if multi else "checkpoint",
+            )
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # every node's part is committed
+        commit_s = round(time.time() - t0, 3)
+        if ctx.rank == 0:
+            write_set_record(
+                ctx.rd.path, step, attempt=ctx.attempt, nodes=self.nodes, world_size=ctx.world_size, stop=stop or None
+            )
+            prune_set_records(ctx.rd.path, self.keep, self.durable_steps)
+        removed: list[str] = []
+        if ctx.local_rank == 0:
+            try:
+                removed = [
+                    p.name for p in rotate_local(self.dir, self.keep, self.durable_steps, newest_durable(ctx.rd.path))
+                ]
+            except OSError as e:
+                print(f"ftkit: warning: local tier rotation stopped: {e}", flush=True)
+        return {"tier": "local", "commit_s": commit_s, "rotated": removed}
+
+    def wait_durable(self, run_dir: Path, step: int, timeout_s: float) -> bool:
+        """A graceful stop's save: wait (bounded) until the agents made it durable in the run directory."""
+        record = run_dir / f"checkpoint-{step}" / COMMIT_FILE
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if record.is_file():
+                return True
+            time.sleep(0.2)
+        return False
+
+
+def local_tier(spec: RunSpec, ctx: Any) -> NodeTier | None:
+    """This rank's node tier, None when the run has none (every save goes to the run directory)."""
+    return NodeTier(spec, ctx.node_host) if spec.local_tier else None
+
+
+def dir_of(tier: NodeTier | None, output_dir: str) -> Path:
+    return tier.dir if tier is not None else Path(output_dir)
