@@ -49,6 +49,9 @@ from ftkit.rundir.layout import RunDir, append_jsonl
 from ftkit.rundir.spec import RunSpec
 
 POLL_S = 0.5
+# Test-only: seconds the agent waits after copying each file, so a test can kill it in the middle of a copy (the
+# moment is chosen; the copy and the kill are real). Like FTKIT_FAULT_INJECT, never set in production.
+PAUSE_ENV = "FTKIT_AGENT_PAUSE_S"
 
 
 def _tier(run_dir: str) -> tuple[RunSpec, dict[str, Any]]:
@@ -114,7 +117,8 @@ class Agent:
 
     def copy(self, part: NodePart) -> None:
         t0 = time.time()
-        copied = copy_to_durable(self.rd.path, part)
+        pause = float(os.environ.get(PAUSE_ENV) or 0)
+        copied = copy_to_durable(self.rd.path, part, (lambda _rel: time.sleep(pause)) if pause else None)
         published = publish(self.rd.path, part.step, part.record)
         if published is not None:
             keep = self.spec.save_total_limit

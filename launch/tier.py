@@ -47,6 +47,9 @@ class NodeTier:
         self.dir.mkdir(parents=True, exist_ok=True)
         if ctx.local_rank != 0:
             return
+        self._start_agent(ctx)
+
+    def _start_agent(self, ctx: Any) -> None:
         self.agent = subprocess.Popen(
             [
                 sys.executable,
@@ -115,6 +118,11 @@ class NodeTier:
             "stop": stop or None,
         }
         if ctx.local_rank == 0:
+            if self.agent is not None and self.agent.poll() is not None:  # died (killed, out of memory): again
+                print(
+                    f"ftkit: the checkpoint agent on {self.host} ended ({self.agent.returncode}): restarted", flush=True
+                )
+                self._start_agent(ctx)
             write_commit(
                 ckpt,
                 mine,

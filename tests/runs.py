@@ -179,6 +179,9 @@ def processes_left(run_dir: Path) -> list[str]:
                 left.append(f"rank {rec['rank']} pid {rec['pid']}")
             if rec.get("ppid_start_time") and is_alive(int(rec["ppid"]), rec["ppid_start_time"]):
                 left.append(f"agent of rank {rec['rank']} pid {rec['ppid']}")
+        for rec in rd.records("agents", int(attempt_dir.name)):  # the local tier's checkpoint agents
+            if is_alive(int(rec["pid"]), rec.get("start_time")):
+                left.append(f"checkpoint agent on {rec['host']} pid {rec['pid']}")
     for e in events(run_dir):
         if e.get("event") == "spawn":
             try:
@@ -207,6 +210,22 @@ def assert_no_process_left(run_dir: Path, extra_pids: tuple[int, ...] = ()) -> N
     names = os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else []
     leaked = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in local)]
     assert not leaked, f"shared memory left in {SHM_DIR}: {leaked}"
+    tier = local_tier_root(run_dir)
+    assert tier is None or not tier.exists(), f"the local checkpoint tier is left: {sorted(tier.rglob('*'))[:5]}"
+
+
+def local_tier_root(run_dir: Path) -> Path | None:
+    """The run's local tier directory on this machine (every node's under it), None when the run has none."""
+    from ftkit.rundir.spec import RunSpec
+
+    try:
+        tier = RunSpec.read(RunDir(run_dir).spec).local_tier
+    except (OSError, ValueError):
+        return None
+    if not tier:
+        return None
+    template = Path(tier["dir"])
+    return template.parent if "{host}" in template.name else template
 
 
 def kill_tree(proc: subprocess.Popen) -> None:

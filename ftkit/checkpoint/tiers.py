@@ -178,10 +178,15 @@ class CopyError(Exception):
 
 
 def copy_part(
-    src: Path, dst: Path, files: Mapping[str, Mapping[str, Any]], record: Mapping[str, Any] | None = None
+    src: Path,
+    dst: Path,
+    files: Mapping[str, Mapping[str, Any]],
+    record: Mapping[str, Any] | None = None,
+    after_file: Callable[[str], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Copy ``files`` (relative path -> the node record's entry) from ``src`` to ``dst``, hashing every byte as it
-    is copied and comparing with the entry; each file is fsynced. Returns the entries (for the part record)."""
+    is copied and comparing with the entry; each file is fsynced. Returns the entries (for the part record).
+    ``after_file`` is called with each file copied (the agent's test-only pause)."""
     out: dict[str, dict[str, Any]] = {}
     for rel, entry in sorted(files.items()):
         s, d = src / rel, dst / rel
@@ -202,6 +207,8 @@ def copy_part(
         if size != int(entry["size"]) or digest != expected:
             raise CopyError(f"{rel}: {size} bytes, {digest} read from {s}; the node's record says {entry}")
         out[rel] = {"size": size, "checksum": expected, "rank": int(entry.get("rank", 0))}
+        if after_file is not None:
+            after_file(rel)
     return out
 
 
@@ -248,11 +255,13 @@ class NodePart:
         }
 
 
-def copy_to_durable(run_dir: Path, part: NodePart) -> dict[str, dict[str, Any]]:
+def copy_to_durable(
+    run_dir: Path, part: NodePart, after_file: Callable[[str], None] | None = None
+) -> dict[str, dict[str, Any]]:
     """This node's part of ``part.step`` into the staging directory (the first node also copies the shared files),
     then its part record. Returns what was copied."""
     first = part.nodes[0] == part.host
-    copied = copy_part(part.path, _staging(run_dir, part.step), part.files(with_shared=first), part.record)
+    copied = copy_part(part.path, _staging(run_dir, part.step), part.files(with_shared=first), part.record, after_file)
     atomic_write(
         _parts_dir(run_dir, part.step) / f"{part.host}.json",
         json.dumps({"host": part.host, "files": copied}),

@@ -12,6 +12,7 @@ from ftkit.errors import ExitCode
 from ftkit.plan.candidates import HEADROOM, full_table, plan_candidate
 from ftkit.plan.comm import fmt_bytes
 from ftkit.plan.load import load_and_plan
+from ftkit.plan.tiers import local_tier_line
 
 SHORT = {
     "weights": "weights",
@@ -57,6 +58,8 @@ def command(recipe: str, overrides: tuple[str, ...], as_json: bool) -> None:
         "micro_batch_size": plan.micro_batch_size,
         "grad_accum": plan.grad_accum,
         "global_batch_size": plan.global_batch_size,
+        "local_tier": plan.local_tier.to_json() if plan.local_tier else None,
+        "local_tier_off": plan.local_tier_off or None,
     }
     if as_json:
         click.echo(json.dumps(data, indent=2))
@@ -117,6 +120,7 @@ def command(recipe: str, overrides: tuple[str, ...], as_json: bool) -> None:
         f"\nthis run: {label} ({'auto' if rep.auto else 'set in the recipe'}): "
         f"{plan.knobs['zero_optimization.stage'].why}"
     )
+    click.echo(local_tier_line(plan))
     if sel is not None and not sel.fits:
         click.echo(f"warning: {label} does not fit: {sel.reason}", err=True)
     if rep.suggestions:

@@ -153,3 +153,15 @@ def measured_costs(run_dir: Path) -> tuple[float | None, float | None]:
         if a1 == a2 and s2 > s1 and t2 > t1
     ]
     return (statistics.median(saves) if saves else None), (statistics.median(gaps) if gaps else None)
+
+
+def local_tier_line(plan: Any) -> str:
+    """``ftkit plan``'s line for the local tier: where, how often, the host memory per node, or why it is off."""
+    t = plan.local_tier
+    if t is None:
+        return f"local checkpoint tier: off ({plan.local_tier_off})"
+    held = f"{t.keep} kept + 1 being copied" + (" + the previous node's part" if t.peer_copies else "")
+    return (
+        f"local checkpoint tier: {t.dir}, a save every {t.steps} step(s), copies to the run directory every "
+        f"train.save_steps; {t.host_gb_per_node:.2f} GiB host memory per node ({held}); {t.why}"
+    )
