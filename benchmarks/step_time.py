@@ -241,8 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         _worker(args.worker)
         return 0
-    sys.path.insert(0, str(REPO / "tests"))
-    from runs import make_fixtures, mp_lock, write_recipe
+    from tests.helpers.runs import make_fixtures, mp_lock, write_recipe
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp, mp_lock():

@@ -1,19 +1,18 @@
-"""Shared fixtures: tiny model configs on disk and recipe writers (no heavy imports here)."""
+"""Fixtures shared by every test: a tiny model config on disk and a recipe writer (no heavy imports here), and
+the multi-host and Slurm clusters. Plain helpers are in tests/helpers/; the real runs' shared fixtures (``fx``,
+``baseline``) are here too until the integration tests have their own folder."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from netns import netns2  # noqa: F401 - the two-host fixture, for tests/test_multinode.py
+from tests.helpers.recipes import MINIMAL, TINY_LLAMA
 
-REPO = Path(__file__).resolve().parent.parent
 _SESSION_START = __import__("time").time()
 
 
@@ -27,20 +26,6 @@ def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001
                 p.unlink()
         except OSError:
             pass
-
-
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": False,
-}
 
 
 @pytest.fixture
@@ -68,40 +53,14 @@ def write_recipe(tmp_path: Path, model_dir: Path):
     return _write
 
 
-MINIMAL = """\
-model:
-  path: ./model
-data:
-  train: ./data.jsonl
-train:
-  output_dir: ./run
-  micro_batch_size: 2
-  global_batch_size: 16
-cluster:
-  gpus_per_node: 8
-"""
-
-
-def run_ftkit(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 60):
-    """Run the real `ftkit` command line in a subprocess (as a user would)."""
-    e = dict(os.environ)
-    e.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "ftkit", *args], cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout
-    )
-
-
 # Real 2-rank runs (tests marked slow): the fixtures model and one uninterrupted reference run, made once per session
 # (tests read them and copy what they change: each costs a model build or a 2-rank launch).
-RUN_ENV = {"DS_ACCELERATOR": "cpu"}
-RUN_STEPS = 12  # tests.runs.write_recipe's default: checkpoints every 4 steps, the newest 2 kept
-RUN_TIMEOUT_S = 240  # an upper bound for one whole `ftkit launch` with a restart or two (a clean run takes ~15 s)
 
 
 @pytest.fixture(scope="session")
 def fx(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The tiny model, tokenizer and learnable data, made once per session (read-only for tests)."""
-    from tests.runs import make_fixtures
+    from tests.helpers.runs import make_fixtures
 
     return make_fixtures(tmp_path_factory.mktemp("fixtures"))
 
@@ -110,8 +69,8 @@ def fx(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def baseline(fx: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One uninterrupted run: its losses are what every recovered run must reproduce; its run directory is
     copied by the corruption tests (checkpoint-8 and checkpoint-12 committed)."""
-    from tests.runs import assert_no_process_left, ftkit, losses, mp_lock
-    from tests.runs import write_recipe as recipe_for
+    from tests.helpers.runs import RUN_ENV, RUN_STEPS, RUN_TIMEOUT_S, assert_no_process_left, ftkit, losses, mp_lock
+    from tests.helpers.runs import write_recipe as recipe_for
 
     d = tmp_path_factory.mktemp("baseline")
     recipe = recipe_for(d, fx)
@@ -123,3 +82,22 @@ def baseline(fx: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> d
     got = losses(run)
     assert sorted(got) == list(range(1, RUN_STEPS + 1))
     return {"run": run, "losses": got}
+
+
+@pytest.fixture
+def netns2(tmp_path: Path) -> Iterator:
+    """Two namespace hosts (node0, node1) with sshd; skips when the machine cannot run them."""
+    from tests.helpers.netns import netns_cluster, require_netns
+
+    require_netns()
+    with netns_cluster(2, workdir=tmp_path / "netns") as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def slurm2() -> Iterator:
+    """A real two-node Slurm cluster (n1, n2), one per module; skips without root."""
+    from tests.helpers.slurm import slurm_cluster
+
+    with slurm_cluster() as c:
+        yield c

@@ -21,10 +21,8 @@ import time
 import pytest
 
 from ftkit.run.status import read_jsonl
-from tests.runs import assert_no_process_left, ftkit, mp_lock
-from tests.runs import write_recipe as _write_recipe
-
-from conftest import RUN_ENV, RUN_TIMEOUT_S
+from tests.helpers.runs import RUN_ENV, RUN_TIMEOUT_S, assert_no_process_left, ftkit, mp_lock
+from tests.helpers.runs import write_recipe as _write_recipe
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,8 @@ import yaml
 
 from ftkit.recipe.reference import json_schema, markdown_reference
 from ftkit.recipe.scaffold import RECIPE_TEMPLATES, regenerated
-
-from conftest import REPO, run_ftkit
+from tests.helpers.cli import run_ftkit
+from tests.helpers.paths import REPO
 
 HEAVY = ("torch", "deepspeed", "transformers", "accelerate", "peft")
 

@@ -25,8 +25,8 @@ from ftkit.plan.comm import (
     zeropp_candidates,
 )
 from ftkit.plan.memory import Candidate, Workload
+from tests.helpers.paths import MODEL_CONFIGS, REPO
 
-REPO = Path(__file__).resolve().parent.parent
 TINY = {
     "model_type": "llama",
     "hidden_size": 64,
@@ -120,7 +120,7 @@ def test_lora_reduces_only_adapters_but_gathers_frozen_weights() -> None:
 
 
 def llama8b(world: int, per_node: int, **kw: object) -> Workload:
-    cfg = json.loads((REPO / "tests/fixtures/model_configs/Meta-Llama-3-8B.json").read_text())
+    cfg = json.loads((MODEL_CONFIGS / "Meta-Llama-3-8B.json").read_text())
     return Workload(
         shape=count_params(cfg),
         world_size=world,
@@ -192,14 +192,13 @@ CASES = [(stage, ga, kind) for kind in ("full", "lora") for stage in (1, 2, 3) f
 def comm_runs(tmp_path_factory: pytest.TempPathFactory, fx):
     """Each case on 2 CPU ranks (HF Trainer + DeepSpeed with comms_logger on), 3 optimizer steps each."""
     sys.path.insert(0, str(REPO / "benchmarks"))
-    sys.path.insert(0, str(REPO / "tests"))
     import step_time
 
-    import runs
+    from tests.helpers.runs import mp_lock, write_recipe
 
     root = tmp_path_factory.mktemp("comm")
-    with runs.mp_lock():
-        recipe = runs.write_recipe(root, fx)
+    with mp_lock():
+        recipe = write_recipe(root, fx)
         # All twelve cases on one pair of ranks, one after another (a fresh Trainer and DeepSpeed engine each): the
         # libraries' import is paid once, not twelve times.
         names = {f"z{stage}-ga{ga}-{kind}": (stage, ga, kind) for stage, ga, kind in CASES}
@@ -230,7 +229,7 @@ def test_logged_bytes_per_step_equal_the_plan_within_10_percent(case, comm_runs)
 def test_plan_prints_and_exports_the_step_time(write_recipe, tmp_path: Path) -> None:
     import shutil
 
-    shutil.copy(REPO / "tests/fixtures/model_configs/Meta-Llama-3-8B.json", tmp_path / "model" / "config.json")
+    shutil.copy(MODEL_CONFIGS / "Meta-Llama-3-8B.json", tmp_path / "model" / "config.json")
     p = write_recipe()
     args = ["zero.stage=auto", "cluster.num_nodes=2", "cluster.master_addr=10.0.0.1", "cluster.network=pcie-eth25"]
     args += ["train.global_batch_size=64", "train.micro_batch_size=1", "model.gradient_checkpointing=true"]
@@ -270,7 +269,7 @@ def test_plan_states_the_zeropp_margin_when_a_faster_candidate_loses_by_it(write
     the plan used to call ZeRO-1 "the fastest predicted" anyway."""
     import shutil
 
-    shutil.copy(REPO / "tests/fixtures/model_configs/Meta-Llama-3-8B.json", tmp_path / "model" / "config.json")
+    shutil.copy(MODEL_CONFIGS / "Meta-Llama-3-8B.json", tmp_path / "model" / "config.json")
     p = write_recipe()
     args = ["zero.stage=auto", "cluster.num_nodes=2", "cluster.master_addr=10.0.0.1", "cluster.network=pcie-eth25"]
     args += ["train.global_batch_size=64", "train.micro_batch_size=1", "model.gradient_checkpointing=true"]

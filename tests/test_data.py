@@ -11,11 +11,12 @@ from typing import Any
 import pytest
 
 from ftkit.errors import DataError, ExitCode
+from tests.helpers.paths import REPO
 
 try:
     from ftkit.launch import data, fixtures
 except ImportError:  # package not installed yet: use the repo's launch/ directory directly
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(REPO))
     from launch import data, fixtures  # type: ignore[no-redef]
 
 pytestmark = pytest.mark.heavy  # builds a tokenizer through transformers in-process

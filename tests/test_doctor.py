@@ -19,26 +19,9 @@ from ftkit.cluster import buildlocks
 from ftkit.errors import PreflightError
 from ftkit.run.doctor import RENDEZVOUS_TIMEOUT_S, cheap_checks
 from ftkit.run.doctor_checks import DoctorReport, _ifname_matches, check_facts, check_locks, format_report
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _run(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 90):
-    e = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | (env or {})  # only what a test sets
-    return subprocess.run(
-        [sys.executable, "-m", "ftkit", *args], env=e, cwd=cwd, capture_output=True, text=True, timeout=timeout
-    )
-
+from tests.helpers.doctor import build_lock, clean_ftkit, failures, local_recipe
 
 # ------------------------------------------------------------------------------------------- build locks
-
-
-def _lock(root: Path, op: str) -> Path:
-    d = root / op
-    d.mkdir(parents=True)
-    p = d / "lock"
-    p.write_text("")
-    return p
 
 
 def _holder(argv_code: str, cwd: Path | None = None) -> subprocess.Popen:
@@ -49,9 +32,9 @@ def _holder(argv_code: str, cwd: Path | None = None) -> subprocess.Popen:
 
 def test_stale_lock_is_the_one_no_process_holds(tmp_path):
     root = tmp_path / "ext"
-    stale = _lock(root, "cpu_adam")
-    by_fd = _lock(root, "deepspeed_shm_comm")
-    by_cwd = _lock(root, "fused_op")
+    stale = build_lock(root, "cpu_adam")
+    by_fd = build_lock(root, "deepspeed_shm_comm")
+    by_cwd = build_lock(root, "fused_op")
     # As FileBaton's builder: the lock's descriptor open for the whole build; as ninja: running in the op's dir.
     a = _holder(
         f"import os, time; fd = os.open({str(by_fd)!r}, os.O_RDONLY); print('ready', flush=True); time.sleep(60)"
@@ -93,7 +76,7 @@ def test_real_file_baton_holder_and_waiter(tmp_path):
     root = tmp_path / "ext"
     (root / "built").mkdir(parents=True)
     held = root / "built" / "lock"
-    stale = _lock(root, "deepspeed_shm_comm")
+    stale = build_lock(root, "deepspeed_shm_comm")
     holder = _baton(held, "acquire")  # creates the lock (O_CREAT|O_EXCL) and keeps it open, as a build does
     waiter = _baton(stale, "wait")  # polls a lock nobody holds: waits forever, and does not count as a holder
     try:
@@ -108,7 +91,7 @@ def test_real_file_baton_holder_and_waiter(tmp_path):
 
 
 def test_default_layout_under_the_cache_dir(tmp_path):
-    stale = _lock(tmp_path / "cache" / "torch_extensions" / "py311_cpu", "cpu_adam")
+    stale = build_lock(tmp_path / "cache" / "torch_extensions" / "py311_cpu", "cpu_adam")
     (stale.parent / "cpu_adam.so").write_text("")  # a finished build next to it changes nothing
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "HOME": str(tmp_path)}
     assert buildlocks.stale_build_locks(env) == [stale]
@@ -121,7 +104,7 @@ def test_loading_hint_after_a_minute_with_a_stale_lock(tmp_path):
     now = 1000.0
     hbs = [{"rank": 0, "phase": "loading", "time": now - 61}, {"rank": 1, "phase": "train", "time": now}]
     assert buildlocks.loading_hint(hbs, now, env=env) is None  # no lock: nothing to say
-    lock = _lock(root, "cpu_adam")
+    lock = build_lock(root, "cpu_adam")
     hint = buildlocks.loading_hint(hbs, now, env=env)
     assert hint and "rank(s) 0" in hint and f"[rm {lock}]" in hint
     assert buildlocks.loading_hint([{"rank": 0, "phase": "loading", "time": now - 30}], now, env=env) is None
@@ -237,34 +220,15 @@ def test_interface_selection_follows_gloo_and_nccl_syntax():
 # ------------------------------------------------------------------------------------------- CLI and local
 
 
-def _local_recipe(d: Path, **cluster) -> Path:
-    import yaml
-
-    from conftest import TINY_LLAMA
-
-    model = d / "model"
-    model.mkdir(parents=True, exist_ok=True)
-    (model / "config.json").write_text(json.dumps(TINY_LLAMA))
-    recipe = {
-        "model": {"path": str(model)},
-        "data": {"train": str(d / "data.jsonl")},
-        "train": {"output_dir": str(d / "run"), "precision": "fp32", "micro_batch_size": 2, "global_batch_size": 4},
-        "cluster": {"gpus_per_node": 2, "accelerator": "cpu", "gpu_memory_gb": 8, "host_memory_gb": 16}
-        | {k: str(v) if isinstance(v, Path) else v for k, v in cluster.items()},
-    }
-    (d / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
-    return d / "recipe.yaml"
-
-
 def test_cli_usage_errors_are_one_line_exit_2(tmp_path):
-    out = _run("doctor", str(tmp_path / "nope.yaml"))
+    out = clean_ftkit("doctor", str(tmp_path / "nope.yaml"))
     assert out.returncode == 2 and out.stderr.startswith("ftkit: error: ") and "Traceback" not in out.stderr
-    recipe = _local_recipe(tmp_path)
-    out = _run("doctor", str(recipe), "cluster.acelerator=cpu")
+    recipe = local_recipe(tmp_path)
+    out = clean_ftkit("doctor", str(recipe), "cluster.acelerator=cpu")
     assert out.returncode == 2 and "did you mean 'accelerator'" in out.stderr and "Traceback" not in out.stderr
-    out = _run("doctor", str(recipe), "--hostfile", str(tmp_path / "missing-hostfile"))
+    out = clean_ftkit("doctor", str(recipe), "--hostfile", str(tmp_path / "missing-hostfile"))
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    help_ = _run("doctor", "--help")
+    help_ = clean_ftkit("doctor", "--help")
     assert help_.returncode == 0 and "3 a check failed" in help_.stdout and "ftkit doctor recipe.yaml" in help_.stdout
 
 
@@ -281,12 +245,12 @@ def test_cheap_checks_name_a_stale_build_lock(tmp_path):
     """What `ftkit launch` runs as its preflight: preflight + facts, no rendezvous, a second or two."""
     from ftkit.plan.load import load_and_plan
 
-    plan = load_and_plan(str(_local_recipe(tmp_path)), ())
+    plan = load_and_plan(str(local_recipe(tmp_path)), ())
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
     t0 = time.monotonic()
     report = cheap_checks(plan, [], env=env)  # a drop-in for run_preflight's report
     assert report.versions["localhost"]["torch"] and report.checks[-1].startswith("doctor: versions, run-directory")
-    lock = _lock(tmp_path / "ext", "cpu_adam")
+    lock = build_lock(tmp_path / "ext", "cpu_adam")
     with pytest.raises(PreflightError) as e:
         cheap_checks(plan, [], env=env)
     assert f"host localhost: locks: stale torch extension build lock {lock}" in str(e.value)
@@ -296,32 +260,32 @@ def test_cheap_checks_name_a_stale_build_lock(tmp_path):
 
 def test_unreachable_host_is_named_and_the_rendezvous_skipped(tmp_path):
     """ssh to a closed loopback port: refused at once; no probe or rendezvous is attempted there."""
-    from runs import free_port
+    from tests.helpers.runs import free_port
 
     (tmp_path / "ssh_config").write_text(f"Host ghost\n  HostName 127.0.0.1\n  Port {free_port()}\n")
     (tmp_path / "hosts").write_text("ghost slots=1\n")
-    recipe = _local_recipe(tmp_path, gpus_per_node=1, ssh_config=tmp_path / "ssh_config")
-    out = _run("doctor", str(recipe), "--hostfile", str(tmp_path / "hosts"), "--json")
+    recipe = local_recipe(tmp_path, gpus_per_node=1, ssh_config=tmp_path / "ssh_config")
+    out = clean_ftkit("doctor", str(recipe), "--hostfile", str(tmp_path / "hosts"), "--json")
     assert out.returncode == 3, out.stdout + out.stderr
     data = json.loads(out.stdout)
     assert data["hosts"]["ghost"]["ssh"] == "FAIL" and data["hosts"]["ghost"]["rendezvous"] == "skipped"
-    assert _failures(out) == [f["line"] for f in data["failures"]]
-    assert _failures(out)[0].startswith("host ghost: ssh: not reachable (") and "Connection refused" in out.stderr
+    assert failures(out) == [f["line"] for f in data["failures"]]
+    assert failures(out)[0].startswith("host ghost: ssh: not reachable (") and "Connection refused" in out.stderr
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # mostly waiting for mp_lock; the doctor runs take ~5 s each
 def test_local_doctor_passes_then_names_a_stale_lock(tmp_path):
-    from runs import free_port, mp_lock
+    from tests.helpers.runs import free_port, mp_lock
 
-    recipe = _local_recipe(tmp_path, master_port=free_port())
+    recipe = local_recipe(tmp_path, master_port=free_port())
     env = {"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
     with mp_lock():
-        ok = _run("doctor", str(recipe), env=env)
+        ok = clean_ftkit("doctor", str(recipe), env=env)
         assert ok.returncode == 0, ok.stdout + ok.stderr
         assert "localhost" in ok.stdout and "all checks passed on 1 host(s)" in ok.stdout
-        lock = _lock(tmp_path / "ext", "cpu_adam")
-        bad = _run("doctor", str(recipe), "--json", env=env)
+        lock = build_lock(tmp_path / "ext", "cpu_adam")
+        bad = clean_ftkit("doctor", str(recipe), "--json", env=env)
     assert bad.returncode == 3, bad.stdout + bad.stderr
     assert json.loads(bad.stdout)["hosts"]["localhost"]["rendezvous"].startswith("ok")
     assert bad.stderr.strip() == (
@@ -342,9 +306,9 @@ def test_a_launch_whose_ranks_wait_on_a_stale_lock_says_so(fx, tmp_path):
     import shutil
 
     from ftkit.rundir.layout import RunDir
-
-    from conftest import RUN_ENV, RUN_TIMEOUT_S
-    from runs import (
+    from tests.helpers.runs import (
+        RUN_ENV,
+        RUN_TIMEOUT_S,
         assert_no_process_left,
         ftkit,
         kill_tree,
@@ -401,7 +365,7 @@ DOCTOR_BUDGET_S = 30  # the issue's acceptance: a broken host is named within 30
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """Two namespace hosts, one per module (each test repairs what it broke)."""
-    from netns import netns_cluster, require_netns
+    from tests.helpers.netns import netns_cluster, require_netns
 
     require_netns()
     with netns_cluster(2, workdir=tmp_path_factory.mktemp("netns")) as cluster:
@@ -409,10 +373,10 @@ def pair(tmp_path_factory):
 
 
 def _pair_recipe(d: Path, cluster) -> Path:
-    from runs import free_port
+    from tests.helpers.runs import free_port
 
     hostfile = cluster.write_hostfile(d / "hostfile", slots=1)
-    return _local_recipe(
+    return local_recipe(
         d,
         gpus_per_node=1,
         hostfile=hostfile,
@@ -423,16 +387,12 @@ def _pair_recipe(d: Path, cluster) -> Path:
 
 
 def _doctor(recipe: Path, *args: str, env: dict | None = None):
-    from runs import mp_lock
+    from tests.helpers.runs import mp_lock
 
     with mp_lock():
         t0 = time.monotonic()
-        out = _run("doctor", str(recipe), *args, env={"GLOO_SOCKET_IFNAME": "eth0", **(env or {})}, timeout=120)
+        out = clean_ftkit("doctor", str(recipe), *args, env={"GLOO_SOCKET_IFNAME": "eth0", **(env or {})}, timeout=120)
         return out, time.monotonic() - t0
-
-
-def _failures(out) -> list[str]:
-    return [ln.removeprefix("ftkit: error: ") for ln in out.stderr.splitlines() if ln.startswith("ftkit: error: ")]
 
 
 def _assert_clean(cluster) -> None:
@@ -487,7 +447,7 @@ def test_misnamed_interface_names_the_host(tmp_path, pair):
     # The healthy host learns of its peer's failure at once, not at the rendezvous timeout: watching on the
     # collective's own store connection, it waited the whole 10 s and could then name itself (its own timeout).
     assert took < RENDEZVOUS_TIMEOUT_S, took
-    fails = _failures(out)
+    fails = failures(out)
     assert any(f.startswith("host node1: iface: GLOO_SOCKET_IFNAME=eth0 names no interface there") for f in fails), (
         fails
     )
@@ -515,7 +475,7 @@ def test_blocked_port_to_the_master_names_the_host(tmp_path, pair):
     assert out.returncode == 3, out.stdout + out.stderr
     print(f"doctor named the broken host in {took:.1f}s")
     assert took < DOCTOR_BUDGET_S, took
-    fails = _failures(out)
+    fails = failures(out)
     assert any(
         f.startswith(
             f"host node1: rendezvous: did not join the rendezvous: cannot reach the rendezvous at {master}:{port}"
@@ -552,7 +512,7 @@ def test_other_torch_on_one_host_names_the_host(tmp_path, pair):
     assert out.returncode == 3, out.stdout + out.stderr
     print(f"doctor named the broken host in {took:.1f}s")
     assert took < DOCTOR_BUDGET_S, took
-    fails = _failures(out)
+    fails = failures(out)
     assert any(f.startswith("host node1: versions: differs: torch 2.1.0 (here ") for f in fails), fails
     assert any(f.startswith("host node1: rendezvous: ") and "this torch is broken" in f for f in fails), fails
     assert not any(f.startswith("host node0") for f in fails), fails
@@ -563,7 +523,7 @@ def test_other_torch_on_one_host_names_the_host(tmp_path, pair):
 @pytest.mark.timeout(600)  # mostly waiting for mp_lock; the probes take ~10 s
 def test_probe_measures_every_pair_of_three_ranks():
     """The rank-side probe on its own, three ranks on loopback: all-reduce sizes across all and every pair once."""
-    from runs import free_port, mp_lock
+    from tests.helpers.runs import free_port, mp_lock
 
     port = free_port()
     argv = [sys.executable, "-m", "ftkit.launch.doctor_probe", "rendezvous", "--world", "3", "--master-addr"]

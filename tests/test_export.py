@@ -8,7 +8,6 @@ process, so torch and transformers are imported once.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -21,11 +20,9 @@ import pytest
 
 from ftkit.errors import ExitCode
 from ftkit.rundir.spec import DataSpec, RunSpec
-from tests.runs import assert_no_process_left, ftkit, mp_lock
-from tests.runs import write_recipe as _write_recipe
-from tests.test_checkpoints import commit, flip_byte, make_ckpt
-
-from conftest import RUN_ENV, RUN_TIMEOUT_S  # fx and baseline: conftest's fixtures
+from tests.helpers.ckpt import commit, flip_byte, make_ckpt, staging_left, tree
+from tests.helpers.runs import RUN_ENV, RUN_TIMEOUT_S, assert_no_process_left, ftkit, mp_lock
+from tests.helpers.runs import write_recipe as _write_recipe
 
 HEAVY = ("torch", "deepspeed", "transformers", "accelerate", "peft", "safetensors")
 
@@ -68,21 +65,6 @@ def synthetic(tmp_path: Path) -> Path:
         commit(make_ckpt(run, step, bf16=False))
     _spec(run)
     return run
-
-
-def tree(path: Path) -> dict[str, Any]:
-    """Every entry under ``path`` with its bytes' hash and mode: equal before and after means untouched."""
-    if not path.exists():
-        return {}
-    out: dict[str, Any] = {".": oct(path.stat().st_mode)}
-    for p in sorted(path.rglob("*")):
-        rel = str(p.relative_to(path))
-        out[rel] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else oct(p.stat().st_mode)
-    return out
-
-
-def staging_left(parent: Path) -> list[str]:
-    return [p.name for p in parent.iterdir() if ".ftkit-export-" in p.name]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

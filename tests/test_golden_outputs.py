@@ -14,10 +14,10 @@ import pytest
 from click.testing import CliRunner
 
 from ftkit.cli.main import cli
+from tests.helpers.paths import GOLDEN, MODEL_CONFIGS
 
-REPO = Path(__file__).resolve().parent.parent
-GOLDEN = REPO / "tests" / "golden" / "outputs"
-MODEL = REPO / "tests" / "fixtures" / "model_configs" / "Meta-Llama-3-8B.json"
+OUTPUTS = GOLDEN / "outputs"
+MODEL = MODEL_CONFIGS / "Meta-Llama-3-8B.json"
 
 STAGES = (0, 1, 2, 3)
 OFFLOAD = ("none", "cpu")
@@ -106,7 +106,7 @@ def outputs(tmp_path: Path, case: tuple[int, str, str, str, bool]) -> dict[str, 
 @pytest.mark.parametrize("case", cases(), ids=[_id(c) for c in cases()])
 def test_outputs_match_the_golden_files(case, tmp_path):
     for name, text in outputs(tmp_path, case).items():
-        golden = GOLDEN / _id(case) / name
+        golden = OUTPUTS / _id(case) / name
         if os.environ.get("FTKIT_UPDATE_GOLDEN"):
             golden.parent.mkdir(parents=True, exist_ok=True)
             golden.write_text(text)

@@ -16,15 +16,20 @@ import pytest
 
 from ftkit.errors import ExitCode
 from ftkit.run.status import read_jsonl as read_jsonl_lines
-from tests.runs import assert_no_process_left, ftkit, losses, mp_lock, named
-from tests.test_recovery import (
-    ENV,
-    RUN_S,
-    _recipe,
+from tests.helpers.paths import SCRIPTS
+from tests.helpers.runs import (
+    RUN_ENV,
+    RUN_TIMEOUT_S,
+    assert_no_process_left,
     committed_ok,
     finish,
+    ftkit,
     launched,
+    losses,
+    mp_lock,
+    named,
     output,
+    recipe_and_run,
     signal_rank,
     wait_step,
 )
@@ -34,7 +39,6 @@ pytestmark = pytest.mark.slow
 LONG = 40  # steps: the stop lands long before the end (a step takes ~0.15 s here)
 SAVE = 10
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def _script(fx) -> list[str]:
@@ -45,9 +49,9 @@ def _script(fx) -> list[str]:
 @pytest.fixture(scope="module")
 def long_baseline(fx, tmp_path_factory) -> dict[int, float]:
     d = tmp_path_factory.mktemp("long-baseline")
-    recipe, run = _recipe(d, fx, train__max_steps=LONG, train__save_steps=SAVE)
+    recipe, run = recipe_and_run(d, fx, train__max_steps=LONG, train__save_steps=SAVE)
     with mp_lock():
-        r = ftkit("launch", str(recipe), env=ENV, timeout=RUN_S)
+        r = ftkit("launch", str(recipe), env=RUN_ENV, timeout=RUN_TIMEOUT_S)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     got = losses(run)
     assert sorted(got) == list(range(1, LONG + 1))
@@ -81,7 +85,7 @@ def _stop_and_resume(recipe: Path, run: Path, sig: int, expected: dict[int, floa
     assert_no_process_left(run)
     # The relaunch resumes from the stop's checkpoint: 0 steps recomputed, the same losses as a run never stopped.
     with mp_lock():
-        r = ftkit("launch", str(recipe), *args, env={**ENV, **OFFLINE}, timeout=RUN_S)
+        r = ftkit("launch", str(recipe), *args, env={**RUN_ENV, **OFFLINE}, timeout=RUN_TIMEOUT_S)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     chosen = named(run, "checkpoint_chosen")
     assert chosen and chosen[-1]["step"] == step, chosen
@@ -96,7 +100,7 @@ def _stop_and_resume(recipe: Path, run: Path, sig: int, expected: dict[int, floa
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("engine", ["deepspeed", "accelerate", "torchrun"])
 def test_sigterm_saves_the_step_in_flight_and_the_relaunch_recomputes_nothing(engine, fx, long_baseline, tmp_path):
-    recipe, run = _recipe(tmp_path, fx, train__max_steps=LONG, train__save_steps=SAVE, cluster__engine=engine)
+    recipe, run = recipe_and_run(tmp_path, fx, train__max_steps=LONG, train__save_steps=SAVE, cluster__engine=engine)
     _stop_and_resume(recipe, run, signal.SIGTERM, long_baseline)
 
 
@@ -104,7 +108,7 @@ def test_sigterm_saves_the_step_in_flight_and_the_relaunch_recomputes_nothing(en
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP, signal.SIGUSR1], ids=["SIGINT", "SIGHUP", "SIGUSR1"])
 def test_every_stop_signal_saves_first(sig, fx, tmp_path):
     """Ctrl-C, a closed terminal and Slurm's advance notice are stop requests too: exit 8, nothing left."""
-    recipe, run = _recipe(tmp_path, fx, train__max_steps=LONG, train__save_steps=SAVE)
+    recipe, run = recipe_and_run(tmp_path, fx, train__max_steps=LONG, train__save_steps=SAVE)
     with launched(recipe, run) as proc:
         wait_step(run, 0, 3)
         proc.send_signal(sig)
@@ -120,7 +124,9 @@ def test_every_stop_signal_saves_first(sig, fx, tmp_path):
 @pytest.mark.timeout(600)
 def test_a_second_sigint_during_the_stop_tears_down_at_once(fx, tmp_path):
     """A frozen rank cannot reach the step boundary: the stop waits; a second Ctrl-C ends it now (130)."""
-    recipe, run = _recipe(tmp_path, fx, train__max_steps=LONG, train__save_steps=SAVE, resilience__hang_timeout_s=300)
+    recipe, run = recipe_and_run(
+        tmp_path, fx, train__max_steps=LONG, train__save_steps=SAVE, resilience__hang_timeout_s=300
+    )
     with launched(recipe, run) as proc:
         wait_step(run, 0, 3)
         signal_rank(run, 1, signal.SIGSTOP)
@@ -141,7 +147,7 @@ def test_a_second_sigint_during_the_stop_tears_down_at_once(fx, tmp_path):
 
 @pytest.mark.timeout(600)
 def test_a_stop_that_cannot_finish_is_bounded_by_stop_timeout_s(fx, tmp_path):
-    recipe, run = _recipe(
+    recipe, run = recipe_and_run(
         tmp_path,
         fx,
         train__max_steps=LONG,
@@ -164,10 +170,10 @@ def test_a_stop_that_cannot_finish_is_bounded_by_stop_timeout_s(fx, tmp_path):
 
 @pytest.mark.timeout(600)
 def test_ftkit_stop_force_tears_a_live_run_down_without_saving(fx, tmp_path):
-    recipe, run = _recipe(tmp_path, fx, train__max_steps=LONG, train__save_steps=SAVE)
+    recipe, run = recipe_and_run(tmp_path, fx, train__max_steps=LONG, train__save_steps=SAVE)
     with launched(recipe, run) as proc:
         wait_step(run, 0, 3)
-        r = ftkit("stop", "--force", str(run), env=ENV, timeout=120)
+        r = ftkit("stop", "--force", str(run), env=RUN_ENV, timeout=120)
         assert r.returncode == 0, r.stdout + r.stderr
         assert "without saving" in r.stdout
         assert finish(proc, 30) == ExitCode.SIGTERM, output(recipe)[-3000:]
@@ -179,11 +185,11 @@ def test_ftkit_stop_force_tears_a_live_run_down_without_saving(fx, tmp_path):
 def test_a_wrapped_script_stops_the_same_way(fx, tmp_path_factory, tmp_path):
     """The save request rides on the per-rank hook every wrapped script gets: same promise, same exit 8."""
     base = tmp_path_factory.mktemp("wrapped-baseline")
-    b_recipe, b_run = _recipe(base, fx, train__max_steps=LONG, train__save_steps=SAVE)
+    b_recipe, b_run = recipe_and_run(base, fx, train__max_steps=LONG, train__save_steps=SAVE)
     with mp_lock():
-        r = ftkit("launch", str(b_recipe), *_script(fx), env={**ENV, **OFFLINE}, timeout=RUN_S)
+        r = ftkit("launch", str(b_recipe), *_script(fx), env={**RUN_ENV, **OFFLINE}, timeout=RUN_TIMEOUT_S)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     expected = losses(b_run)
     assert sorted(expected) == list(range(1, LONG + 1))
-    recipe, run = _recipe(tmp_path, fx, train__max_steps=LONG, train__save_steps=SAVE)
+    recipe, run = recipe_and_run(tmp_path, fx, train__max_steps=LONG, train__save_steps=SAVE)
     _stop_and_resume(recipe, run, signal.SIGTERM, expected, *_script(fx))

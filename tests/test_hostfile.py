@@ -497,7 +497,7 @@ def test_slot_selection_reaches_the_ranks(
 
 
 def test_slot_selection_shows_in_dry_run(tmp_path: Path, write_recipe) -> None:
-    from conftest import run_ftkit
+    from tests.helpers.cli import run_ftkit
 
     (tmp_path / "hostfile").write_text("localhost slots=4\n")
     recipe = write_recipe()
@@ -555,7 +555,7 @@ def test_endless_hostfile_is_refused_in_one_line(tmp_path: Path) -> None:
 
 
 def test_endless_hostfile_on_the_command_line(write_recipe, tmp_path: Path) -> None:
-    from conftest import run_ftkit
+    from tests.helpers.cli import run_ftkit
 
     r = run_ftkit("launch", str(write_recipe()), "--hostfile", "/dev/zero", "--dry-run", cwd=tmp_path, timeout=60)
     assert r.returncode == 2, r.stderr

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hubcache import fake_hub, hub_env, populate
 
-from conftest import TINY_LLAMA, run_ftkit
+from tests.helpers.cli import run_ftkit
+from tests.helpers.hub import fake_hub, hub_env, populate
+from tests.helpers.recipes import TINY_LLAMA
 
 ID = "acme/tiny-llama"
 WIDE = {**TINY_LLAMA, "hidden_size": 128, "intermediate_size": 256}  # another revision's config
@@ -135,7 +136,7 @@ def test_no_network_and_no_cache_is_one_line_exit_2(tmp_path):
 
 @pytest.mark.slow  # huggingface_hub retries an unreachable hub with backoff: about 23 s
 def test_unreachable_hub_and_no_cache_is_one_line_exit_2(tmp_path):
-    from runs import free_port
+    from tests.helpers.runs import free_port
 
     env = {**hub_env(tmp_path / "home", offline=False), "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
     out = run_ftkit("check", str(_recipe(tmp_path)), env=env)
@@ -223,9 +224,8 @@ def test_launch_warns_when_the_checked_in_config_differs_from_the_models(tmp_pat
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_rank_launch_of_a_hub_id_loads_the_pinned_revision(tmp_path, fx):
-    from conftest import RUN_ENV, RUN_TIMEOUT_S
-    from runs import assert_no_process_left, ftkit, losses, mp_lock
-    from runs import write_recipe as recipe_for
+    from tests.helpers.runs import RUN_ENV, RUN_TIMEOUT_S, assert_no_process_left, ftkit, losses, mp_lock
+    from tests.helpers.runs import write_recipe as recipe_for
 
     home = tmp_path / "hf"
     files = {f.name: f for f in fx["model"].iterdir() if f.is_file()}

@@ -10,6 +10,7 @@ import pytest
 
 from ftkit.plan.load import load_and_plan
 from ftkit.render.deepspeed import render_deepspeed
+from tests.helpers.paths import FIXTURES, REPO
 
 # ---------------------------------------------------------------------------------------------------------------
 # Recipe fields that keep a source's explicit values (default auto: ftkit's rule, byte-identical to before)
@@ -99,7 +100,7 @@ def test_explicit_fields_are_validated(write_recipe, value):
 # ftkit import: fixtures modelled on the public example configs (Axolotl deepspeed_configs/, LLaMA-Factory
 # examples/deepspeed/ and examples/accelerate/, transformers tests/deepspeed/, accelerate's templates)
 
-FIX = Path(__file__).resolve().parent / "fixtures" / "import"
+FIX = FIXTURES / "import"
 
 
 @pytest.fixture
@@ -684,10 +685,9 @@ def test_readme_import_commands_run(tmp_path, monkeypatch):
     import shlex
 
     from ftkit.cli.main import cli
+    from tests.helpers.recipes import TINY_LLAMA
 
-    from conftest import TINY_LLAMA
-
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    text = (REPO / "README.md").read_text()
     block = next(b for b in re.findall(r"```sh\n(.*?)```", text, flags=re.S) if "ftkit import" in b)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "myjob" / "model").mkdir(parents=True)

@@ -31,11 +31,12 @@ from pathlib import Path
 import pytest
 
 from ftkit.errors import ExitCode
-from tests.runs import REPO, assert_no_process_left, mp_lock, named, write_recipe
+from tests.helpers.paths import SCRIPTS
+from tests.helpers.readme import readme_example
+from tests.helpers.runs import assert_no_process_left, mp_lock, named, write_recipe
 
 pytestmark = pytest.mark.slow
 
-SCRIPTS = REPO / "tests" / "scripts"
 STEPS, SAVE = 4, 2
 ENTRIES = ("builtin", "script", "ftkit_hf", "trl_dpo")
 ZERO = (0, 1, 2, 3)
@@ -155,8 +156,6 @@ def _command(cell: Cell, fx: dict[str, Path], workdir: Path, preference: Path) -
             "none",
         ]
     if cell.entry == "ftkit_hf":
-        from tests.test_wrap import readme_example
-
         (workdir / "train.py").write_text(readme_example())
         return ["--no-inject", "--", "python", "train.py", str(fx["model"]), str(fx["data"])]
     return [

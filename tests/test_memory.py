@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -47,14 +46,11 @@ from ftkit.plan.memory import (
     suggestions,
     trainer_param_groups,
 )
-
-REPO = Path(__file__).resolve().parent.parent
-
-FIXTURES = Path(__file__).parent / "fixtures" / "model_configs"
+from tests.helpers.paths import MODEL_CONFIGS
 
 
 def _shape(name: str):
-    return count_params(json.loads((FIXTURES / f"{name}.json").read_text()))
+    return count_params(json.loads((MODEL_CONFIGS / f"{name}.json").read_text()))
 
 
 LLAMA8B = _shape("Meta-Llama-3-8B")
@@ -369,7 +365,7 @@ def test_auto_takes_the_fastest_predicted_candidate_that_fits(network, gpu_gb, w
 
     from ftkit.plan.load import load_and_plan
 
-    shutil.copy(REPO / "tests/fixtures/model_configs/Meta-Llama-3-8B.json", tmp_path / "model" / "config.json")
+    shutil.copy(MODEL_CONFIGS / "Meta-Llama-3-8B.json", tmp_path / "model" / "config.json")
     p = write_recipe()
     plan = load_and_plan(
         str(p),

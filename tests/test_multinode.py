@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from netns import NetnsCluster
-from runs import (
+from tests.helpers.netns import NetnsCluster
+from tests.helpers.runs import (
     assert_no_process_left,
     events,
     ftkit,

@@ -1,4 +1,4 @@
-"""Tier 2: the network-namespace harness itself (tests/netns.py) — ssh, pdsh, node-to-node TCP, partitions, node
+"""Tier 2: the network-namespace harness itself (tests/helpers/netns.py) — ssh, pdsh, node-to-node TCP, partitions, node
 loss, and a teardown that leaves nothing behind. Needs root; skips with the reason otherwise."""
 
 from __future__ import annotations
@@ -11,31 +11,17 @@ from pathlib import Path
 
 import pytest
 
-try:
-    from tests.netns import (
-        LOCK_DIR,
-        NetnsCluster,
-        cleanup_stale,
-        namespace_pids,
-        netns2,
-        netns_cluster,
-        pid_alive,
-        require_netns,
-    )
-except ImportError:  # tests/ is on sys.path rather than the repository root
-    from netns import (  # type: ignore[no-redef]
-        LOCK_DIR,
-        NetnsCluster,
-        cleanup_stale,
-        namespace_pids,
-        netns2,
-        netns_cluster,
-        pid_alive,
-        require_netns,
-    )
+from tests.helpers.netns import (
+    LOCK_DIR,
+    NetnsCluster,
+    cleanup_stale,
+    namespace_pids,
+    netns_cluster,
+    pid_alive,
+    require_netns,
+)
 
 pytestmark = pytest.mark.multinode
-__all__ = ["netns2"]  # the fixture, imported so pytest finds it
 
 PORT = 29555  # the test's own listener inside node1
 

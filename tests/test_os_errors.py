@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MINIMAL, run_ftkit
+from tests.helpers.cli import run_ftkit
+from tests.helpers.recipes import MINIMAL
 
 CPU_RECIPE = MINIMAL.replace("gpus_per_node: 8", "gpus_per_node: 2\n  accelerator: cpu")
 

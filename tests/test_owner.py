@@ -229,7 +229,7 @@ def test_status_and_stop_never_run_configuration_from_the_run_directory(tmp_path
     """`ftkit status`/`ftkit stop` used to pass the cluster.ssh_config recorded in RUN/ftkit/spec.json to `ssh -F`:
     a ProxyCommand there ran as whoever inspected the run. A host name read from the run's records can never be
     taken for an ssh option either."""
-    from conftest import run_ftkit
+    from tests.helpers.cli import run_ftkit
 
     rd = RunDir(tmp_path / "run")
     rd.meta.mkdir(parents=True)

@@ -21,26 +21,24 @@ import pytest
 from ftkit.cluster.procs import is_alive
 from ftkit.errors import ExitCode
 from ftkit.rundir.layout import RunDir
-from tests.runs import (
+from tests.helpers.runs import (  # fx and baseline: conftest.py fixtures
+    RUN_ENV,
+    RUN_STEPS,
     assert_no_process_left,
+    assert_same_losses,
+    committed_ok,
     events,
+    finish,
     free_port,
     ftkit,
+    launched,
     losses,
     mp_lock,
     named,
-    processes_left,
-    wait_for,
-)
-from tests.test_recovery import (  # fx and baseline: conftest's module fixtures
-    ENV,
-    STEPS,
-    _recipe,
-    assert_same_losses,
-    committed_ok,
-    finish,
-    launched,
     output,
+    processes_left,
+    recipe_and_run,
+    wait_for,
     wait_step,
 )
 
@@ -59,7 +57,7 @@ def assert_same_as_lone_run(run: Path, baseline: dict) -> None:
     assert sorted(by_step) == list(range(1, max(by_step) + 1)), "steps missing"
     assert all(len(v) == 1 for v in by_step.values()), {s: v for s, v in by_step.items() if len(v) > 1}
     got = losses(run)
-    assert all(abs(got[s] - baseline["losses"][s]) <= 1e-6 for s in range(1, STEPS + 1))
+    assert all(abs(got[s] - baseline["losses"][s]) <= 1e-6 for s in range(1, RUN_STEPS + 1))
 
 
 def error_lines(r: subprocess.CompletedProcess) -> list[str]:
@@ -72,7 +70,7 @@ def error_lines(r: subprocess.CompletedProcess) -> list[str]:
 
 @pytest.mark.timeout(600)
 def test_second_launch_into_a_live_run_is_refused_at_once(fx, baseline, tmp_path):
-    recipe, run = _recipe(tmp_path, fx)
+    recipe, run = recipe_and_run(tmp_path, fx)
     with launched(recipe, run) as first:
         wait_for(lambda: (run / "ftkit" / "owner.json").exists(), 60, "the owner record")
         t0 = time.monotonic()
@@ -82,7 +80,7 @@ def test_second_launch_into_a_live_run_is_refused_at_once(fx, baseline, tmp_path
             f"cluster.master_port={free_port()}",
             "train.learning_rate=0.0001",
             "train.seed=7",
-            env=ENV,
+            env=RUN_ENV,
             timeout=60,
         )
         took = time.monotonic() - t0
@@ -105,7 +103,7 @@ def test_second_launch_into_a_live_run_is_refused_at_once(fx, baseline, tmp_path
 def test_sigkilled_supervisor_ranks_stop_by_themselves_and_relaunch_finishes(fx, baseline, tmp_path):
     orphan_timeout = 2
     # A step takes ~0.15 s here: 120 steps outlast the orphans' timeout by far.
-    recipe, run = _recipe(tmp_path, fx, resilience__orphan_timeout_s=orphan_timeout, train__max_steps=LONG)
+    recipe, run = recipe_and_run(tmp_path, fx, resilience__orphan_timeout_s=orphan_timeout, train__max_steps=LONG)
     with launched(recipe, run) as proc:
         wait_step(run, 0, 5)
         assert processes_left(run)
@@ -141,7 +139,7 @@ def test_a_relaunch_waits_for_orphans_that_stop_themselves_and_orphans_that_fini
     waits for the ranks to save and stop, then resumes from their save. Orphans that finish the run used to leak
     their /dev/shm buffers and leave no outcome, and their DeepSpeed runner, lingering for seconds, made the next
     launch exit 11 too."""
-    recipe, run = _recipe(tmp_path, fx, train__max_steps=LONG)
+    recipe, run = recipe_and_run(tmp_path, fx, train__max_steps=LONG)
     with launched(recipe, run) as proc:
         wait_step(run, 0, 5)
         proc.kill()
@@ -160,7 +158,7 @@ def test_a_relaunch_waits_for_orphans_that_stop_themselves_and_orphans_that_fini
         "orphan_stopped",
         "orphan_finished",
     ]
-    status = ftkit("status", str(run), env=ENV, timeout=60)
+    status = ftkit("status", str(run), env=RUN_ENV, timeout=60)
     assert "outcome: the ranks ended without their supervisor" in status.stdout, status.stdout
     with launched(recipe, run) as proc:
         assert finish(proc) == ExitCode.OK, output(recipe)[-3000:]
@@ -175,20 +173,20 @@ def test_a_relaunch_waits_for_orphans_that_stop_themselves_and_orphans_that_fini
 def test_takeover_of_a_dead_supervisors_ranks_and_stop_force(fx, baseline, tmp_path):
     # Orphans that would train on for 10 minutes and do not stop themselves (pid records without a watchdog, as
     # an older ftkit or a rank started by hand leaves them): a relaunch must refuse, --takeover must stop them first.
-    recipe, run = _recipe(tmp_path, fx, resilience__orphan_timeout_s=600, train__max_steps=LONG)
+    recipe, run = recipe_and_run(tmp_path, fx, resilience__orphan_timeout_s=600, train__max_steps=LONG)
     with launched(recipe, run) as proc:
         wait_step(run, 0, 3)
         proc.kill()
         proc.wait(10)
         for p in (run / "ftkit" / "attempts" / "0" / "pids").glob("rank-*.json"):
             p.write_text(json.dumps({k: v for k, v in json.loads(p.read_text()).items() if k != "watchdog"}))
-        refused = ftkit("launch", str(recipe), env=ENV, timeout=60)
+        refused = ftkit("launch", str(recipe), env=RUN_ENV, timeout=60)
         assert refused.returncode == ExitCode.RUN_BUSY, refused.stdout + refused.stderr
         (line,) = error_lines(refused)
         assert "ranks of its last attempt still run" in line and "--takeover" in line, line
-        stop = ftkit("stop", str(run), env=ENV, timeout=60)
+        stop = ftkit("stop", str(run), env=RUN_ENV, timeout=60)
         assert stop.returncode == ExitCode.RUN_BUSY and "--force" in stop.stdout, stop.stdout + stop.stderr
-        status = ftkit("status", str(run), env=ENV, timeout=60)
+        status = ftkit("status", str(run), env=RUN_ENV, timeout=60)
         assert "now: NOT SUPERVISED" in status.stdout, status.stdout
         assert processes_left(run), "the orphans were expected to still run"
     with launched(recipe, run, "--takeover") as proc:
@@ -200,12 +198,12 @@ def test_takeover_of_a_dead_supervisors_ranks_and_stop_force(fx, baseline, tmp_p
 
     # ftkit stop --force: the same situation, ended from another shell instead of a relaunch.
     (tmp_path / "b").mkdir()
-    recipe2, run2 = _recipe(tmp_path / "b", fx, resilience__orphan_timeout_s=600, train__max_steps=LONG)
+    recipe2, run2 = recipe_and_run(tmp_path / "b", fx, resilience__orphan_timeout_s=600, train__max_steps=LONG)
     with launched(recipe2, run2) as proc:
         wait_step(run2, 0, 2)
         proc.kill()
         proc.wait(10)
-        forced = ftkit("stop", "--force", str(run2), env=ENV, timeout=120)
+        forced = ftkit("stop", "--force", str(run2), env=RUN_ENV, timeout=120)
         assert forced.returncode == 0, forced.stdout + forced.stderr
         assert not processes_left(run2)
         assert_no_process_left(run2)
@@ -213,15 +211,15 @@ def test_takeover_of_a_dead_supervisors_ranks_and_stop_force(fx, baseline, tmp_p
 
 @pytest.mark.timeout(600)
 def test_ftkit_stop_ends_a_live_run_from_another_shell(fx, tmp_path):
-    recipe, run = _recipe(tmp_path, fx, train__max_steps=LONG)
+    recipe, run = recipe_and_run(tmp_path, fx, train__max_steps=LONG)
     with launched(recipe, run) as proc:
         wait_step(run, 0, 2)
-        stop = ftkit("stop", str(run), env=ENV, timeout=120)
+        stop = ftkit("stop", str(run), env=RUN_ENV, timeout=120)
         assert stop.returncode == 0, stop.stdout + stop.stderr
         assert proc.wait(10) == ExitCode.STOPPED  # a graceful stop: the step in flight is saved first
         assert named(run, "stopped") and named(run, "stop_requested")
         assert_no_process_left(run)
-    again = ftkit("stop", str(run), env=ENV, timeout=60)
+    again = ftkit("stop", str(run), env=RUN_ENV, timeout=60)
     assert again.returncode == 0 and "nothing of the run" in again.stdout, again.stdout + again.stderr
 
 
@@ -230,18 +228,18 @@ def test_ftkit_stop_ends_a_live_run_from_another_shell(fx, tmp_path):
 
 @pytest.mark.timeout(600)
 def test_refused_relaunches_write_nothing(fx, baseline, tmp_path):
-    recipe, run = _recipe(tmp_path, fx)
+    recipe, run = recipe_and_run(tmp_path, fx)
     shutil.copytree(baseline["run"], run, symlinks=True)
     before = {p: p.stat().st_mtime_ns for p in (run / "ftkit").rglob("*") if p.is_file()}
     with mp_lock():
-        r = ftkit("launch", str(recipe), "train.max_steps=10", env=ENV, timeout=120)
+        r = ftkit("launch", str(recipe), "train.max_steps=10", env=RUN_ENV, timeout=120)
     assert r.returncode == ExitCode.USAGE, r.stdout + r.stderr
     assert "checkpoint-12 is past train.max_steps=10" in r.stdout, r.stdout
     after = {p: p.stat().st_mtime_ns for p in (run / "ftkit").rglob("*") if p.is_file() and p.name != "lock"}
     assert {p: t for p, t in before.items() if p.name != "lock"} == after  # spec and configs untouched
     # A refused ZeRO stage change, likewise: decided before spec.json and ds_config.json are written.
     with mp_lock():
-        r = ftkit("launch", str(recipe), "zero.stage=3", env=ENV, timeout=120)
+        r = ftkit("launch", str(recipe), "zero.stage=3", env=RUN_ENV, timeout=120)
     assert r.returncode == ExitCode.NO_CHECKPOINT, r.stdout + r.stderr
     assert "committed with ZeRO stage 2, this launch uses stage 3" in r.stdout, r.stdout
     again = {p: p.stat().st_mtime_ns for p in (run / "ftkit").rglob("*") if p.is_file() and p.name != "lock"}
@@ -251,7 +249,7 @@ def test_refused_relaunches_write_nothing(fx, baseline, tmp_path):
 
 @pytest.mark.timeout(600)
 def test_recomputed_steps_that_disagree_with_the_logged_run_stop_it(fx, baseline, tmp_path):
-    recipe, run = _recipe(tmp_path, fx, resilience__max_restarts=0, resilience__resume_tolerance=0.0)
+    recipe, run = recipe_and_run(tmp_path, fx, resilience__max_restarts=0, resilience__resume_tolerance=0.0)
     with launched(recipe, run, env={"FTKIT_FAULT_INJECT": "exit:1:7"}) as proc:
         assert finish(proc) == ExitCode.BUDGET_EXHAUSTED, output(recipe)[-3000:]
     # Steps 5-7 were logged by attempt 0; the relaunch resumes from checkpoint-4 and computes them again. Make the
@@ -280,7 +278,7 @@ def test_full_disk_ends_with_one_line_and_keeps_the_committed_checkpoint(fx, tmp
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)]).returncode != 0:
         pytest.skip("cannot mount a tmpfs here")
     try:
-        recipe, _ = _recipe(tmp_path, fx, train__output_dir=str(disk / "run"), resilience__max_restarts=3)
+        recipe, _ = recipe_and_run(tmp_path, fx, train__output_dir=str(disk / "run"), resilience__max_restarts=3)
         run = disk / "run"
         with launched(recipe, run) as proc:
             code = finish(proc)
@@ -301,7 +299,7 @@ def test_full_disk_ends_with_one_line_and_keeps_the_committed_checkpoint(fx, tmp
         # --dry-run).
         spawns = len(named(run, "spawn"))
         for args in (["--dry-run"], []):
-            r = ftkit("launch", str(recipe), *args, env=ENV, timeout=120)
+            r = ftkit("launch", str(recipe), *args, env=RUN_ENV, timeout=120)
             assert r.returncode == ExitCode.NO_SPACE, (args, r.stdout[-2000:], r.stderr[-2000:])
             assert "Traceback" not in r.stderr and "checkpoint-4 took" in r.stdout + r.stderr, r.stdout + r.stderr
         assert len(named(run, "spawn")) == spawns
@@ -322,8 +320,8 @@ def test_sigterm_during_preflight_leaves_no_ssh_probe_behind(fx, tmp_path):
     (bindir / "ssh").chmod(0o755)
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("worker1 slots=1\nworker2 slots=1\n")
-    recipe, run = _recipe(tmp_path, fx, cluster__gpus_per_node=1, cluster__master_addr="127.0.0.1")
-    env = {**os.environ, **ENV, "PATH": f"{bindir}:{os.environ['PATH']}"}
+    recipe, run = recipe_and_run(tmp_path, fx, cluster__gpus_per_node=1, cluster__master_addr="127.0.0.1")
+    env = {**os.environ, **RUN_ENV, "PATH": f"{bindir}:{os.environ['PATH']}"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "ftkit", "launch", str(recipe), "--hostfile", str(hostfile)],
         env=env,

@@ -28,9 +28,9 @@ from ftkit.model.shape import (
     lora_tensors,
     lora_trainable_params,
 )
+from tests.helpers.paths import MODEL_CONFIGS
 
-FIXTURES = Path(__file__).parent / "fixtures" / "model_configs"
-PUBLISHED = sorted(p.stem for p in FIXTURES.glob("*.json") if p.stem != "llava-1.5-7b-hf")
+PUBLISHED = sorted(p.stem for p in MODEL_CONFIGS.glob("*.json") if p.stem != "llava-1.5-7b-hf")
 
 # Scaled-down variants: they exercise options the published configs leave off (biases, tying, head_dim that is
 # not hidden/heads, odd widths) and keep the meta builds and PEFT runs tiny.
@@ -175,7 +175,7 @@ DEFAULTS_ONLY = ["llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemm
 
 
 def _published(name: str) -> dict:
-    return json.loads((FIXTURES / f"{name}.json").read_text())
+    return json.loads((MODEL_CONFIGS / f"{name}.json").read_text())
 
 
 def _model_dir(tmp_path: Path, cfg: dict) -> str:

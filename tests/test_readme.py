@@ -10,21 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from runs import assert_no_process_left, mp_lock
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def readme_commands() -> list[str]:
-    text = (REPO / "README.md").read_text()
-    blocks = re.findall(r"```sh\n(.*?)```", text, flags=re.S)
-    cmds = []
-    for block in blocks[1:]:  # the first block is the two set-up commands (make demo / make test)
-        for line in block.splitlines():
-            line = line.split("  #")[0].strip() if not line.startswith("#") else ""
-            if line:
-                cmds.append(line)
-    return cmds
+from tests.helpers.paths import REPO
+from tests.helpers.readme import readme_commands
+from tests.helpers.runs import assert_no_process_left, mp_lock
 
 
 def test_readme_opens_with_the_two_commands():

@@ -10,40 +10,35 @@ same losses for the same recipe (measured), so every engine's recovered run is c
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shutil
 import signal
 import socket
-import subprocess
-import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from ftkit.checkpoint.verify import verify
 from ftkit.cluster.procs import is_alive
 from ftkit.errors import ExitCode
-from ftkit.rundir.layout import RunDir
-from tests.runs import (
+from tests.helpers.runs import (  # fx and baseline: conftest.py fixtures
+    RUN_ENV,
+    RUN_STEPS,
+    RUN_TIMEOUT_S,
     assert_no_process_left,
+    assert_same_losses,
+    committed_ok,
     events,
+    finish,
     free_port,
     ftkit,
-    heartbeat_step,
-    kill_tree,
-    losses,
-    mp_lock,
+    launched,
     named,
-    rank_pid,
-    start_ftkit,
+    output,
+    rank_record,
+    recipe_and_run,
+    signal_rank,
     wait_for,
+    wait_step,
 )
-from tests.runs import write_recipe as _write_recipe  # conftest has a fixture of the same name
-
-from conftest import RUN_ENV, RUN_STEPS, RUN_TIMEOUT_S  # fx and baseline: conftest's module fixtures
 
 pytestmark = pytest.mark.slow
 
@@ -53,103 +48,13 @@ GRACE_S = 10.0  # the supervisor's teardown grace period (Supervisor.grace_s)
 RUN_S = RUN_TIMEOUT_S
 
 
-# ------------------------------------------------------------------------------------------------- fixtures
-
-
-# ------------------------------------------------------------------------------------------------- helpers
-
-
-def _recipe(tmp_path: Path, fx: dict[str, Path], **overrides: Any) -> tuple[Path, Path]:
-    recipe = _write_recipe(tmp_path, fx, **overrides)
-    return recipe, tmp_path / "run"
-
-
-def _kill_leftovers(run: Path) -> None:
-    """After a failed test: SIGKILL what the run recorded (launcher groups, ranks, agents), by pid only."""
-    for e in events(run):
-        if e.get("event") == "spawn":
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(int(e["pid"]), signal.SIGKILL)
-    rd = RunDir(run)
-    for attempt_dir in (rd.meta / "attempts").glob("*"):
-        if not attempt_dir.name.isdigit():
-            continue
-        for rec in rd.records("pids", int(attempt_dir.name)):
-            for pid, st in ((rec["pid"], rec.get("start_time")), (rec.get("ppid"), rec.get("ppid_start_time"))):
-                if pid and st and is_alive(int(pid), st):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(int(pid), signal.SIGKILL)
-
-
-@contextlib.contextmanager
-def launched(recipe: Path, run: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
-    """``ftkit launch RECIPE ARGS`` in the background, under the multi-process lock; cleaned up if the test fails."""
-    with mp_lock():
-        proc = start_ftkit("launch", str(recipe), *args, env={**ENV, **(env or {})}, log=recipe.parent / "ftkit.log")
-        try:
-            yield proc
-        except BaseException:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)  # the supervisor's own teardown first
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(40)
-            kill_tree(proc)
-            _kill_leftovers(run)
-            raise
-
-
-def finish(proc: subprocess.Popen, timeout: float = RUN_S) -> int:
-    try:
-        return proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        raise AssertionError(f"ftkit launch still running after {timeout}s") from None
-
-
-def output(recipe: Path) -> str:
-    p = recipe.parent / "ftkit.log"
-    return p.read_text(errors="replace") if p.exists() else ""
-
-
-def wait_step(run: Path, rank: int, step: int, attempt: int = 0, timeout: float = 180) -> None:
-    wait_for(lambda: heartbeat_step(run, rank, attempt) >= step, timeout, f"rank {rank} at step {step}")
-
-
-def rank_record(run: Path, rank: int, attempt: int = 0) -> dict[str, Any]:
-    pid = rank_pid(run, rank, attempt)
-    assert pid is not None, f"no pid record for rank {rank}"
-    rec = next(r for r in RunDir(run).records("pids", attempt) if r["rank"] == rank)
-    assert is_alive(pid, rec.get("start_time")), f"rank {rank} pid {pid} is not running"
-    return rec
-
-
-def signal_rank(run: Path, rank: int, sig: int, attempt: int = 0) -> float:
-    """Signal a rank from outside, by the pid it recorded (checked against its start time); returns when."""
-    rec = rank_record(run, rank, attempt)
-    t = time.time()
-    os.kill(int(rec["pid"]), sig)
-    return t
-
-
-def assert_same_losses(run: Path, expected: dict[int, float], steps: range | None = None) -> None:
-    got = losses(run)
-    steps = steps or range(1, STEPS + 1)
-    assert sorted(set(steps) - set(got)) == [], f"steps without a loss: {sorted(set(steps) - set(got))}"
-    diffs = {s: (got[s], expected[s]) for s in steps if abs(got[s] - expected[s]) > 1e-6}
-    assert not diffs, f"losses differ from the uninterrupted run (step: got, expected): {diffs}"
-
-
-def committed_ok(ckpt: Path) -> bool:
-    v = verify(ckpt, checksums=True, require_commit=True)
-    return v.ok and v.committed
-
-
 # ------------------------------------------------------------------------------------------------- 1. SIGKILL
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("engine", ["deepspeed", "accelerate", "torchrun"])
 def test_sigkilled_rank_recovers_with_identical_losses(engine, fx, baseline, tmp_path):
-    recipe, run = _recipe(tmp_path, fx, cluster__engine=engine)
+    recipe, run = recipe_and_run(tmp_path, fx, cluster__engine=engine)
     with launched(recipe, run) as proc:
         wait_step(run, 1, 6)
         signal_rank(run, 1, signal.SIGKILL)
@@ -173,7 +78,7 @@ def test_sigkilled_rank_recovers_with_identical_losses(engine, fx, baseline, tmp
 
 @pytest.mark.timeout(600)
 def test_rank_killed_while_saving_torn_checkpoint_is_set_aside(fx, baseline, tmp_path):
-    recipe, run = _recipe(tmp_path, fx)
+    recipe, run = recipe_and_run(tmp_path, fx)
     with launched(recipe, run, env={"FTKIT_FAULT_INJECT": "kill_in_save:1:8"}) as proc:
         code = finish(proc)
         assert code == ExitCode.OK, output(recipe)[-3000:]
@@ -234,7 +139,7 @@ def _dangling_latest(ckpt: Path) -> None:
     ids=["shard", "flipped-bytes", "trainer_state", "latest"],
 )
 def test_corrupted_newest_checkpoint_resumes_from_older_valid_one(corrupt, why, fx, baseline, tmp_path):
-    recipe, run = _recipe(tmp_path, fx)
+    recipe, run = recipe_and_run(tmp_path, fx)
     shutil.copytree(baseline["run"], run, symlinks=True)
     assert (run / "latest").exists() is False and (run / "checkpoint-12" / "latest").read_text() == "global_step12"
     corrupt(run / "checkpoint-12")
@@ -264,7 +169,7 @@ def test_corrupted_newest_checkpoint_resumes_from_older_valid_one(corrupt, why, 
 @pytest.mark.timeout(600)
 def test_stopped_rank_is_detected_as_hang_and_killed(fx, baseline, tmp_path):
     hang = 10  # steps take ~0.15 s and a save ~1 s here: 10 s of no progress is a hang
-    recipe, run = _recipe(tmp_path, fx, resilience__hang_timeout_s=hang)
+    recipe, run = recipe_and_run(tmp_path, fx, resilience__hang_timeout_s=hang)
     with launched(recipe, run) as proc:
         wait_step(run, 1, 5)
         stopped = rank_record(run, 1)
@@ -292,7 +197,7 @@ def test_stopped_rank_is_detected_as_hang_and_killed(fx, baseline, tmp_path):
 
 @pytest.mark.timeout(600)
 def test_rank_failing_at_the_same_step_every_time_gives_up_and_keeps_checkpoints(fx, tmp_path):
-    recipe, run = _recipe(tmp_path, fx)
+    recipe, run = recipe_and_run(tmp_path, fx)
     with launched(recipe, run, env={"FTKIT_FAULT_INJECT": "exit:1:6:every"}) as proc:
         code = finish(proc)
     assert code == ExitCode.BUDGET_EXHAUSTED, output(recipe)[-3000:]
@@ -322,7 +227,7 @@ def test_master_port_in_use_fails_preflight_before_anything_starts(bind_addr, fx
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((bind_addr, port))
         s.listen()
-        recipe, run = _recipe(tmp_path, fx, cluster__master_port=port)
+        recipe, run = recipe_and_run(tmp_path, fx, cluster__master_port=port)
         r = ftkit("launch", str(recipe), env=ENV, timeout=60)
     assert r.returncode == ExitCode.PREFLIGHT, r.stdout + r.stderr
     assert str(port) in r.stderr and "in use" in r.stderr, r.stderr

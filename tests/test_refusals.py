@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import run_ftkit
+from tests.helpers.cli import run_ftkit
 
 
 def _recipe(write_recipe, tmp_path: Path, extra: str = "") -> Path:

@@ -15,10 +15,9 @@ from ftkit.recipe.load import load_recipe
 from ftkit.recipe.scaffold import RECIPE_TEMPLATES
 from ftkit.render import ACCELERATE_FILE, DS_FILE, render_files
 from ftkit.render.deepspeed import render_deepspeed
+from tests.helpers.paths import GOLDEN, MODEL_CONFIGS, REPO
 
-REPO = Path(__file__).resolve().parent.parent
-GOLDEN = REPO / "tests" / "golden"
-LLAMA8B = REPO / "tests" / "fixtures" / "model_configs" / "Meta-Llama-3-8B.json"
+LLAMA8B = MODEL_CONFIGS / "Meta-Llama-3-8B.json"
 
 
 def _cases():
@@ -182,7 +181,7 @@ def test_templates_match_golden_files(name, tmp_path):
 
 
 def test_render_is_deterministic_and_cli_writes_both(tmp_path):
-    from conftest import run_ftkit
+    from tests.helpers.cli import run_ftkit
 
     p = _template_recipe("lora", tmp_path)
     r1 = run_ftkit("render", str(p))
@@ -197,7 +196,7 @@ def test_render_is_deterministic_and_cli_writes_both(tmp_path):
 
 
 def test_check_in_sync_drift_and_bad_recipe(tmp_path):
-    from conftest import run_ftkit
+    from tests.helpers.cli import run_ftkit
 
     p = _template_recipe("lora", tmp_path)
     assert run_ftkit("render", str(p)).returncode == 0
@@ -222,7 +221,7 @@ def test_check_in_sync_drift_and_bad_recipe(tmp_path):
 
 
 def test_explain_names_rule_and_source(tmp_path):
-    from conftest import run_ftkit
+    from tests.helpers.cli import run_ftkit
 
     p = _template_recipe("full", tmp_path)
     out = run_ftkit("explain", str(p), "train.max_grad_norm=0.3", "--json")

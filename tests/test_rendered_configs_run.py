@@ -15,8 +15,7 @@ import pytest
 from ftkit.plan.load import load_and_plan
 from ftkit.run.prepare import prepare_run
 from ftkit.rundir.layout import RunDir
-
-from runs import free_port, ftkit, losses, mp_lock, write_recipe
+from tests.helpers.runs import free_port, ftkit, losses, mp_lock, write_recipe
 
 
 @pytest.fixture(scope="module")

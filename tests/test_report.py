@@ -27,8 +27,8 @@ from ftkit.report import goodput
 from ftkit.report.goodput import parse_metrics
 from ftkit.run.status import read_jsonl
 from ftkit.rundir.layout import RunDir
-
-from conftest import RUN_ENV, run_ftkit
+from tests.helpers.cli import run_ftkit
+from tests.helpers.runs import RUN_ENV
 
 # ------------------------------------------------------------------------------------------------ by hand
 
@@ -308,7 +308,7 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 @pytest.fixture(scope="module")
 def story(fx, tmp_path_factory) -> dict:
     """One real run: a rank killed at step 6 (restart from checkpoint-4), evaluations, then a graceful stop."""
-    from tests.runs import (
+    from tests.helpers.runs import (
         assert_no_process_left,
         heartbeat_step,
         kill_tree,
@@ -469,7 +469,7 @@ FACTS = """(() => {
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_report_opens_offline_in_headless_chromium(story, tmp_path):
-    from tests.browser import browser, visit
+    from tests.helpers.browser import browser, visit
 
     run = story["run"]
     page = tmp_path / "report.html"

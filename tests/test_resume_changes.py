@@ -23,8 +23,8 @@ import pytest
 from ftkit.checkpoint.layout import read_commit
 from ftkit.run.fingerprint import compare
 from ftkit.rundir.layout import RunDir
-from tests.runs import assert_no_process_left, events, free_port, ftkit, mp_lock
-from tests.runs import write_recipe as _write_recipe  # conftest has a fixture of the same name
+from tests.helpers.runs import assert_no_process_left, events, free_port, ftkit, mp_lock
+from tests.helpers.runs import write_recipe as _write_recipe  # conftest has a fixture of the same name
 
 pytestmark = pytest.mark.slow
 

@@ -18,9 +18,8 @@ import pytest
 from ftkit.cluster.fanout import run_on_hosts
 from ftkit.cluster.procs import targets_from_records, teardown
 from ftkit.rundir.layout import RunDir, atomic_write
-from tests.runs import mp_lock
-
-from netns import netns_cluster, require_netns, start_standins
+from tests.helpers.netns import netns_cluster, require_netns, start_standins
+from tests.helpers.runs import mp_lock
 
 N_HOSTS = 16
 

@@ -1,7 +1,7 @@
 """Issue 12, items 2-4: the Slurm engine, ``ftkit submit``, save-on-notice and requeue, on a real Slurm.
 
 Quick tests (no marks) build commands and batch scripts only. The ``slurm`` tests stand up munged + slurmctld +
-two slurmd in network namespaces (tests/slurmcluster.py, ~1 s) and run 2 CPU ranks of the tiny fixtures model
+two slurmd in network namespaces (tests/helpers/slurm.py, ~1 s) and run 2 CPU ranks of the tiny fixtures model
 across n1 and n2 through srun; sshd runs nowhere in that cluster.
 """
 
@@ -20,9 +20,9 @@ import pytest
 from ftkit.errors import ExitCode
 from ftkit.run.status import read_jsonl
 from ftkit.rundir.layout import RunDir
-from tests.runs import heartbeat_step, losses, mp_lock, processes_left, wait_for
-from tests.runs import write_recipe as recipe_for
-from tests.slurmcluster import SlurmCluster, require_slurm, slurm2  # noqa: F401 - slurm2 is a fixture
+from tests.helpers.runs import heartbeat_step, losses, mp_lock, processes_left, wait_for
+from tests.helpers.runs import write_recipe as recipe_for
+from tests.helpers.slurm import SlurmCluster, require_slurm
 
 LONG = 100  # steps (~0.1 s each here): a preemption after step 13 lands well before the end
 SAVE = 10
@@ -279,7 +279,7 @@ print(json.dumps(out))
 
 
 @pytest.mark.slurm
-def test_srun_reaches_the_other_node_without_ssh(slurm2: SlurmCluster, tmp_path: Path) -> None:  # noqa: F811
+def test_srun_reaches_the_other_node_without_ssh(slurm2: SlurmCluster, tmp_path: Path) -> None:
     """srun_run and the fan-out's SrunTransport run a line on another node of the job; a node outside the job is
     unreachable, and a line's own exit 1 is not mistaken for that."""
     (tmp_path / "probe.py").write_text(PROBE)
@@ -306,7 +306,7 @@ def test_srun_reaches_the_other_node_without_ssh(slurm2: SlurmCluster, tmp_path:
 
 
 @pytest.fixture(scope="module")
-def slurm_baseline(slurm2: SlurmCluster, fx, tmp_path_factory) -> dict[str, Any]:  # noqa: F811
+def slurm_baseline(slurm2: SlurmCluster, fx, tmp_path_factory) -> dict[str, Any]:
     """ftkit submit, uninterrupted: LONG steps on n1 and n2 through srun."""
     d = tmp_path_factory.mktemp("slurm-baseline")
     recipe = _write(d, fx)
@@ -320,7 +320,7 @@ def slurm_baseline(slurm2: SlurmCluster, fx, tmp_path_factory) -> dict[str, Any]
 
 @pytest.mark.slow
 @pytest.mark.slurm
-def test_submit_trains_two_ranks_across_two_nodes_through_srun(slurm2: SlurmCluster, slurm_baseline) -> None:  # noqa: F811
+def test_submit_trains_two_ranks_across_two_nodes_through_srun(slurm2: SlurmCluster, slurm_baseline) -> None:
     run, info = slurm_baseline["run"], slurm_baseline["info"]
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, _output(run))
     assert sorted(losses(run)) == list(range(1, LONG + 1))
@@ -344,7 +344,7 @@ def test_submit_trains_two_ranks_across_two_nodes_through_srun(slurm2: SlurmClus
 @pytest.mark.slow
 @pytest.mark.slurm
 def test_preemption_saves_the_step_in_flight_requeues_and_resumes(
-    slurm2: SlurmCluster,  # noqa: F811
+    slurm2: SlurmCluster,
     slurm_baseline,
     fx,
     tmp_path: Path,
@@ -380,7 +380,7 @@ def test_preemption_saves_the_step_in_flight_requeues_and_resumes(
 @pytest.mark.slow
 @pytest.mark.slurm
 def test_time_limit_saves_requeues_then_budget_spent_ends_the_job(
-    slurm2: SlurmCluster,  # noqa: F811
+    slurm2: SlurmCluster,
     fx,
     tmp_path: Path,
 ) -> None:
@@ -413,7 +413,7 @@ def test_time_limit_saves_requeues_then_budget_spent_ends_the_job(
 @pytest.mark.slow
 @pytest.mark.slurm
 def test_a_killed_rank_on_the_other_node_is_restarted_not_a_lost_host(
-    slurm2: SlurmCluster,  # noqa: F811
+    slurm2: SlurmCluster,
     slurm_baseline,
     fx,
     tmp_path: Path,

@@ -19,13 +19,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from test_checkpoints import MiB, commit, flip_byte, make_ckpt
 
 from ftkit.checkpoint.commit import manifest_part, write_commit
 from ftkit.checkpoint.directory import set_aside_newer
 from ftkit.errors import ExitCode
-
-from conftest import run_ftkit
+from tests.helpers.ckpt import MiB, commit, flip_byte, make_ckpt
+from tests.helpers.cli import run_ftkit
+from tests.helpers.rundir import write_rank
 
 
 def _jsonl(path: Path, rows: list[object], extra: str = "") -> None:
@@ -331,8 +331,6 @@ def test_slurm_events_in_status(tmp_path: Path) -> None:
 
 
 def test_status_names_a_straggling_host_with_numbers(tmp_path: Path) -> None:
-    from test_stragglers import write_rank
-
     from ftkit.rundir.layout import RunDir
 
     run = make_run(tmp_path)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import time
@@ -11,29 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from ftkit.rundir.layout import RunDir, atomic_write
+from ftkit.rundir.layout import RunDir
 from ftkit.supervise.stragglers import MIN_STEPS, SLOW_FACTOR, StragglerWatch, hosts_to_exclude, score, score_run
-
-
-def write_rank(rd: RunDir, rank: int, host: str, compute_s: float | None, n: int, attempt: int = 0, pid: bool = True):
-    """One rank's heartbeat and pid record, in the fields and places ftkit.hf writes them."""
-    beat = {
-        "rank": rank,
-        "attempt": attempt,
-        "phase": "train",
-        "step": n,
-        "loss": 1.0,
-        "time": time.time(),
-        "pid": 1000 + rank,
-        "host": "same-hostname",  # network namespaces share one hostname: the hostfile name tells hosts apart
-        "node": host,
-        "compute_ewma_s": compute_s,
-        "compute_n": n,
-    }
-    atomic_write(rd.heartbeat(rank), json.dumps(beat), fsync=False)
-    if pid:
-        rec = {"rank": rank, "host": host, "hostname": "same-hostname", "pid": 1000 + rank, "attempt": attempt}
-        atomic_write(rd.pid_file(attempt, rank), json.dumps(rec), fsync=False)
+from tests.helpers.rundir import write_rank
 
 
 def two_hosts(tmp_path: Path, slow: float, n: int = 12, attempt: int = 0) -> RunDir:
@@ -147,19 +126,29 @@ def test_a_really_throttled_rank_is_named_within_20_steps(tmp_path: Path) -> Non
     own forward times, as its heartbeat reports them, make its host the straggler within 20 steps of the first
     judgeable one, through the watch the supervisor polls. Ranks are given one host each here (one machine: the
     launch's own pid records say localhost for both); the multi-host wiring is the supervisor's."""
-    from tests import runs
+    from tests.helpers.runs import (
+        assert_no_process_left,
+        heartbeat_step,
+        kill_tree,
+        make_fixtures,
+        mp_lock,
+        rank_pid,
+        start_ftkit,
+        wait_for,
+        write_recipe,
+    )
 
-    with runs.mp_lock():
-        fx = runs.make_fixtures(tmp_path / "fx")
-        recipe = runs.write_recipe(tmp_path, fx, train__max_steps=40, train__save_steps=1000, train__logging_steps=10)
+    with mp_lock():
+        fx = make_fixtures(tmp_path / "fx")
+        recipe = write_recipe(tmp_path, fx, train__max_steps=40, train__save_steps=1000, train__logging_steps=10)
         run = tmp_path / "run"
         rd = RunDir(run)
-        proc = runs.start_ftkit("launch", str(recipe), log=tmp_path / "launch.log")
+        proc = start_ftkit("launch", str(recipe), log=tmp_path / "launch.log")
         named_at = None
         pid = None
         try:
-            runs.wait_for(lambda: runs.heartbeat_step(run, 1) >= 1, 240, "rank 1's first step")
-            pid = runs.rank_pid(run, 1)
+            wait_for(lambda: heartbeat_step(run, 1) >= 1, 240, "rank 1's first step")
+            pid = rank_pid(run, 1)
             assert pid
             watch = StragglerWatch()
             next_check = 0.0
@@ -182,9 +171,9 @@ def test_a_really_throttled_rank_is_named_within_20_steps(tmp_path: Path) -> Non
             try:
                 proc.wait(120)
             finally:
-                runs.kill_tree(proc)
+                kill_tree(proc)
         assert proc.returncode == 0, (tmp_path / "launch.log").read_text()[-2000:]
-        runs.assert_no_process_left(run)
+        assert_no_process_left(run)
         assert named_at is not None, f"not named; last report: {watch.report}"
         print(f"named at step {named_at}: {slow_line(watch)}")
         assert named_at <= MIN_STEPS + 20, named_at

@@ -8,47 +8,18 @@ from __future__ import annotations
 import glob
 import json
 import os
-import struct
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.runs import REPO, assert_no_process_left, mp_lock, named, write_recipe
+from tests.helpers.paths import SCRIPTS
+from tests.helpers.runs import assert_no_process_left, mp_lock, named, write_recipe
+from tests.helpers.trackers import wandb_records
 
 pytestmark = pytest.mark.slow
 STEPS, SAVE = 4, 2
-
-
-def wandb_records(path: str):
-    """The records of a ``.wandb`` file (LevelDB's log format: 32 KiB blocks of checksummed chunks, after wandb's
-    7-byte header), as wandb's own protobuf Records."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = Path(path).read_bytes()
-    assert data[:4] == b":W&B", data[:8]
-    pos, block, pending = 7, 32768, b""
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        if left < 7:
-            pos += left
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if length == 0 and kind == 0:
-            pos += left
-            continue
-        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
-        if kind == 2:
-            pending = chunk
-            continue
-        if kind == 3:
-            pending += chunk
-            continue
-        record = pb.Record()
-        record.ParseFromString(pending + chunk if kind == 4 else chunk)
-        pending = b""
-        yield record
 
 
 def _items(items) -> dict:
@@ -137,7 +108,7 @@ def test_wandb_and_mlflow_keep_one_run_across_a_restart_with_the_builtin_entry(f
 
 @pytest.mark.timeout(900)
 def test_wandb_and_mlflow_keep_one_run_across_a_restart_with_a_wrapped_script(fx, tmp_path):
-    script = REPO / "tests" / "scripts" / "hf_trainer.py"
+    script = SCRIPTS / "hf_trainer.py"
     command = ["--", "python", str(script), "--model", str(fx["model"]), "--data", str(fx["data"])]
     r, run = _launch(tmp_path, fx, command)
     _check(r, run, tmp_path)

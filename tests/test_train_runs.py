@@ -20,7 +20,7 @@ import pytest
 
 from ftkit.checkpoint.layout import COMMIT_FILE
 from ftkit.checkpoint.verify import verify
-from tests import runs
+from tests.helpers.runs import assert_no_process_left, events, free_port, ftkit, mp_lock, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -71,10 +71,10 @@ def launch(
     directory.mkdir(parents=True, exist_ok=True)
     recipe = directory / "recipe.yaml"
     if overrides or not recipe.exists():
-        recipe = runs.write_recipe(directory, fixtures, **overrides)
-    with runs.mp_lock():
+        recipe = write_recipe(directory, fixtures, **overrides)
+    with mp_lock():
         t0 = time.monotonic()
-        proc = runs.ftkit("launch", str(recipe), *cli, env=env, timeout=timeout)
+        proc = ftkit("launch", str(recipe), *cli, env=env, timeout=timeout)
         return Run(directory / "run", proc, time.monotonic() - t0)
 
 
@@ -185,7 +185,7 @@ def test_full_and_lora_runs_train_commit_and_save_a_loadable_model(
         assert len(commit_seconds(run.path)) == 2
         final_logits_match_probe(run.path, fixtures, lora="peft__r" in CONFIGS[name])
     finally:
-        runs.assert_no_process_left(run.path)
+        assert_no_process_left(run.path)
 
 
 # Each engine runs the same math: test_recovery's per-engine kill tests hold accelerate's and torchrun's losses, every
@@ -211,9 +211,9 @@ def test_resume_from_a_checkpoint_loses_nothing(stage: int, shared: Runs, tmp_pa
         assert first.proc.returncode == 0, first.explain()
         assert sorted(logged_losses(first.path)) == list(range(1, k + 1))
         # The same recipe file (max_steps=STEPS); a fresh port: see test_relaunch_right_after_a_run_on_the_same_port.
-        second = launch(tmp_path, shared.fixtures, f"cluster.master_port={runs.free_port()}")
+        second = launch(tmp_path, shared.fixtures, f"cluster.master_port={free_port()}")
         assert second.proc.returncode == 0, second.explain()
-        chosen = [e for e in runs.events(first.path) if e["event"] == "checkpoint_chosen"]
+        chosen = [e for e in events(first.path) if e["event"] == "checkpoint_chosen"]
         assert [(Path(e["checkpoint"]).name, e["step"]) for e in chosen] == [(f"checkpoint-{k}", k)], chosen
         resumed = logged_losses(first.path, attempt=chosen[0]["attempt"])
         assert sorted(resumed) == list(range(k + 1, STEPS + 1)), "the second launch did not start at step k+1"
@@ -223,7 +223,7 @@ def test_resume_from_a_checkpoint_loses_nothing(stage: int, shared: Runs, tmp_pa
             assert loss == pytest.approx(ref[step], abs=1e-6), f"step {step} after resume vs uninterrupted"
         assert_checkpoints_committed(first.path, {"checkpoint-4", "checkpoint-8"})
     finally:
-        runs.assert_no_process_left(first.path)
+        assert_no_process_left(first.path)
 
 
 @pytest.mark.timeout(RUN_S)
@@ -252,9 +252,9 @@ def test_save_killed_part_way_leaves_no_commit_and_keeps_the_previous_checkpoint
         assert v.ok and v.committed, v.reason
         assert {p.name for p in run.path.glob("checkpoint-*")} == {kept.name, torn.name}
         assert not (run.path / "final" / COMMIT_FILE).exists()
-        assert [e["event"] for e in runs.events(run.path)][-1:] == ["gave_up"]
+        assert [e["event"] for e in events(run.path)][-1:] == ["gave_up"]
     finally:
-        runs.assert_no_process_left(run.path)
+        assert_no_process_left(run.path)
 
 
 @pytest.mark.timeout(2 * RUN_S)
@@ -267,7 +267,7 @@ def test_relaunch_right_after_a_run_on_the_same_port(tmp_path: Path, fixtures: d
         assert second.proc.returncode == 0, second.explain()
         assert sorted(logged_losses(first.path, attempt=1)) == [3]
     finally:
-        runs.assert_no_process_left(first.path)
+        assert_no_process_left(first.path)
 
 
 def _write_lines(path: Path, lines: list[str]) -> Path:
@@ -303,11 +303,11 @@ def test_bad_data_ends_with_one_clean_line_and_no_restart(case: str, tmp_path: P
         assert errors, run.explain()
         assert any(str(data) in line and says in line for line in errors), errors
         assert len(errors) == len(set(errors)), f"the same error reported twice: {errors}"
-        names = [e["event"] for e in runs.events(run.path)]
+        names = [e["event"] for e in events(run.path)]
         if case == "missing":  # caught before anything starts (validated at the boundary)
             assert "launch" not in names and "spawn" not in names, names
         else:  # row-level checks happen on the ranks and must come back through the supervisor
             assert "gave_up" in names and "restart" not in names, names
             assert names.count("launch") == 1, names
     finally:
-        runs.assert_no_process_left(run.path)
+        assert_no_process_left(run.path)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,9 +18,10 @@ from typing import Any
 import pytest
 
 from ftkit.errors import ExitCode
-from tests.runs import REPO, assert_no_process_left, losses, mp_lock, named, write_recipe
+from tests.helpers.paths import REPO, SCRIPTS
+from tests.helpers.readme import readme_example
+from tests.helpers.runs import assert_no_process_left, losses, mp_lock, named, write_recipe
 
-SCRIPTS = REPO / "tests" / "scripts"
 STEPS = 8
 RUN_S = 300
 KILL = {"FTKIT_FAULT_INJECT": "kill:1:6"}  # rank 1 SIGKILLs itself after step 6 of attempt 0
@@ -176,13 +176,6 @@ def test_unmodified_hf_trainer_script_survives_a_killed_rank(engine, fx, hf_base
     recipe, run = _recipe(tmp_path, fx, cluster__engine=engine)
     r = launch(recipe, "--", *hf_script(fx, "--logging_steps", "1", "--report_to", "none"), env=KILL)
     assert_recovered(r, run, hf_baseline)
-
-
-def readme_example() -> str:
-    text = (REPO / "README.md").read_text()
-    section = text.split("## Bring your own script", 1)[1].split("\n## ", 1)[0]
-    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    return code
 
 
 def test_readme_example_is_a_complete_script():

@@ -1,6 +1,7 @@
 """Helpers for tests that run real multi-process jobs: fixtures on disk, recipes, launching, killing, checking.
 
-Multi-process tests take ``/tmp/ftkit-mp.lock`` (see ``mp_lock``) so two suites never share the 2 cores.
+Multi-process tests take ``/tmp/ftkit-mp.lock`` (see ``mp_lock``) so two suites never share the 2 cores. The
+session's shared runs (the ``fx`` and ``baseline`` fixtures) are in tests/integration/conftest.py.
 """
 
 from __future__ import annotations
@@ -17,11 +18,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from ftkit.checkpoint.verify import verify
 from ftkit.cluster.procs import is_alive
 from ftkit.rundir.layout import RunDir
 
-REPO = Path(__file__).resolve().parent.parent
 LOCK = "/tmp/ftkit-mp.lock"
+
+# Real 2-rank runs (tests marked slow): the fixtures model and one uninterrupted reference run, made once per session
+# (tests read them and copy what they change: each costs a model build or a 2-rank launch).
+RUN_ENV = {"DS_ACCELERATOR": "cpu"}
+RUN_STEPS = 12  # write_recipe's default: checkpoints every 4 steps, the newest 2 kept
+RUN_TIMEOUT_S = 240  # an upper bound for one whole `ftkit launch` with a restart or two (a clean run takes ~15 s)
 
 
 @contextlib.contextmanager
@@ -210,3 +217,94 @@ def kill_tree(proc: subprocess.Popen) -> None:
     """Last-resort cleanup for a test that failed half-way."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+# ------------------------------------------------------------------------------------------------- one run, driven
+# (the recovery, graceful-stop, ownership and resume tests: a launch in the background, signalled from outside)
+
+
+def recipe_and_run(tmp_path: Path, fx: dict[str, Path], **overrides: Any) -> tuple[Path, Path]:
+    """``write_recipe`` into tmp_path, and the run directory it names."""
+    recipe = write_recipe(tmp_path, fx, **overrides)
+    return recipe, tmp_path / "run"
+
+
+def kill_leftovers(run: Path) -> None:
+    """After a failed test: SIGKILL what the run recorded (launcher groups, ranks, agents), by pid only."""
+    for e in events(run):
+        if e.get("event") == "spawn":
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(int(e["pid"]), signal.SIGKILL)
+    rd = RunDir(run)
+    for attempt_dir in (rd.meta / "attempts").glob("*"):
+        if not attempt_dir.name.isdigit():
+            continue
+        for rec in rd.records("pids", int(attempt_dir.name)):
+            for pid, st in ((rec["pid"], rec.get("start_time")), (rec.get("ppid"), rec.get("ppid_start_time"))):
+                if pid and st and is_alive(int(pid), st):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(pid), signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def launched(recipe: Path, run: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """``ftkit launch RECIPE ARGS`` in the background, under the multi-process lock; cleaned up if the test fails."""
+    with mp_lock():
+        proc = start_ftkit(
+            "launch", str(recipe), *args, env={**RUN_ENV, **(env or {})}, log=recipe.parent / "ftkit.log"
+        )
+        try:
+            yield proc
+        except BaseException:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)  # the supervisor's own teardown first
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(40)
+            kill_tree(proc)
+            kill_leftovers(run)
+            raise
+
+
+def finish(proc: subprocess.Popen, timeout: float = RUN_TIMEOUT_S) -> int:
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"ftkit launch still running after {timeout}s") from None
+
+
+def output(recipe: Path) -> str:
+    p = recipe.parent / "ftkit.log"
+    return p.read_text(errors="replace") if p.exists() else ""
+
+
+def wait_step(run: Path, rank: int, step: int, attempt: int = 0, timeout: float = 180) -> None:
+    wait_for(lambda: heartbeat_step(run, rank, attempt) >= step, timeout, f"rank {rank} at step {step}")
+
+
+def rank_record(run: Path, rank: int, attempt: int = 0) -> dict[str, Any]:
+    pid = rank_pid(run, rank, attempt)
+    assert pid is not None, f"no pid record for rank {rank}"
+    rec = next(r for r in RunDir(run).records("pids", attempt) if r["rank"] == rank)
+    assert is_alive(pid, rec.get("start_time")), f"rank {rank} pid {pid} is not running"
+    return rec
+
+
+def signal_rank(run: Path, rank: int, sig: int, attempt: int = 0) -> float:
+    """Signal a rank from outside, by the pid it recorded (checked against its start time); returns when."""
+    rec = rank_record(run, rank, attempt)
+    t = time.time()
+    os.kill(int(rec["pid"]), sig)
+    return t
+
+
+def assert_same_losses(run: Path, expected: dict[int, float], steps: range | None = None) -> None:
+    got = losses(run)
+    steps = steps or range(1, RUN_STEPS + 1)
+    assert sorted(set(steps) - set(got)) == [], f"steps without a loss: {sorted(set(steps) - set(got))}"
+    diffs = {s: (got[s], expected[s]) for s in steps if abs(got[s] - expected[s]) > 1e-6}
+    assert not diffs, f"losses differ from the uninterrupted run (step: got, expected): {diffs}"
+
+
+def committed_ok(ckpt: Path) -> bool:
+    v = verify(ckpt, checksums=True, require_commit=True)
+    return v.ok and v.committed

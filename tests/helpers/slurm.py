@@ -37,7 +37,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers.paths import REPO
+
 INSTALL = REPO / "launch" / "install_slurm_deps.sh"
 LOCK = Path(tempfile.gettempdir()) / "ftkit-slurm.lock"
 NODES = ("n1", "n2")
@@ -375,9 +376,3 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
         left = c.leftovers()
         shutil.rmtree(base, ignore_errors=True)
         assert not left, f"Slurm test cluster left: {left}"
-
-
-@pytest.fixture(scope="module")
-def slurm2() -> Iterator[SlurmCluster]:
-    with slurm_cluster() as c:
-        yield c

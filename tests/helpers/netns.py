@@ -29,9 +29,9 @@ Design (DESIGN.md §6, Tier 2)::
   ``/etc/netns/<ns>``, then verify nothing is left (:meth:`NetnsCluster.leftovers`). Resources whose creating
   process died without teardown (names carry its pid) are removed by the next cluster's setup.
 
-Use as a context manager (:func:`netns_cluster`) or as a pytest fixture (``netns2``: import it into a test module
-or conftest). :func:`require_netns` skips the test when not root or when ``ip netns`` is unusable, and installs
-openssh-server/pdsh with ``launch/install_multinode_deps.sh`` when they are missing.
+Use as a context manager (:func:`netns_cluster`) or through the ``netns2`` fixture (two hosts, in a conftest.py).
+:func:`require_netns` skips the test when not root or when ``ip netns`` is unusable, and installs openssh-server/pdsh
+with ``launch/install_multinode_deps.sh`` when they are missing.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ from typing import IO
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers.paths import REPO
+
 INSTALL_SCRIPT = REPO / "launch" / "install_multinode_deps.sh"
 SSHD = "/usr/sbin/sshd"
 PREFIX = "ftk"  # every link and namespace the harness creates starts with this
@@ -938,11 +939,3 @@ def start_standins(
         argv += [str(i * ranks_per_node), str(ranks_per_node), ",".join(modes)]
         s.inits.append(subprocess.Popen(cluster.exec_argv(n, argv), stdin=subprocess.DEVNULL, start_new_session=True))
     return s
-
-
-@pytest.fixture
-def netns2(tmp_path: Path) -> Iterator[NetnsCluster]:
-    """Two namespace hosts (node0, node1) with sshd; skips when the machine cannot run them."""
-    require_netns()
-    with netns_cluster(2, workdir=tmp_path / "netns") as cluster:
-        yield cluster
