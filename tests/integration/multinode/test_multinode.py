@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.netns import NetnsCluster
+from tests.helpers.paths import SCRIPTS
 from tests.helpers.runs import (
     assert_no_process_left,
     events,
@@ -196,7 +197,7 @@ def test_deepspeed_over_pdsh_runs_any_argument_and_directory_as_itself(tmp_path,
         "tab\there",
     ]
     recipe = _recipe(tmp_path, fixtures, netns2, train__max_steps=1, cluster__engine="deepspeed")
-    script = str(Path(__file__).parent / "scripts" / "argv_probe.py")
+    script = str(SCRIPTS / "argv_probe.py")
     try:
         dry = ftkit("launch", str(recipe), "--dry-run", "--", "python", script, *args, env=ENV, cwd=launch_dir)
         assert dry.returncode == 0, dry.stderr

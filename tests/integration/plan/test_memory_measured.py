@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.paths import REPO
+
 WORLD_SIZE = 2
 TIMEOUT_S = 300
 LOCK = "/tmp/ftkit-mp.lock"  # serialises multi-process tests across the team (flock(2), same as `flock LOCK cmd`)
@@ -143,7 +145,7 @@ def measured(tmp_path_factory):
         "DS_ACCELERATOR": "cpu",
         "OMP_NUM_THREADS": "1",
         "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
     with open(LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
