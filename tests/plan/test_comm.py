@@ -2,7 +2,7 @@
 
 The quick tests pin the prediction for the fixtures' tiny Llama (2 layers, h 64, Ψ 128,320) to what DeepSpeed
 0.19.8's ``comms_logger`` logged on 2 CPU ranks (fp32, micro batch 4, steady-state step, start-up broadcasts
-excluded); the slow test measures them again with real HF Trainer runs (benchmarks/step_time.py's harness).
+excluded); tests/integration/plan/test_comm_measured.py measures them again with real HF Trainer runs.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ftkit.plan.comm import (
     zeropp_candidates,
 )
 from ftkit.plan.memory import Candidate, Workload
-from tests.helpers.paths import MODEL_CONFIGS, REPO
+from tests.helpers.paths import MODEL_CONFIGS
 
 TINY = {
     "model_type": "llama",
@@ -181,49 +181,6 @@ def test_comm_stays_import_light() -> None:
     code = "import sys, ftkit.plan.comm; print([m for m in ('torch','deepspeed','transformers') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
-
-
-# ------------------------------------------------------------------------------------------------ real runs (slow)
-
-CASES = [(stage, ga, kind) for kind in ("full", "lora") for stage in (1, 2, 3) for ga in (1, 4)]
-
-
-@pytest.fixture(scope="module")
-def comm_runs(tmp_path_factory: pytest.TempPathFactory, fx):
-    """Each case on 2 CPU ranks (HF Trainer + DeepSpeed with comms_logger on), 3 optimizer steps each."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import step_time
-
-    from tests.helpers.runs import mp_lock, write_recipe
-
-    root = tmp_path_factory.mktemp("comm")
-    with mp_lock():
-        recipe = write_recipe(root, fx)
-        # All twelve cases on one pair of ranks, one after another (a fresh Trainer and DeepSpeed engine each): the
-        # libraries' import is paid once, not twelve times.
-        names = {f"z{stage}-ga{ga}-{kind}": (stage, ga, kind) for stage, ga, kind in CASES}
-        cases = {n: step_time.case_overrides(st, ga, kind == "lora", steps=3) for n, (st, ga, kind) in names.items()}
-        res = step_time.measure_many(str(recipe), cases, root / "runs")
-    return {names[n]: r for n, r in res.items()}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", CASES, ids=[f"zero{s}-ga{g}-{k}" for s, g, k in CASES])
-def test_logged_bytes_per_step_equal_the_plan_within_10_percent(case, comm_runs) -> None:
-    """DeepSpeed's comms logger on real ranks vs ftkit's prediction for the same recipe, collective by collective
-    (the start-up broadcasts, and HF Trainer's own small broadcasts, excluded)."""
-    import step_time
-
-    res = comm_runs[case]
-    predicted = res["prediction"].logger_bytes
-    assert res["plan"].stage == case[0] and res["plan"].grad_accum == case[1]
-    for rank, steps in enumerate(res["ranks"]):
-        assert len(steps) == 3
-        for i, step in enumerate(steps[1:], start=1):  # step 0 at stage 3 runs before DeepSpeed has a trace
-            measured = {op: b for op, b in step_time.bytes_by_op(step["calls"]).items() if op != "broadcast"}
-            assert set(measured) == set(predicted), (rank, i, measured, predicted)
-            for op, b in predicted.items():
-                assert abs(measured[op] - b) <= 0.10 * b, (rank, i, op, measured[op], b)
 
 
 def test_plan_prints_and_exports_the_step_time(write_recipe, tmp_path: Path) -> None:
