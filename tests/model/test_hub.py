@@ -221,28 +221,6 @@ def test_launch_warns_when_the_checked_in_config_differs_from_the_models(tmp_pat
     assert out.returncode == 0 and "warning" not in out.stderr, out.stderr
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_two_rank_launch_of_a_hub_id_loads_the_pinned_revision(tmp_path, fx):
-    from tests.helpers.runs import RUN_ENV, RUN_TIMEOUT_S, assert_no_process_left, ftkit, losses, mp_lock
-    from tests.helpers.runs import write_recipe as recipe_for
-
-    home = tmp_path / "hf"
-    files = {f.name: f for f in fx["model"].iterdir() if f.is_file()}
-    # only refs/v1: a rank that ignored model.revision (and asked for main) could not load it offline
-    commit = populate(home / "hub", ID, files, revision="v1")
-    recipe = recipe_for(tmp_path, fx, model__path=ID, model__revision="v1", train__max_steps=4, train__save_steps=4)
-    with mp_lock():
-        r = ftkit("launch", str(recipe), env={**RUN_ENV, **hub_env(home)}, timeout=RUN_TIMEOUT_S)
-    run = tmp_path / "run"
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert_no_process_left(run)
-    assert sorted(losses(run)) == [1, 2, 3, 4]
-    spec = json.loads((run / "ftkit" / "spec.json").read_text())
-    assert (spec["model_path"], spec["model_revision"], spec["tokenizer_revision"]) == (ID, "v1", "v1")
-    assert spec["fingerprint"]["model"]["commit"] == commit
-
-
 def test_fingerprint_records_the_resolved_hub_commit_and_config(tmp_path, hf_home):
     """A resume on another revision (another snapshot) is refused: the checkpoint holds the recorded weights."""
     from types import SimpleNamespace
