@@ -3,7 +3,8 @@
 The scripts (tests/scripts/, and the README's ``ftkit.hf`` example) never change for ftkit: the import hook serves
 them. Each run is 8 steps, checkpoints every 4; a kill test SIGKILLs rank 1 after step 6 (``FTKIT_FAULT_INJECT``
 rides on ftkit's callbacks, so it reaches a wrapped script too) and expects one restart from checkpoint-4 and the
-losses of an uninterrupted run. One kill test per engine; the other runs are single attempts.
+losses of an uninterrupted run. One kill test per engine; the other runs are single attempts. Without ranks:
+tests/command/test_wrap.py (the dry run, command mistakes) and tests/launch/test_hook.py (the hook itself).
 """
 
 from __future__ import annotations
@@ -178,14 +179,6 @@ def test_unmodified_hf_trainer_script_survives_a_killed_rank(engine, fx, hf_base
     assert_recovered(r, run, hf_baseline)
 
 
-def test_readme_example_is_a_complete_script():
-    code = readme_example()
-    compile(code, "train.py", "exec")
-    assert code.startswith("# train.py\n") and len(code.splitlines()) <= 25
-    for name in ("training_arguments", "callbacks()", "resume_checkpoint()", "save_final"):
-        assert f"ftkit.hf.{name}" in code, name
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_readme_explicit_ftkit_hf_example_with_no_inject_survives_a_killed_rank(fx, hf_baseline, tmp_path):
@@ -310,135 +303,3 @@ def test_an_accelerate_loop_on_the_loop_api_survives_a_killed_rank(fx, tmp_path)
     assert (run / "checkpoint-8" / "ftkit_commit.json").is_file() and (run / "final" / "ftkit_commit.json").is_file()
     assert not named(run, "unwatched")
     assert_no_process_left(run)
-
-
-# ------------------------------------------------------------------------------------------------ quick (no ranks)
-
-
-def _dry(recipe: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ftkit", "launch", str(recipe), "--dry-run", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=recipe.parent,
-        env={**os.environ, **(env or {})},
-    )
-
-
-def test_dry_run_shows_the_command_the_env_contract_and_the_hook(write_recipe, tmp_path):
-    recipe = write_recipe()
-    (tmp_path / "sft.py").write_text("")
-    r = _dry(recipe, "--", "python", "sft.py", "--output_dir", "x", env={"PYTHONPATH": "/site"})
-    assert r.returncode == 0, r.stderr
-    inject = str(REPO / "launch" / "inject")
-    assert f"import hook: {inject}/sitecustomize.py" in r.stdout
-    assert f"PYTHONPATH={inject}:/site" in r.stdout
-    run = (tmp_path / "run").resolve()
-    assert f"FTKIT_RUN_DIR={run}" in r.stdout and "FTKIT_ATTEMPT=0" in r.stdout and "FTKIT_RESUME=\n" in r.stdout
-    assert f"env -C {tmp_path} " in r.stdout and f"--no_ssh_check {tmp_path / 'sft.py'} --output_dir x" in r.stdout
-    assert "data.max_seq_len" not in r.stderr and "data.train: data.* and peft.*" in r.stderr  # the keys it set
-    off = _dry(recipe, "--no-inject", "--", "python", "sft.py")
-    assert off.returncode == 0 and "import hook:" not in off.stdout and inject not in off.stdout
-    (tmp_path / "data.jsonl").write_text('{"text": "hi"}\n')  # the built-in entry's data is checked, as by launch
-    builtin = _dry(recipe)
-    assert "ftkit.launch.train" in builtin.stdout and "import hook:" not in builtin.stdout
-    assert "data.* and peft.*" not in builtin.stderr
-
-
-def test_command_mistakes_exit_2_with_one_line(write_recipe, tmp_path):
-    recipe = write_recipe()
-    for args, text in (
-        (["--"], "command: empty"),
-        (["--", "python", "missing.py"], "missing.py: script not found"),
-        (["--", "python", "-m", "missing_module_xyz"], "no module named 'missing_module_xyz'"),
-        (["--", "python", "-m", "json.missing_xyz"], "no module named 'json.missing_xyz'"),
-        (["--", "torchrun", "--nproc-per-node", "2", "x.py"], "torchrun is a launcher"),
-        (["--", "accelerate", "launch", "x.py"], "accelerate is a launcher"),
-    ):
-        r = _dry(recipe, *args)
-        assert r.returncode == 2, (args, r.stdout, r.stderr)
-        assert text in r.stderr and "Traceback" not in r.stderr, r.stderr
-        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
-
-
-def test_a_model_the_plan_cannot_read_still_launches_a_command(write_recipe, tmp_path):
-    """With a user command, a model directory without config.json is not an error: the plan says what it could
-    not estimate and uses DeepSpeed's default bucket sizes. The built-in entry still refuses it."""
-    recipe = write_recipe(
-        """\
-        model:
-          path: ./custom-model
-        data:
-          train: ./data.jsonl
-        train:
-          output_dir: ./run
-          micro_batch_size: 2
-          global_batch_size: 16
-        zero:
-          stage: 2
-        cluster:
-          gpus_per_node: 8
-        """
-    )
-    (tmp_path / "custom-model").mkdir()
-    (tmp_path / "t.py").write_text("")
-    builtin = _dry(recipe)
-    assert builtin.returncode == 2 and "config.json" in builtin.stderr
-    r = _dry(recipe, "--", "python", "t.py")
-    assert r.returncode == 0, r.stderr
-    assert "could not estimate" in r.stderr and "memory and step time not estimated" in r.stderr
-    from ftkit.plan.plan import build_plan
-    from ftkit.recipe.load import load_recipe
-
-    plan = build_plan(load_recipe(str(recipe), []), unknown_model_ok=True)
-    assert plan.knobs["reduce_bucket_size"].value == int(5e8) and plan.unknown
-    from ftkit.errors import RecipeError
-
-    with pytest.raises(RecipeError, match="auto needs the model's config"):
-        build_plan(load_recipe(str(recipe), ["zero.stage=auto"]), unknown_model_ok=True)
-
-
-def test_launch_with_a_command_stays_import_light(write_recipe, tmp_path):
-    recipe = write_recipe()
-    (tmp_path / "sft.py").write_text("")
-    code = (
-        "import sys\n"
-        "from ftkit.run.job import LaunchRequest, launch\n"
-        f"req = LaunchRequest(recipe={str(recipe)!r}, dry_run=True, command=('python', 'sft.py'))\n"
-        "launch(req, echo=lambda s: None)\n"
-        "heavy = [m for m in ('torch', 'transformers', 'deepspeed', 'accelerate', 'peft', 'trl') if m in sys.modules]\n"
-        "assert not heavy, heavy\n"
-    )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-
-
-def _python_with_hook(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    """A real interpreter with ftkit's hook first on PYTHONPATH and a site's own sitecustomize after it."""
-    site = tmp_path / "site"
-    site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text("print('site-own sitecustomize ran')\n")
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("FTKIT_", "RANK", "LOCAL_RANK"))}
-    e.update({"PYTHONPATH": f"{REPO / 'launch' / 'inject'}:{site}:{REPO}", **env})
-    code = "import sys; print('inject' if 'ftkit.launch.hook' in sys.modules else 'plain', 'ftkit.hf' in sys.modules)"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=e)
-
-
-def test_hook_chains_to_the_sites_own_sitecustomize_and_stays_out_of_the_way(tmp_path):
-    plain = _python_with_hook(tmp_path, {})
-    assert plain.returncode == 0 and plain.stdout.splitlines() == ["site-own sitecustomize ran", "plain False"]
-    # the engine's own launcher process (no RANK): the hook is imported but does nothing
-    launcher = _python_with_hook(tmp_path, {"FTKIT_RUN_DIR": str(tmp_path / "run")})
-    assert launcher.returncode == 0 and launcher.stdout.splitlines()[-1] == "inject False", launcher.stdout
-    # a process a rank started (another pid owns the hook): nothing either
-    child = _python_with_hook(tmp_path, {"FTKIT_RUN_DIR": str(tmp_path / "run"), "RANK": "0", "FTKIT_HOOK_PID": "1"})
-    assert child.returncode == 0 and child.stdout.splitlines()[-1] == "inject False", child.stdout
-
-
-def test_hook_that_cannot_start_stops_the_rank(tmp_path):
-    """A rank whose run directory has no spec: the hook cannot serve it, so it stops (exit 14) instead of letting
-    the script train unwatched."""
-    r = _python_with_hook(tmp_path, {"FTKIT_RUN_DIR": str(tmp_path / "nowhere"), "RANK": "0"})
-    assert r.returncode == ExitCode.SCRIPT_FAILED, (r.stdout, r.stderr)
-    assert "the import hook could not start" in (r.stdout + r.stderr)
