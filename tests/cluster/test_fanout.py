@@ -3,7 +3,8 @@
 Every fan-out used to visit hosts one after another, each with its own ssh timeout, so k unreachable hosts cost k
 timeouts. Here "unreachable" hosts are ssh aliases of real loopback addresses (127.0.0.2, …) whose port accepts the TCP
 connection and then says nothing: the real ssh client waits out its ConnectTimeout in the banner exchange, exactly
-as it does for a host whose sshd hangs. The multi-host path over real sshd in namespaces is in test_scale.py.
+as it does for a host whose sshd hangs. The multi-host path over real sshd in namespaces is in
+tests/integration/multinode/test_scale.py.
 """
 
 from __future__ import annotations
