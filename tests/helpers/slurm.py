@@ -29,6 +29,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -350,6 +351,19 @@ def _alive(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without a SLURM_* variable (a shell outside any allocation), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    return {**env, **extra}
+
+
+def slurm_ftkit(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``ftkit ARGS`` with exactly ``env`` (None: this process's environment)."""
+    return subprocess.run(
+        [sys.executable, "-m", "ftkit", *args], capture_output=True, text=True, env=env, timeout=120, cwd=cwd
+    )
 
 
 @contextlib.contextmanager

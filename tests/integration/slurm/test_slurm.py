@@ -1,8 +1,8 @@
 """Issue 12, items 2-4: the Slurm engine, ``ftkit submit``, save-on-notice and requeue, on a real Slurm.
 
-Quick tests (no marks) build commands and batch scripts only. The ``slurm`` tests stand up munged + slurmctld +
-two slurmd in network namespaces (tests/helpers/slurm.py, ~1 s) and run 2 CPU ranks of the tiny fixtures model
-across n1 and n2 through srun; sshd runs nowhere in that cluster.
+The hostlist expansion is checked against ``scontrol``; the other tests stand up munged + slurmctld + two slurmd in
+network namespaces (tests/helpers/slurm.py, ~1 s) and run 2 CPU ranks of the tiny fixtures model across n1 and n2
+through srun; sshd runs nowhere in that cluster. The commands and batch scripts alone: tests/cluster/test_slurm.py.
 """
 
 from __future__ import annotations
@@ -17,130 +17,17 @@ from typing import Any
 
 import pytest
 
-from ftkit.errors import ExitCode
 from ftkit.run.status import read_jsonl
 from ftkit.rundir.layout import RunDir
 from tests.helpers.runs import heartbeat_step, losses, mp_lock, processes_left, wait_for
 from tests.helpers.runs import write_recipe as recipe_for
-from tests.helpers.slurm import SlurmCluster, require_slurm
+from tests.helpers.slurm import SlurmCluster, clean_env, require_slurm, slurm_ftkit
 
 LONG = 100  # steps (~0.1 s each here): a preemption after step 13 lands well before the end
 SAVE = 10
 JOB_S = 240  # an upper bound for one job of LONG steps, start-up included (~35 s seen)
 ENV = {"DS_ACCELERATOR": "cpu", "GLOO_SOCKET_IFNAME": "eth0", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY")
-
-
-def _ftkit(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ftkit", *args], capture_output=True, text=True, env=env, timeout=120, cwd=cwd
-    )
-
-
-def _clean_env(**extra: str) -> dict[str, str]:
-    import os
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
-    return {**env, **extra}
-
-
-# ------------------------------------------------------------------------------------------- quick: commands
-
-
-@pytest.fixture
-def slurm_recipe(write_recipe) -> Path:
-    return write_recipe(
-        """\
-        model: {path: ./model}
-        data: {train: ./data.jsonl}
-        train: {output_dir: ./runs/s, micro_batch_size: 1, global_batch_size: 4, max_steps: 5}
-        cluster: {engine: slurm, num_nodes: 2, gpus_per_node: 2, accelerator: cpu}
-        resilience: {stop_timeout_s: 90}
-        """
-    )
-
-
-def test_srun_engine_command_inside_an_allocation(slurm_recipe: Path) -> None:
-    """Hosts from SLURM_JOB_NODELIST, master = first host, a per-job port and rendezvous id, srun and no ssh."""
-    env = _clean_env(SLURM_JOB_ID="77", SLURM_JOB_NODELIST="gpu[09-10]", SLURM_CONF="/x/slurm.conf")
-    r = _ftkit("launch", str(slurm_recipe), "--dry-run", env=env, cwd=slurm_recipe.parent)
-    assert r.returncode == 0, r.stderr
-    out = r.stdout
-    assert "plan: slurm on 2 node(s): gpu09 (2), gpu10 (2); world size 4" in out
-    assert "engine: slurm" in out and "node 0 (gpu09):" in out and "over ssh" not in out
-    argv = out.strip().splitlines()[-1].split()
-    assert argv[:2] == ["srun", "--jobid=77"] and "--nodelist=gpu09,gpu10" in argv and "--ntasks-per-node=1" in argv
-    assert "ssh" not in argv
-    assert argv[argv.index("--rdzv-endpoint") + 1] == "gpu09:29577"  # master_port 29500 + job id
-    assert argv[argv.index("--rdzv-id") + 1].endswith("-slurm77-0")
-    assert argv[argv.index("--nproc-per-node") + 1] == "2"
-    assert "SLURM_CONF=/x/slurm.conf" in out  # srun finds its cluster and allocation
-
-
-def test_launch_outside_an_allocation_says_to_submit(slurm_recipe: Path) -> None:
-    r = _ftkit("launch", str(slurm_recipe), env=_clean_env(), cwd=slurm_recipe.parent)
-    assert r.returncode == ExitCode.USAGE
-    assert r.stderr.count("\n") == 1 and "ftkit: error:" in r.stderr and "ftkit submit" in r.stderr, r.stderr
-
-
-def test_engine_auto_is_slurm_only_inside_an_allocation(write_recipe) -> None:
-    recipe = write_recipe(
-        """\
-        model: {path: ./model}
-        data: {train: ./data.jsonl}
-        train: {output_dir: ./runs/a, micro_batch_size: 1, global_batch_size: 2, max_steps: 5}
-        cluster: {engine: auto, gpus_per_node: 2, accelerator: cpu}
-        """
-    )
-    inside = _ftkit(
-        "launch", str(recipe), "--dry-run", env=_clean_env(SLURM_JOB_ID="5", SLURM_JOB_NODELIST="c1"), cwd=recipe.parent
-    )
-    assert inside.returncode == 0, inside.stderr
-    assert "plan: slurm on 1 node(s): c1 (2)" in inside.stdout
-    outside = _ftkit("launch", str(recipe), "--dry-run", env=_clean_env(), cwd=recipe.parent)
-    assert outside.returncode == 0, outside.stderr
-    assert "plan: deepspeed on 1 node(s): localhost (2)" in outside.stdout
-
-
-def test_slurm_engine_with_a_hostfile_is_a_recipe_error(slurm_recipe: Path) -> None:
-    (slurm_recipe.parent / "hostfile").write_text("a slots=2\nb slots=2\n")
-    r = _ftkit("plan", str(slurm_recipe), "cluster.hostfile=hostfile", env=_clean_env(), cwd=slurm_recipe.parent)
-    assert r.returncode == ExitCode.USAGE and "cluster.hostfile" in r.stderr and "allocation" in r.stderr, r.stderr
-
-
-def test_submit_dry_run_shows_the_batch_script(slurm_recipe: Path) -> None:
-    """--requeue, output appended, USR1 to the batch process with a lead from the measured saves, Python payload."""
-    cwd = slurm_recipe.parent
-    args = ("submit", str(slurm_recipe), "--dry-run", "--nodes", "2", "--time", "1:00:00", "--partition", "gpu")
-    r = _ftkit(*args, "--", "--qos=high", env=_clean_env(), cwd=cwd)
-    assert r.returncode == 0, r.stderr
-    s = r.stdout
-    for line in (
-        "#SBATCH --nodes=2",
-        "#SBATCH --ntasks-per-node=1",
-        "#SBATCH --requeue",
-        "#SBATCH --signal=B:USR1@90",  # nothing measured yet: resilience.stop_timeout_s
-        "#SBATCH --open-mode=append",
-        "#SBATCH --time=1:00:00",
-        "#SBATCH --partition=gpu",
-    ):
-        assert line in s.splitlines(), (line, s)
-    assert f"exec {sys.executable} -m ftkit.run.submit batch {slurm_recipe}" in s
-    assert "--qos=high" in s.splitlines()[-1]
-    assert not (cwd / "runs" / "s" / "slurm" / "submit.sbatch").exists()  # --dry-run writes nothing
-    # Measured saves: 2 x the slowest (7.5 s) + 30 s, still under stop_timeout_s.
-    run = cwd / "runs" / "s"
-    run.mkdir(parents=True)
-    commits = [{"event": "commit", "step": 10, "commit_s": 2.0}, {"event": "commit", "step": 20, "commit_s": 7.5}]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(c) + "\n" for c in commits))
-    r = _ftkit("submit", str(slurm_recipe), "--dry-run", env=_clean_env(), cwd=cwd)
-    assert "#SBATCH --signal=B:USR1@45" in r.stdout.splitlines(), r.stdout
-
-
-def test_submit_without_sbatch_is_one_line(slurm_recipe: Path, tmp_path: Path) -> None:
-    env = _clean_env(PATH=str(tmp_path / "nothing-here"))
-    r = _ftkit("submit", str(slurm_recipe), env=env, cwd=slurm_recipe.parent)
-    assert r.returncode == ExitCode.USAGE and r.stderr.count("\n") == 1 and "sbatch: not found" in r.stderr, r.stderr
 
 
 # ------------------------------------------------------------------------------------------- hostlists
@@ -186,7 +73,7 @@ def test_hostlist_expansion_agrees_with_scontrol(tmp_path: Path) -> None:
     require_slurm()
     conf = tmp_path / "slurm.conf"  # scontrol needs a configuration, not a running cluster, to expand a list
     conf.write_text("ClusterName=x\nSlurmctldHost=localhost\nNodeName=localhost CPUs=1\nPartitionName=p Nodes=ALL\n")
-    env = {**_clean_env(), "SLURM_CONF": str(conf)}
+    env = {**clean_env(), "SLURM_CONF": str(conf)}
     checked = 0
     for spec in HOSTLISTS:
         r = subprocess.run(["scontrol", "show", "hostnames", spec], capture_output=True, text=True, env=env, timeout=10)
@@ -219,7 +106,7 @@ def _write(d: Path, fx: dict[str, Path], **kw: Any) -> Path:
 
 
 def _submit(c: SlurmCluster, recipe: Path, *args: str) -> str:
-    r = _ftkit("submit", str(recipe), *args, env={**c.env, **ENV}, cwd=recipe.parent)
+    r = slurm_ftkit("submit", str(recipe), *args, env={**c.env, **ENV}, cwd=recipe.parent)
     assert r.returncode == 0, r.stdout + r.stderr
     m = re.search(r"submitted job (\d+)", r.stdout)
     assert m, r.stdout
@@ -336,7 +223,7 @@ def test_submit_trains_two_ranks_across_two_nodes_through_srun(slurm2: SlurmClus
     assert "host n2 reachable" in pre[0]["message"]  # through srun: no sshd runs anywhere in this cluster
     (ev,) = _slurm_events(run)[-1:]
     assert ev["job_id"] == slurm_baseline["job"] and ev["reason"] == "finished"
-    status = _ftkit("status", str(run))
+    status = slurm_ftkit("status", str(run))
     assert f"slurm: job {slurm_baseline['job']}, requeued 0 times" in status.stdout
     _nothing_left(slurm2, run)
 
