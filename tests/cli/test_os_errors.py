@@ -176,7 +176,7 @@ CASES = {
     "explain-model-config-is-dir": Case(
         "explain", lambda p: ["explain", "recipe.yaml"], setup=_model_config_dir, says="config.json"
     ),
-    # status: bad paths only (malformed content is tests/test_status.py's)
+    # status: bad paths only (malformed content is tests/run/test_status.py's)
     "status-run-dir-under-file": Case("status", lambda p: ["status", str(_file(p) / "run")], says="afile"),
     "status-run-dir-is-file": Case("status", lambda p: ["status", str(_file(p))], says="afile"),
     "status-plot-under-file": Case(

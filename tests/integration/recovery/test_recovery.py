@@ -214,7 +214,7 @@ def test_rank_failing_at_the_same_step_every_time_gives_up_and_keeps_checkpoints
 # ------------------------------------------------------------------------------------------------- 6. signals
 
 
-# The first signal asks for a graceful stop, a second one tears the run down at once: tests/test_graceful_stop.py.
+# The first signal asks for a graceful stop, a second one tears the run down at once: test_graceful_stop.py.
 
 
 # ------------------------------------------------------------------------------------------------- 7. preflight
