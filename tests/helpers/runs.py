@@ -24,8 +24,7 @@ from ftkit.rundir.layout import RunDir
 
 LOCK = "/tmp/ftkit-mp.lock"
 
-# Real 2-rank runs (tests marked slow): the fixtures model and one uninterrupted reference run, made once per session
-# (tests read them and copy what they change: each costs a model build or a 2-rank launch).
+# The real 2-rank runs' environment, length and time bound (those of the session's baseline run, too).
 RUN_ENV = {"DS_ACCELERATOR": "cpu"}
 RUN_STEPS = 12  # write_recipe's default: checkpoints every 4 steps, the newest 2 kept
 RUN_TIMEOUT_S = 240  # an upper bound for one whole `ftkit launch` with a restart or two (a clean run takes ~15 s)
