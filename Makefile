@@ -50,7 +50,7 @@ test-slurm: install
 
 # Every cell of entry x ZeRO stage x optimizer offload x engine (make test runs a pairwise-covering subset).
 test-matrix: install
-	FTKIT_MATRIX=full $(PYTEST) -q -rA --durations=0 tests/test_matrix.py
+	FTKIT_MATRIX=full $(PYTEST) -q -rA --durations=0 tests/integration/matrix/test_matrix.py
 
 demo: install
 	$(PY) -m ftkit.demo

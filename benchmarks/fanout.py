@@ -5,7 +5,7 @@ recovery at 64 hosts with two down spent minutes in ssh alone (issue 13). ftkit.
 once under one deadline. Acceptance: at N = 32 preflight and teardown each take <= 1.5x their N = 2 time, and two
 unreachable hosts add <= one ssh timeout (not two).
 
-Hosts are network namespaces with their own sshd (tests/netns.py), all on this machine: N = 32 means 32 sshd
+Hosts are network namespaces with their own sshd (tests/helpers/netns.py), all on this machine: N = 32 means 32 sshd
 sessions sharing this machine's cores, so the ratio includes that CPU (a real head node only pays the client side).
 The sessions skip root's ~/.bashrc (``skip_bashrc``: this machine's runs ``pyenv init``, 0.15 s of CPU each).
 For each N the first N nodes of one 32-node cluster are used; "2 down" takes the bridge port of the last two down
@@ -30,16 +30,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from ftkit.cluster.procs import targets_from_records, teardown  # noqa: E402
 from ftkit.errors import PreflightError  # noqa: E402
 from ftkit.run.preflight import run_preflight  # noqa: E402
 from ftkit.rundir.layout import RunDir  # noqa: E402
 from ftkit.supervise.shrink import probe_hosts  # noqa: E402
-from tests.runs import mp_lock  # noqa: E402
-
-from netns import NetnsCluster, netns_cluster, require_netns, start_standins  # noqa: E402
+from tests.helpers.netns import NetnsCluster, netns_cluster, require_netns, start_standins  # noqa: E402
+from tests.helpers.runs import mp_lock  # noqa: E402
 
 PREFLIGHT_TIMEOUT = 15  # ftkit.run.preflight's ssh ConnectTimeout
 SSH_TIMEOUT = 10  # teardown's and probe_hosts' default

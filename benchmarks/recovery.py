@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ftkit.cluster.procs import is_alive  # noqa: E402
 from ftkit.rundir.layout import RunDir  # noqa: E402
-from tests.runs import (  # noqa: E402
+from tests.helpers.runs import (  # noqa: E402
     assert_no_process_left,
     events,
     heartbeat_step,

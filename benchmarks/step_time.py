@@ -5,8 +5,8 @@ For each recipe: ftkit builds the plan and renders the DeepSpeed config; a test 
 train a few optimizer steps with HF Trainer. After every optimizer step a callback snapshots
 ``deepspeed.comm.comms_logger.comms_dict`` ({op: {msg_size: [count, ...]}}), so the bytes of each step are the
 difference of two snapshots (the one-time start-up broadcasts happen before the first snapshot). The first step
-is dropped from timing (warm-up). :func:`measure` is what tests/test_comm.py calls; ``main`` prints a table of
-predicted vs measured bytes and step time for ZeRO-1/2/3 x GA 1/4 x full/LoRA.
+is dropped from timing (warm-up). :func:`measure_many` is what tests/integration/plan/test_comm_measured.py calls;
+``main`` prints a table of predicted vs measured bytes and step time for ZeRO-1/2/3 x GA 1/4 x full/LoRA.
 
     .venv/bin/python benchmarks/step_time.py [--steps 4] [--json out.json]
 
@@ -241,8 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         _worker(args.worker)
         return 0
-    sys.path.insert(0, str(REPO / "tests"))
-    from runs import make_fixtures, mp_lock, write_recipe
+    from tests.helpers.runs import make_fixtures, mp_lock, write_recipe
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp, mp_lock():
