@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"restarts:     {s['restarts']}"
         + (
-            f" (rank 1, pid {killed}, SIGKILLed at step {KILL_AT_STEP}; resumed from step {s['restart_steps'][-1]})"
-            if killed and s["restart_steps"]
+            f" (rank 1, pid {killed}, SIGKILLed after step {KILL_AT_STEP}; {_resumed_words(s)})"
+            if killed and s["resumes"]
             else ""
         )
     )
@@ -112,6 +112,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _resumed_words(s: dict) -> str:
+    """How the restart resumed: from which step and tier, and whether that was the last step the killed attempt
+    completed (the local tier's promise: a crash costs at most the step in flight)."""
+    _, step, tier = s["resumes"][-1]
+    done = max((st for st, _, attempt in s["all_losses"] if attempt == 0), default=None)
+    where = {"local": "from the local checkpoint tier in /dev/shm", "peer": "from a peer's copy"}.get(
+        tier, "from the run directory"
+    )
+    if done is not None and step >= done:
+        return f"resumed from step {step}, the last step completed before the kill, {where}"
+    return f"resumed from step {step} {where}; steps {step + 1}-{done} were recomputed"
+
+
 def _kill_rank_when(run_dir: Path, *, rank: int, step: int, proc: subprocess.Popen) -> int | None:
     """Wait until ``rank`` reports ``step`` in its heartbeat, then SIGKILL it by the pid it recorded."""
     hb = run_dir / "ftkit" / "heartbeat" / f"rank-{rank}.json"
@@ -120,7 +133,7 @@ def _kill_rank_when(run_dir: Path, *, rank: int, step: int, proc: subprocess.Pop
             rec = json.loads(hb.read_text())
         except (OSError, ValueError):
             rec = {}
-        if rec.get("attempt") == 0 and (rec.get("step") or 0) >= step:
+        if rec.get("attempt") == 0 and (rec.get("committed") or 0) >= step:  # the step and its (local) save done
             pid = int(rec["pid"])
             print(f"demo: killing rank {rank} (pid {pid}) with SIGKILL at step {rec['step']}", flush=True)
             os.kill(pid, signal.SIGKILL)

@@ -65,6 +65,7 @@ class RankContext:
         self.trainer_built = False
         self.loop_api = False
         self.started_at_step: int | None = None  # the global step training began at in this attempt (resume proof)
+        self.committed: int | None = None  # the newest step committed in this attempt (heartbeats carry it)
 
     def heartbeat(self, phase: str, step: int | None = None, **extra: Any) -> None:
         rec = {
@@ -85,6 +86,9 @@ class RankContext:
             "started_at_step": self.started_at_step,
             **extra,
         }
+        if isinstance(extra.get("committed"), int):
+            self.committed = extra["committed"]
+        rec["committed"] = self.committed  # the newest step this rank saw committed (any tier): in every heartbeat
         atomic_write(self.rd.heartbeat(self.rank), json.dumps(rec), fsync=False)
 
     def record_pid(self, watchdog: dict[str, float] | None = None) -> None:

@@ -81,6 +81,7 @@ class RunSummary:
     losses: list[tuple[int, float, int]]  # (step, loss, attempt): the latest attempt's value per step
     all_losses: list[tuple[int, float, int]]  # every logged value, including steps a restart recomputed
     restart_steps: list[int]  # the step each restarted attempt resumed from
+    resumes: list[tuple[int, int, str]] = field(default_factory=list)  # (attempt, step, tier: local|peer|durable)
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
     final: Path | None = None
     outcome: str | None = None
@@ -216,6 +217,11 @@ def summarize(run_dir: str | Path, *, checksums: bool = False) -> RunSummary:
         losses=losses,
         all_losses=all_losses,
         restart_steps=[_int(e.get("step")) or 0 for e in resumed],
+        resumes=[
+            (_int(e.get("attempt")) or 0, _int(e.get("step")) or 0, str(e.get("tier") or "durable"))
+            for e in events
+            if e.get("event") == "launch" and e.get("resume")
+        ],
         checkpoints=ckpts,
         final=rd.final if final_ok else None,
         outcome=outcome,
@@ -244,6 +250,10 @@ def format_summary(s: RunSummary) -> str:
     lines.append(f"attempts: {s.attempts}   restarts: {s.restarts}   step: {steps}")
     if s.goodput:
         lines.append(s.goodput["line"])
+    if s.resumes:
+        said = [f"attempt {a} from step {step} ({tier})" for a, step, tier in s.resumes[-5:]]
+        more = f" and {len(s.resumes) - 5} earlier" if len(s.resumes) > 5 else ""
+        lines.append("resumed: " + ", ".join(said) + more)
     if s.first_loss is not None:
         lines.append(f"loss: {s.first_loss:.4f} at step {s.losses[0][0]} -> {s.last_loss:.4f} at step {s.step}")
     if s.eval_losses:

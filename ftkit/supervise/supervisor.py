@@ -154,6 +154,7 @@ class Supervisor:
         self._unwatched = False  # this attempt's script built no Trainer and calls no ftkit.hf.step(): not restarted
         self._resumed_from: tuple[int | None, str] | None = None  # (step, checkpoint name) this attempt resumed from
         self._beats: list[dict[str, Any]] = []  # the newest poll's heartbeats of the running attempt
+        self._peer_step: int | None = None  # the step the survivors assembled from peer copies for this attempt
         self.reports: Any = (
             None  # refreshes RUN/report.html after each attempt (ftkit.report.ReportRefresher; the launch sets it)
         )
@@ -173,8 +174,9 @@ class Supervisor:
             limits=limits,
         )
 
-    def apply(self, choice: Choice) -> Choice:
-        """Carry a choice out: log the rejected checkpoints, set newer torn ones aside, convert after a shrink."""
+    def apply(self, choice: Choice, announce: bool = True) -> Choice:
+        """Carry a choice out: log the rejected checkpoints, set newer torn ones aside, convert after a shrink.
+        ``announce=False``: the checkpoint resumed from is said by the caller (a local tier's step)."""
         sel = choice.selection
         for v in sel.rejected if sel else []:
             self.events(
@@ -200,7 +202,9 @@ class Supervisor:
                 return Choice(sel, converted, v.step, v.record)
         for dst in set_aside_newer(self.rd.path, sel):
             self.events("set_aside", f"moved {dst.name.split('.rejected')[0]} aside to {dst.name}", dst=str(dst))
-        if sel.chosen is None:
+        if not announce:
+            pass
+        elif sel.chosen is None:
             self.events("fresh_start", None)
         else:
             last = self.max_steps is not None and sel.step == self.max_steps
@@ -385,16 +389,17 @@ class Supervisor:
             self._metrics_pos = self.rd.metrics.stat().st_size
         while True:
             self.events.attempt = attempt
-            choice = self.apply(first if first is not None else self.select())
+            choice, local = self._choose_tier(first if first is not None else self.select())
             first = None
+            choice = self.apply(choice, announce=local is None)
             if choice.exit_code is not None:
                 return choice.exit_code
+            if local is not None:
+                choice = self._resume_local(choice, local)
+            tier = "local" if local is not None else self._tier_of(choice)
             if self.interrupted or self.stop_requested:
                 return self._stop_between_attempts()
             self._exclude, self._stop_sent_at, self._unwatched = [], None, False
-            choice, tier = self._choose_tier(choice)
-            if choice.exit_code is not None:
-                return choice.exit_code
             self._resumed_from = (choice.step, Path(choice.resume).name) if choice.resume else None
             self._start_fidelity(attempt, choice.step)
             inputs = LaunchInputs(**{**self.inputs.__dict__, "attempt": attempt, "resume": choice.resume})
@@ -576,28 +581,40 @@ class Supervisor:
     def _agents(self) -> Agents:
         return Agents(self.rd, self.inputs.python, self.ssh_args, self.transport)
 
-    def _choose_tier(self, choice: Choice) -> tuple[Choice, str]:
-        """A newer step from the local tiers (verified on every node) or assembled from peer copies, when there is
-        one; else the durable choice. Returns the choice and its tier: local, peer or durable."""
+    def _choose_tier(self, choice: Choice) -> tuple[Choice, TierChoice | None]:
+        """Before the durable choice is carried out: a newer step verified in every node's local tier (returned
+        apart), or one the survivors assemble in the run directory from peer copies (then the choice is made again:
+        it is durable now, and converted after a shrink like any other)."""
         tier = self._tier()
-        if not tier:
-            return choice, "durable"
+        self._peer_step = None
+        if not tier or choice.exit_code is not None:
+            return choice, None
         hosts = [h for h, _ in self.inputs.hosts]
-        picked: TierChoice | None = choose_tier(
+        picked = choose_tier(
             self.rd, tier, hosts, self.world_size, choice.step, self.max_steps, self._agents(), self.events
         )
         if picked is None:
-            return choice, "durable"
-        if picked.tier == "peer":  # now a durable checkpoint like any other (converted after a shrink)
-            return self.apply(self.select()), "peer"
+            return choice, None
+        if picked.tier == "peer":
+            self._peer_step = picked.step
+            return self.select(), None
+        return choice, picked
+
+    def _resume_local(self, choice: Choice, local: TierChoice) -> Choice:
         self.events(
             "checkpoint_chosen",
-            f"resuming from checkpoint-{picked.step} in the local tier (commit verified on every node)",
-            checkpoint=picked.resume,
-            step=picked.step,
+            f"resuming from checkpoint-{local.step} in the local tier (commit verified on every node)",
+            checkpoint=local.resume,
+            step=local.step,
             tier="local",
         )
-        return Choice(choice.selection, picked.resume, picked.step, None), "local"
+        return Choice(choice.selection, local.resume, local.step, None)
+
+    def _tier_of(self, choice: Choice) -> str:
+        """Where a resume that is not the local tier's comes from: peer copies assembled this time, or durable."""
+        if self._peer_step is not None and choice.step == self._peer_step:
+            return "peer"
+        return "durable"
 
     def _end_local_tier(self, finished: bool) -> None:
         tier = self._tier()

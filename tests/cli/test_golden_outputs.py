@@ -6,6 +6,7 @@ is; a change of behaviour regenerates them on purpose (``FTKIT_UPDATE_GOLDEN=1``
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import textwrap
 from pathlib import Path
@@ -17,6 +18,8 @@ from ftkit.cli.main import cli
 from tests.helpers.paths import GOLDEN, MODEL_CONFIGS
 
 OUTPUTS = GOLDEN / "outputs"
+# the local tier's default directory hashes the run directory's absolute path, which lies under tmp_path
+TIER_HASH = re.compile(r"(/dev/shm/ftkit-golden-)[0-9a-f]{8}")
 MODEL = MODEL_CONFIGS / "Meta-Llama-3-8B.json"
 
 STAGES = (0, 1, 2, 3)
@@ -95,6 +98,7 @@ def outputs(tmp_path: Path, case: tuple[int, str, str, str, bool]) -> dict[str, 
         ):
             r = runner.invoke(cli, args, catch_exceptions=False, env={"FTKIT_BANDWIDTH_FILE": str(tmp_path / "none")})
             out[name] = f"exit {r.exit_code}\n{r.output}".replace(str(tmp_path), "<tmp>")
+            out[name] = TIER_HASH.sub(r"\1<hash>", out[name])
         for f in ("ds_config.json", "accelerate.yaml"):
             path = tmp_path / "configs" / f
             out[f] = path.read_text().replace(str(tmp_path), "<tmp>") if path.exists() else "(not written)\n"

@@ -20,7 +20,9 @@ from ftkit.checkpoint.layout import COMMIT_FILE
 from ftkit.checkpoint.verify import verify
 from ftkit.errors import ExitCode
 from ftkit.rundir.layout import RunDir, read_jsonl
-from tests.runs import (
+from tests.helpers.runs import (
+    RUN_ENV,
+    RUN_TIMEOUT_S,
     assert_no_process_left,
     ftkit,
     heartbeat_step,
@@ -33,9 +35,7 @@ from tests.runs import (
     start_ftkit,
     wait_for,
 )
-from tests.runs import write_recipe as _write_recipe
-
-from conftest import RUN_ENV, RUN_TIMEOUT_S
+from tests.helpers.runs import write_recipe as _write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -122,7 +122,7 @@ def test_killing_the_copying_agent_and_then_the_attempt_never_leaves_a_partial_d
     recipe = tier_recipe(
         tmp_path,
         fx,
-        train__max_steps=16,
+        train__max_steps=60,
         train__save_steps=4,
         resilience__max_restarts=3,
         resilience__hang_timeout_s=60,
@@ -167,7 +167,7 @@ def test_killing_the_copying_agent_and_then_the_attempt_never_leaves_a_partial_d
     for _, path in list_checkpoints(run):
         assert verify(path, True, require_commit=True).ok
     assert not list(run.glob(".staging-*")), "a staging directory was left"
-    assert losses(run).keys() == set(range(1, 17))
+    assert losses(run).keys() == set(range(1, 61))
     assert_no_process_left(run)
 
 
@@ -200,15 +200,3 @@ def test_a_graceful_stop_saves_to_the_local_tier_waits_for_the_durable_copy_and_
     assert_no_process_left(run)
     root = local_tier_root(run)
     assert root is not None and not root.exists()
-
-
-def test_the_plan_shows_the_tier_per_node_or_why_it_is_off(tmp_path: Path, fx: dict[str, Path]) -> None:
-    r = ftkit("plan", str(_write_recipe(tmp_path, fx)))
-    assert r.returncode == 0, r.stderr
-    assert "local checkpoint tier: off (checkpoint.local_dir: null" in r.stdout
-    r = ftkit("plan", str(tier_recipe(tmp_path, fx)))
-    assert r.returncode == 0, r.stderr
-    line = next(x for x in r.stdout.splitlines() if x.startswith("local checkpoint tier:"))
-    assert "/dev/shm/ftkit-" in line and "a save every 1 step(s)" in line and "GiB host memory per node" in line
-    r = ftkit("plan", str(tier_recipe(tmp_path, fx)), "cluster.host_memory_gb=0.001", "zero.stage=2")
-    assert "local checkpoint tier: off (auto: the tier needs" in r.stdout, r.stdout[-2000:]
