@@ -68,7 +68,7 @@ lint: install
 format: install
 	$(PY) -m ruff format ftkit launch tests benchmarks
 
-# Refresh the comments in the shipped templates and the generated docs after editing ftkit/schema.py.
+# Refresh the comments in the shipped templates and the generated docs after editing ftkit/recipe/schema.py.
 templates: install
 	$(PY) -m ftkit.recipe.scaffold templates/*.yaml
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -31,17 +32,19 @@ from pathlib import Path
 from typing import Any
 
 from ftkit.checkpoint.directory import rotate
-from ftkit.checkpoint.layout import DURABLE_MARK
+from ftkit.checkpoint.layout import COMMIT_FILE, DURABLE_MARK, PEER_MARK
 from ftkit.checkpoint.tiers import (
     CopyError,
     NodePart,
     copy_to_durable,
     copy_to_peer,
+    discard_newer,
     local_checkpoints,
     newest_durable,
     node_dir,
     peer_parts,
     publish,
+    rotate_peer_copies,
     verify_part,
 )
 from ftkit.cluster.hosts import is_local
@@ -69,8 +72,6 @@ def _send(ssh_config: str | None, host: str) -> Any:
     """Copy a directory to ``host``'s file system over ssh (tar through one session), atomically there."""
 
     def send(src: Path, dst: Path) -> None:
-        import shlex
-
         tmp = dst.with_name(f".{dst.name}.tmp")
         remote = (
             f"rm -rf {shlex.quote(str(tmp))} && mkdir -p {shlex.quote(str(tmp))} && tar -C {shlex.quote(str(tmp))} "
@@ -139,6 +140,7 @@ class Agent:
             send = None if is_local(self.peer) else _send(self.tier.get("ssh_config"), self.peer)
             t0 = time.time()
             copy_to_peer(NodePart(self.host, step, path, rec), node_dir(self.tier["dir"], self.peer), send)
+            (path / PEER_MARK).touch()  # this part pairs with the copy: rotation keeps it (peer_protected)
             self._peered = getattr(self, "_peered", set()) | {step}
             self.say("peer_copy", step=step, to=self.peer, copy_s=round(time.time() - t0, 3))
 
@@ -148,6 +150,7 @@ class Agent:
                 for part in self.pending():
                     self.copy(part)
                 self.peer_copy()
+                rotate_peer_copies(self.dir)
             except (CopyError, OSError) as e:  # a torn local part, a full disk: say so, try the next one
                 print(f"ftkit agent on {self.host}: {e}", file=sys.stderr, flush=True)
             time.sleep(POLL_S)
@@ -163,11 +166,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step", type=int)
     ap.add_argument("--lost", default="")
     ap.add_argument("--parent", type=int, default=0)
+    ap.add_argument("--newer-than", type=int, help="clean: only the parts of later steps (-1: every step)")
     a = ap.parse_args(argv)
     if a.command == "clean":
         spec = RunSpec.read(RunDir(a.run_dir).spec)
         tier = spec.local_tier or {}
         d = node_dir(tier.get("dir", ""), a.host) if tier.get("dir") else None
+        if d is not None and a.newer_than is not None:
+            gone = discard_newer(d, None if a.newer_than < 0 else a.newer_than)
+            print(json.dumps({"host": a.host, "ok": True, "discarded": sorted(p.name for p in gone)}))
+            return 0
         if d is not None:
             shutil.rmtree(d, ignore_errors=True)
             root = d.parent
@@ -196,20 +204,33 @@ def main(argv: list[str] | None = None) -> int:
     # assemble
     own = agent.dir / f"checkpoint-{a.step}"
     parts = []
-    for host, path in [(a.host, own)] + [
-        (lost, p) for lost in filter(None, a.lost.split(",")) for s, p in peer_parts(agent.dir, lost) if s == a.step
-    ]:
+    wanted = [(a.host, own)]
+    for lost in filter(None, a.lost.split(",")):
+        copy = dict(peer_parts(agent.dir, lost)).get(a.step)
+        if copy is None:
+            held = sorted(s for s, _ in peer_parts(agent.dir, lost))
+            print(
+                json.dumps(
+                    {
+                        "host": a.host,
+                        "ok": False,
+                        "reason": f"no peer copy of step {a.step} of {lost} here (it holds {held or 'none'})",
+                    }
+                )
+            )
+            return 0
+        wanted.append((lost, copy))
+    for host, path in wanted:
         v = verify_part(path)
         if not v.ok:
-            print(json.dumps({"host": a.host, "ok": False, "reason": v.reason}))
+            print(json.dumps({"host": a.host, "ok": False, "reason": f"{host}'s part: {v.reason}"}))
             return 0
         parts.append(NodePart(host, a.step, path, v.record or {}))
     for part in parts:
         copy_to_durable(agent.rd.path, part)
     published = publish(agent.rd.path, a.step, parts[0].record)
-    print(
-        json.dumps({"host": a.host, "ok": published is not None or (agent.rd.path / f"checkpoint-{a.step}").is_dir()})
-    )
+    done = published is not None or (agent.rd.path / f"checkpoint-{a.step}" / COMMIT_FILE).is_file()
+    print(json.dumps({"host": a.host, "ok": done, "reason": None if done else "parts of other nodes missing"}))
     return 0
 
 

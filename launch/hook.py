@@ -1,4 +1,5 @@
-"""The import hook: ftkit's per-rank services for a script that never heard of ftkit (DESIGN §8).
+"""The import hook: ftkit's per-rank services for a script that never heard of ftkit (docs/design.md, Wrapping a
+user's script).
 
 Mechanism. For ``ftkit launch RECIPE -- CMD`` ftkit puts ``launch/inject`` (shipped as ``ftkit/launch/inject``)
 first on the ranks' ``PYTHONPATH``, for that run only (``--dry-run`` shows it; ``--no-inject`` leaves it out).

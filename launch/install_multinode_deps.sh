@@ -1,7 +1,7 @@
 #!/bin/sh
 # Install what the Tier 2 (multi-node) tests need on a Debian/Ubuntu machine: an sshd to run per network
 # namespace and pdsh for the deepspeed launcher. Idempotent and quiet: exits 0 at once when both are present.
-# Needs root (apt-get). Used by tests/netns.py when sshd or pdsh is missing; safe to run by hand.
+# Needs root (apt-get). Used by tests/helpers/netns.py when sshd or pdsh is missing; safe to run by hand.
 set -eu
 
 have() { [ -x /usr/sbin/sshd ] && command -v pdsh >/dev/null 2>&1 && command -v ssh-keygen >/dev/null 2>&1; }

@@ -2,7 +2,7 @@
 # Install what the real-Slurm tests need on a Debian/Ubuntu machine: slurmctld, slurmd, the Slurm clients and
 # munge (Debian 12: Slurm 22.05, about 10 s). Idempotent and quiet: exits 0 at once when all are present. Nothing
 # is started (the tests start their own daemons, by pid, in a throwaway directory). Needs root (apt-get). Used by
-# tests/slurmcluster.py when something is missing; safe to run by hand.
+# tests/helpers/slurm.py when something is missing; safe to run by hand.
 set -eu
 
 have() {

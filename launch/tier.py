@@ -20,6 +20,7 @@ from ftkit.checkpoint.tiers import (
     files_on_node,
     newest_durable,
     node_dir,
+    peer_protected,
     prune_set_records,
     rotate_local,
     write_set_record,
@@ -140,7 +141,7 @@ class NodeTier:
             write_set_record(
                 ctx.rd.path, step, attempt=ctx.attempt, nodes=self.nodes, world_size=ctx.world_size, stop=stop or None
             )
-            prune_set_records(ctx.rd.path, self.keep, self.durable_steps)
+            prune_set_records(ctx.rd.path, self.keep, self.durable_steps, protect=peer_protected(self.dir))
         removed: list[str] = []
         if ctx.local_rank == 0:
             try:

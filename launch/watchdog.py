@@ -1,4 +1,4 @@
-"""Ranks watch their supervisor, as the supervisor watches them (DESIGN §7).
+"""Ranks watch their supervisor, as the supervisor watches them (docs/design.md, Run directory).
 
 A rank whose ``ftkit launch`` is gone (SIGKILLed, its terminal or ssh session closed, its head node lost) must not
 train on unwatched, holding GPUs with no hang detection and no restarts. A daemon thread in every rank looks every

@@ -43,6 +43,7 @@ from ftkit.checkpoint.layout import (
     _ZERO_RANK_RE,
     COMMIT_FILE,
     DURABLE_MARK,
+    PEER_MARK,
     _payload_files,
     read_commit,
 )
@@ -120,13 +121,17 @@ def set_records(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return sorted(out, key=lambda r: -r["step"])
 
 
-def prune_set_records(run_dir: str | os.PathLike[str], keep: int, durable_every: int) -> None:
+def prune_set_records(
+    run_dir: str | os.PathLike[str], keep: int, durable_every: int, protect: Iterable[int] = ()
+) -> None:
     """Set records a resume can no longer use: older than the run directory's newest durable step, or neither among
-    the ``keep`` newest nor due in the run directory (the local tiers rotated them away)."""
+    the ``keep`` newest nor due in the run directory nor in ``protect`` (steps kept for peer copies,
+    :func:`peer_protected`): the local tiers rotated them away."""
     durable = newest_durable(run_dir)
+    keep_steps = set(protect)
     for i, rec in enumerate(set_records(run_dir)):
         step = rec["step"]
-        due = step % durable_every == 0 or rec.get("stop")
+        due = step % durable_every == 0 or rec.get("stop") or step in keep_steps
         if (durable is not None and step < durable) or (i >= keep and not due):
             try:
                 (Path(run_dir) / SETS_DIR / f"checkpoint-{step}.json").unlink()
@@ -160,14 +165,74 @@ def local_checkpoints(directory: Path) -> list[tuple[int, Path, dict[str, Any]]]
 
 
 def rotate_local(directory: Path, keep: int, durable_every: int, durable_step: int | None) -> list[Path]:
-    """Keep the ``keep`` newest committed local checkpoints, and any whose step is due in the run directory (a
-    multiple of ``durable_every``, or a stop's save) and not yet there. Torn saves older than the newest go."""
+    """Keep the ``keep`` newest committed local checkpoints, any whose step is due in the run directory (a
+    multiple of ``durable_every``, or a stop's save) and not yet there, and those a peer copy pairs with
+    (:func:`peer_protected`). Torn saves older than the newest go."""
     protect = []
+    paired = peer_protected(directory)
     for step, path, rec in local_checkpoints(directory):
         due = step % durable_every == 0 or (rec.get("extra") or {}).get("stop")
-        if due and not (path / DURABLE_MARK).exists() and (durable_step is None or step > durable_step):
+        if step in paired or (
+            due and not (path / DURABLE_MARK).exists() and (durable_step is None or step > durable_step)
+        ):
             protect.append(path)
     return rotate(directory, keep, protect=protect)
+
+
+def peer_protected(directory: Path) -> set[int]:
+    """Steps of this node's own parts a lost node's recovery needs: the newest one this node copied to the next
+    node (:data:`PEER_MARK`), and the newest of each peer copy it holds (its own part completes that set)."""
+    steps = set()
+    marked = [step for step, path, _ in local_checkpoints(directory) if (path / PEER_MARK).exists()]
+    if marked:
+        steps.add(max(marked))
+    held = directory / PEER_DIR
+    for src in held.iterdir() if held.is_dir() else []:
+        copies = peer_parts(directory, src.name)
+        if copies:
+            steps.add(copies[0][0])
+    return steps
+
+
+def rotate_peer_copies(directory: Path) -> list[Path]:
+    """Keep the newest committed peer copy of each node held here; older ones (and torn ones older than it) go.
+    Copies still arriving (``.checkpoint-N.tmp``) are the sender's business."""
+    removed = []
+    held = directory / PEER_DIR
+    for src in held.iterdir() if held.is_dir() else []:
+        copies = peer_parts(directory, src.name)
+        if not copies:
+            continue
+        newest = copies[0][0]
+        for p in src.iterdir():
+            m = _CKPT_RE.match(p.name)
+            if m and int(m.group(1)) < newest:
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+    return removed
+
+
+def discard_newer(directory: Path, step: int | None) -> list[Path]:
+    """A resume from ``step`` (None: from scratch) makes every local part and peer copy of a later step stale: an
+    earlier attempt's, perhaps at another world size. The new attempt saves those steps again."""
+    gone = []
+    dirs = [directory] + ([p for p in (directory / PEER_DIR).iterdir()] if (directory / PEER_DIR).is_dir() else [])
+    for d in dirs:
+        for p in d.iterdir() if d.is_dir() else []:
+            m = _CKPT_RE.match(p.name)
+            if m and (step is None or int(m.group(1)) > step):
+                shutil.rmtree(p, ignore_errors=True)
+                gone.append(p)
+    return gone
+
+
+def discard_set_records_newer(run_dir: str | os.PathLike[str], step: int | None) -> None:
+    for rec in set_records(run_dir):
+        if step is None or rec["step"] > step:
+            try:
+                (Path(run_dir) / SETS_DIR / f"checkpoint-{rec['step']}.json").unlink()
+            except OSError:
+                pass
 
 
 # ------------------------------------------------------------------------------------------------ copying

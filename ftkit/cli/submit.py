@@ -1,4 +1,4 @@
-"""ftkit submit: parse the command line and call :func:`ftkit.submit.submit`."""
+"""ftkit submit: parse the command line and call :func:`ftkit.run.submit.submit`."""
 
 from __future__ import annotations
 

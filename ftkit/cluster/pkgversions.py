@@ -3,8 +3,8 @@
 One home for "which torch/deepspeed/... is installed here", on this machine and on every host preflight visits.
 Remote hosts run this file's source as ``python -S -c SOURCE``: no ``site`` processing and no
 ``importlib.metadata`` (which imports email, zipfile and csv parsing), so a probe costs ~10 ms of CPU instead of
-~90 ms (measured on the dev machine: ``/usr/bin/time python -S -c "$(cat ftkit/pkgversions.py)"``), paid once per
-host on every launch (benchmarks/fanout.py).
+~90 ms (measured on the dev machine: ``/usr/bin/time python -S -c "$(cat ftkit/cluster/pkgversions.py)"``), paid
+once per host on every launch (benchmarks/fanout.py).
 
 What it reads: the directories Python would search (``sys.path``, then a virtual environment's site-packages, then
 the user's site directory and the installation's site-packages when Python would add them), first match wins as

@@ -1,9 +1,10 @@
 """FSDP sources, in one place: refused until ftkit has an FSDP backend.
 
 Accelerate's ``distributed_type: FSDP`` with its ``fsdp_config``, TrainingArguments' ``fsdp``/``fsdp_config`` and
-Axolotl's ``fsdp``/``fsdp_config``/``fsdp_version`` all come here. When ftkit gains FSDP2 (DESIGN.md §11:
-``fsdp_version: 2``, auto-wrap by layer class, ``reshard_after_forward``, ``offload_params``, sharded state dict),
-this module maps them to the recipe instead (FSDP1 sources as FSDP2, with a report line), and nothing else changes.
+Axolotl's ``fsdp``/``fsdp_config``/``fsdp_version`` all come here. When ftkit gains FSDP2 (docs/design.md,
+FSDP2 (not yet): ``fsdp_version: 2``, auto-wrap by layer class, ``reshard_after_forward``, ``offload_params``, sharded
+state dict), this module maps them to the recipe instead (FSDP1 sources as FSDP2, with a report line), and nothing
+else changes.
 """
 
 from __future__ import annotations

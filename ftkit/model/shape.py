@@ -1,8 +1,8 @@
 """Parameter counts and shapes of a model, from its ``config.json`` alone.
 
 The planner needs Ψ (total parameters), the trainable count (all of Ψ, or the LoRA adapters), the hidden size
-(bucket sizes, DESIGN §3), the largest layer (ZeRO-3 gathers it whole) and the dimensions that drive activation
-memory. Loading weights to learn these would take minutes and many GiB, so:
+(bucket sizes: docs/design.md, Rendering rules), the largest layer (ZeRO-3 gathers it whole) and the dimensions that
+drive activation memory. Loading weights to learn these would take minutes and many GiB, so:
 
 * ``count_params(cfg)`` enumerates every parameter tensor in closed form for the common decoder families
   (llama, mistral, mixtral, qwen2, qwen3, gemma, gemma2, phi3, gpt2, gpt_neox), with transformers' config-class

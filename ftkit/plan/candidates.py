@@ -5,8 +5,8 @@ config.json (closed form, or the meta device for unknown families), LoRA trainab
 the batch, sequence length and buckets from the plan. ``zero.stage: auto`` / ``zero.offload_optimizer: auto``
 take the fastest candidate that fits ``cluster.gpu_memory_gb`` with :data:`HEADROOM` to spare, fastest by the step
 time :mod:`ftkit.plan.comm` predicts (compute + exposed communication on the recipe's network; ZeRO++ candidates across
-nodes, with a margin; the DESIGN §4 order breaks ties); fixed choices are estimated too, so ``ftkit plan`` can warn
-when they will not fit.
+nodes, with a margin; the order of docs/design.md, Memory planning, breaks ties); fixed choices are estimated too, so
+``ftkit plan`` can warn when they will not fit.
 """
 
 from __future__ import annotations
@@ -186,7 +186,8 @@ def plan_memory(plan: Any) -> MemoryReport:
         )
     ctx = plan_context_for(plan, shape)
     preds = {c.label: predict_for(c, w, plan, ctx, gpu) for c in allowed}
-    # auto: the fastest predicted first (the DESIGN §4 order breaks ties), so choose() takes the fastest that fits
+    # auto: the fastest predicted first (the order of docs/design.md, Memory planning, breaks ties), so choose() takes
+    # the fastest that fits
     allowed.sort(key=lambda c: ranking_time(preds[c.label]))
     choice = choose(with_zeropp(estimate_all(w, allowed), w), gpu, host, HEADROOM)
     selected = choice.chosen if auto else choice.estimates[0]

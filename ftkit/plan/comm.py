@@ -1,4 +1,4 @@
-"""Communication and step time per optimizer step, for every ZeRO candidate (DESIGN §9).
+"""Communication and step time per optimizer step, for every ZeRO candidate (docs/design.md, Communication model).
 
 Bytes are predicted **in the unit DeepSpeed's comms logger reports** (``deepspeed.comm.comms_logger.comms_dict``):
 the message size of each call, i.e. the tensor DeepSpeed hands to the collective — the whole bucket for
@@ -7,7 +7,7 @@ calls of one optimizer step on one rank. Notation: Ψ parameters, Φ trainable, 
 micro-steps per optimizer step, b bytes per element on the wire (the training dtype: DeepSpeed's
 ``communication_data_type`` defaults to it), ⌈x⌉_N = N·⌈x/N⌉ (ZeRO-3 pads every tensor to a multiple of N).
 What DeepSpeed 0.19 does (read in ``runtime/zero/stage_1_and_2.py`` and ``stage3.py``, and measured on 2 CPU ranks
-by tests/test_comm.py):
+by tests/integration/plan/test_comm_measured.py; tests/plan/test_comm.py pins the logged numbers):
 
 ==========  =====================================================  =============================================
 stage       gradients                                             parameters

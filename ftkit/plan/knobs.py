@@ -1,4 +1,4 @@
-"""Every knob the rendered configs carry, decided in one place with its reason (DESIGN.md §3).
+"""Every knob the rendered configs carry, decided in one place with its reason (docs/design.md, Rendering rules).
 
 :func:`decide_zero_knobs` and :func:`decide_config_knobs` run inside :func:`ftkit.plan.plan.build_plan`, after the stage
 and offload are resolved, and record each value with the rule or source that produced it in ``plan.knobs``. The

@@ -1,9 +1,9 @@
 """Per-GPU (and per-node host) memory of a fine-tuning run, for every ZeRO stage and offload choice.
 
 The planner calls :func:`estimate_all` for a :class:`Workload`, then :func:`choose` picks the fastest candidate
-that fits (DESIGN §4 order) and gives every other one a reason; :func:`suggestions` says what would make a run
-fit when nothing does. :func:`rank_partition` gives the exact per-rank element counts DeepSpeed allocates, which a
-test checks against a real 2-process run.
+that fits (in the order of docs/design.md, Memory planning) and gives every other one a reason; :func:`suggestions`
+says what would make a run fit when nothing does. :func:`rank_partition` gives the exact per-rank element counts
+DeepSpeed allocates, which a test checks against a real 2-process run.
 
 Notation (ZeRO paper): Ψ parameters in the model (base + LoRA adapters), Φ trainable parameters (Ψ for full
 fine-tuning, the adapters for LoRA), N ranks (world size), g ranks per node, k bytes per 16-bit value (2 for
@@ -123,9 +123,9 @@ class Candidate:
 
 
 def candidates(include_stage0: bool = False, include_nvme: bool = True) -> list[Candidate]:
-    """All candidates, fastest first (DESIGN §4): ZeRO-1 → ZeRO-2 → ZeRO-2 + optimizer offload → ZeRO-3 →
-    ZeRO-3 + optimizer offload → ZeRO-3 + param offload (with the optimizer offloaded too, the usual pairing),
-    then the NVMe variants, slowest of all.
+    """All candidates, fastest first (docs/design.md, Memory planning): ZeRO-1 → ZeRO-2 → ZeRO-2 + optimizer
+    offload → ZeRO-3 → ZeRO-3 + optimizer offload → ZeRO-3 + param offload (with the optimizer offloaded too, the
+    usual pairing), then the NVMe variants, slowest of all.
 
     Stage 0 (plain data parallel) is optional: with several ranks ZeRO-1 costs the same communication and less
     memory, so it only wins for a single rank.
@@ -161,11 +161,11 @@ class Workload:
     lora_params: int | None = None  # trainable adapter parameters; None = full fine-tuning
     gradient_checkpointing: bool = False
     flash_attention: bool = False  # attention kernel never materialises the s×s scores (SDPA/flash)
-    reduce_bucket_size: int | None = None  # None: h² (DESIGN §3)
+    reduce_bucket_size: int | None = None  # None: h² (docs/design.md, Rendering rules)
     allgather_bucket_size: int = 500_000_000
     stage3_prefetch_bucket_size: int | None = None  # None: int(0.9·h²)
     stage3_max_live_parameters: int = 1_000_000_000
-    overlap_comm: bool | None = None  # None: DESIGN §3 default (true at stage 3, false at 1/2)
+    overlap_comm: bool | None = None  # None: docs/design.md, Rendering rules (true at stage 3, false at 1/2)
     pin_memory: bool = True  # offloaded states in page-locked host memory
     load_bytes_per_param: int | None = None  # bytes per weight while loading; None: k (loaded in training dtype)
 

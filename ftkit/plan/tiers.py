@@ -57,6 +57,13 @@ class LocalTier:
         }
 
 
+def shm_bytes(tier: LocalTier | None) -> int:
+    """What the tier holds at most of a node's /dev/shm (0: no tier, or one on a disk): checked in the preflight."""
+    if tier is None or not (tier.dir == DEFAULT_ROOT or tier.dir.startswith(DEFAULT_ROOT + "/")):
+        return 0
+    return int(tier.bytes_per_node * (tier.keep + 1 + tier.peer_copies))
+
+
 def default_dir(run_dir: str, name: str) -> str:
     """``/dev/shm/ftkit-<name>-<hash of the run directory>/{host}``: one directory per run, then per node."""
     digest = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:8]

@@ -2,7 +2,7 @@
 
 Precedence, stated once: **command-line ``key=value`` > recipe file > defaults.** A value given on the command
 line replaces the file's value for that key; a key absent from both takes the default declared in
-:mod:`ftkit.recipe.schema`. (Pinned by ``tests/test_recipe.py::test_precedence``.)
+:mod:`ftkit.recipe.schema`. (Pinned by ``tests/recipe/test_recipe.py::test_precedence``.)
 
 Every problem is collected before anything fails, each reported as ``FILE:LINE KEY: problem`` with the fix, and
 raised once as :class:`ftkit.errors.RecipeError` (exit 2, no traceback). Each resolved value remembers where it

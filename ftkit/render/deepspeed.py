@@ -1,9 +1,9 @@
 """DeepSpeed config from a Plan: concrete numbers only (never "auto"), so a checked-in file can be reviewed.
 
-The plan decides every value (the rules, with their reasons, in :mod:`ftkit.plan.knobs`; DESIGN.md §3); this module only
-formats ``plan.knobs`` and the recipe's plain values (learning rate, betas...) as DeepSpeed's JSON. A knob the plan
-did not record for the chosen stage (round_robin_gradients at stage 3, ZeRO++'s knobs when not chosen, pin_memory
-without offload...) is not written.
+The plan decides every value (the rules, with their reasons, in :mod:`ftkit.plan.knobs`; docs/design.md, Rendering
+rules); this module only formats ``plan.knobs`` and the recipe's plain values (learning rate, betas...) as DeepSpeed's
+JSON. A knob the plan did not record for the chosen stage (round_robin_gradients at stage 3, ZeRO++'s knobs when not
+chosen, pin_memory without offload...) is not written.
 """
 
 from __future__ import annotations

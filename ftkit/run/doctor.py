@@ -46,6 +46,7 @@ from ftkit.cluster.fanout import run_on_hosts
 from ftkit.cluster.hosts import LOCAL_HOSTS
 from ftkit.errors import PreflightError
 from ftkit.plan.comm import BANDWIDTH_FILE_VERSION, DEFAULT_NETWORK, NETWORK_PRESETS, bandwidth_file
+from ftkit.plan.tiers import shm_bytes
 from ftkit.run.doctor_checks import DoctorReport, check_facts, check_locks
 from ftkit.run.preflight import local_versions, run_preflight
 from ftkit.rundir.layout import atomic_write
@@ -113,7 +114,7 @@ def _facts(
             )
             continue
         rep.set(host, "ssh", "local" if host in LOCAL_HOSTS else f"{res.seconds:.1f}s")
-        check_facts(rep, host, f, mine, time.time(), r.cluster.accelerator)
+        check_facts(rep, host, f, mine, time.time(), r.cluster.accelerator, tier_bytes=shm_bytes(plan.local_tier))
         locks[host] = f.get("locks", [])
     check_locks(rep, locks)
     return unreachable

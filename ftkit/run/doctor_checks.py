@@ -122,9 +122,16 @@ def _ifname_matches(spec: str, names: list[str], nccl: bool) -> list[str]:
 
 
 def check_facts(
-    rep: DoctorReport, host: str, f: dict[str, Any], mine: dict[str, str], received: float, accel: str
+    rep: DoctorReport,
+    host: str,
+    f: dict[str, Any],
+    mine: dict[str, str],
+    received: float,
+    accel: str,
+    tier_bytes: int = 0,
 ) -> None:
-    """Turn one host's facts into cells and failures (pure: tested without any host)."""
+    """Turn one host's facts into cells and failures (pure: tested without any host). ``tier_bytes``: what the
+    run's local checkpoint tier needs of /dev/shm on each node (0: no tier there)."""
     theirs = f.get("versions", {})
     diffs = [f"{k} {theirs.get(k, 'missing')} (here {v})" for k, v in mine.items() if theirs.get(k) != v]
     if diffs:
@@ -164,6 +171,14 @@ def check_facts(
             "shm",
             f"/dev/shm {_gib(shm.get('total', 0))} total, {_gib(shm.get('free', 0))} free (< {_gib(MIN_SHM)})",
             "enlarge it (docker run --shm-size=16g; mount -o remount,size=16G /dev/shm) or remove stale buffers",
+        )
+    elif tier_bytes and shm.get("free", 0) < tier_bytes + MIN_SHM:
+        rep.fail(
+            host,
+            "shm",
+            f"the local checkpoint tier needs {_gib(tier_bytes)} of /dev/shm and the collectives {_gib(MIN_SHM)}: "
+            f"{_gib(shm.get('free', 0))} free",
+            "set checkpoint.local_dir to node-local NVMe, or null; or enlarge /dev/shm",
         )
     else:
         rep.set(host, "shm", f"{_gib(shm['total'])}/{_gib(shm['free'])} free")

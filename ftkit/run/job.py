@@ -1,10 +1,10 @@
 """``ftkit launch`` as a library call: plan → own the run directory → preflight → decide the resume → write the
 run's configs and spec → supervise → summary.
 
-The order is the contract of DESIGN §7: nothing of the run directory (spec, configs, checkpoints) is written
-before the run is owned (:mod:`ftkit.run.owner`) and the resume decision is made: which checkpoint, and whether what
-changed since it was saved may be applied (:mod:`ftkit.run.fingerprint`). A refused launch leaves the directory as it
-found it.
+The order is the contract of docs/design.md, Run directory: nothing of the run directory (spec, configs,
+checkpoints) is written before the run is owned (:mod:`ftkit.run.owner`) and the resume decision is made: which
+checkpoint, and whether what changed since it was saved may be applied (:mod:`ftkit.run.fingerprint`). A refused
+launch leaves the directory as it found it.
 """
 
 from __future__ import annotations

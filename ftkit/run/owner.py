@@ -1,4 +1,4 @@
-"""Who owns a run directory: one live supervisor per run (DESIGN §7).
+"""Who owns a run directory: one live supervisor per run (docs/design.md, Run directory).
 
 ``ftkit launch`` holds two things for its whole life, both under ``RUN_DIR/ftkit/``:
 

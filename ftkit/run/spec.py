@@ -14,9 +14,9 @@ from ftkit.plan.plan import Plan
 from ftkit.run.fingerprint import compute as compute_fingerprint
 from ftkit.rundir.spec import DataSpec, RunSpec
 
-# TrainingArguments a wrapped script always gets from the recipe (DESIGN §8: the recipe is the source of truth for
-# what it states): the batch triple, precision, seed, save cadence, step limit, output directory, DeepSpeed config
-# and device. The optimizer's values join them when the recipe states them explicitly (STATED_WHEN_EXPLICIT).
+# TrainingArguments a wrapped script always gets from the recipe (the recipe decides what it states: docs/design.md,
+# Wrapping a user's script): the batch triple, precision, seed, save cadence, step limit, output directory, DeepSpeed
+# config and device. The optimizer's values join them when the recipe states them explicitly (STATED_WHEN_EXPLICIT).
 ALWAYS_STATED = (
     "output_dir",
     "per_device_train_batch_size",

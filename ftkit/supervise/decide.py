@@ -6,8 +6,8 @@
 * :func:`decide` maps a failure (its :class:`FailureKind`) and the job's history (:class:`RestartPolicy`) to one
   :class:`Decision`: restart, shrink onto the remaining hosts, or stop with a documented exit code.
 
-``tests/test_supervise.py`` covers every branch with a fake clock; :mod:`ftkit.supervise.supervisor` only carries them
-out.
+``tests/supervise/test_supervise.py`` covers every branch with a fake clock; :mod:`ftkit.supervise.supervisor` only
+carries them out.
 """
 
 from __future__ import annotations

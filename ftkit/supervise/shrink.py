@@ -1,8 +1,8 @@
 """Continuing on fewer hosts: find the lost ones, and convert a checkpoint to DeepSpeed's universal format.
 
 After a teardown the supervisor probes every remote host of the attempt (:func:`probe_hosts`). When some are lost
-and ``cluster.min_nodes`` allows it (:func:`ftkit.decide.decide` says SHRINK), the job is replanned on the rest
-keeping the global batch, and the newest committed checkpoint, saved by more ranks, is converted with DeepSpeed's
+and ``cluster.min_nodes`` allows it (:func:`ftkit.supervise.decide.decide` says SHRINK), the job is replanned on the
+rest keeping the global batch, and the newest committed checkpoint, saved by more ranks, is converted with DeepSpeed's
 ``ds_to_universal`` (:func:`convert_newest`) and loaded with ``checkpoint.load_universal`` for one attempt.
 """
 

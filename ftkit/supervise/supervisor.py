@@ -14,7 +14,7 @@
 * **teardown** stops the whole run on every host by process group and recorded pid (SIGTERM, grace, SIGKILL) and
   removes its /dev/shm buffers. It runs in a ``finally``: no exception between spawn and teardown leaves ranks
   holding the GPUs.
-* **decide** is :func:`ftkit.decide.decide`, a pure function: restart, shrink onto the remaining hosts
+* **decide** is :func:`ftkit.supervise.decide.decide`, a pure function: restart, shrink onto the remaining hosts
   (:mod:`ftkit.supervise.shrink`), or stop with a documented exit code.
 
 Every decision is a line in ``events.jsonl``. A full disk ends the run with "no space left on <path>" (exit 12).
@@ -52,7 +52,7 @@ from ftkit.supervise.fidelity import FidelityCheck
 from ftkit.supervise.observe import Observer, log_tail, root_cause
 from ftkit.supervise.shrink import convert_newest, probe_hosts
 from ftkit.supervise.stragglers import hosts_to_exclude, record_step_times
-from ftkit.supervise.tiers import Agents, TierChoice, choose_tier, end_local_tier
+from ftkit.supervise.tiers import Agents, TierChoice, choose_tier, discard_stale, end_local_tier
 
 # A closed terminal (SIGHUP) is handled like SIGTERM; SIGUSR1 is Slurm's advance notice (--signal=B:USR1@T).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
@@ -396,6 +396,7 @@ class Supervisor:
                 return choice.exit_code
             if local is not None:
                 choice = self._resume_local(choice, local)
+            self._discard_stale(choice.step)
             tier = "local" if local is not None else self._tier_of(choice)
             if self.interrupted or self.stop_requested:
                 return self._stop_between_attempts()
@@ -600,7 +601,15 @@ class Supervisor:
             return self.select(), None
         return choice, picked
 
+    def _discard_stale(self, step: int | None) -> None:
+        tier = self._tier()
+        if tier:
+            discard_stale(self.rd, [h for h, _ in self.inputs.hosts], step, self._agents(), self.events)
+
     def _resume_local(self, choice: Choice, local: TierChoice) -> Choice:
+        if self._universal_attempt and self.prepare is not None:
+            self.prepare(self._plan, False)  # the durable choice was converted; a local part is this world size's
+            self._universal_attempt = False
         self.events(
             "checkpoint_chosen",
             f"resuming from checkpoint-{local.step} in the local tier (commit verified on every node)",

@@ -21,7 +21,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ftkit.checkpoint.tiers import clear_set_records, clear_staging, newest_durable, resume_path, set_records
+from ftkit.checkpoint.tiers import (
+    clear_set_records,
+    clear_staging,
+    discard_set_records_newer,
+    newest_durable,
+    resume_path,
+    set_records,
+)
 from ftkit.cluster.fanout import HostResult, run_on_hosts
 from ftkit.rundir.layout import RunDir
 
@@ -48,7 +55,7 @@ class Agents:
         q = shlex.quote
 
         def line(host: str) -> str:
-            opts = " ".join(f"--{k} {q(str(v))}" for k, v in options.items() if v is not None)
+            opts = " ".join(f"--{k.replace('_', '-')} {q(str(v))}" for k, v in options.items() if v is not None)
             return f"{q(self.python)} -m ftkit.launch.agent {command} {q(str(self.rd.path))} --host {q(host)} {opts}"
 
         results = run_on_hosts(
@@ -123,7 +130,21 @@ def choose_tier(
                     tier="peer",
                 )
                 return TierChoice("peer", step, None)
+            for node, a in answers.items():
+                if not a.get("ok"):
+                    why = f"assembling from peer copies on {node}: {a.get('reason')}"
+                    events("tier_rejected", f"step {step}: {why}", step=step, node=node, reason=why)
     return None
+
+
+def discard_stale(rd: RunDir, hosts: list[str], step: int | None, agents: Agents, events: Callable[..., None]) -> None:
+    """Before an attempt resumes from ``step`` (None: from scratch): the local parts, peer copies and set records
+    of later steps are an earlier attempt's (perhaps at another world size); the attempt saves those steps anew."""
+    discard_set_records_newer(rd.path, step)
+    answers = agents.run(hosts, "clean", newer_than=-1 if step is None else step)
+    gone = {h: a.get("discarded") for h, a in answers.items() if a.get("discarded")}
+    if gone:
+        events("tier_discarded", f"local parts newer than step {step}: {gone}", step=step, discarded=gone)
 
 
 def end_local_tier(

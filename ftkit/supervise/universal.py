@@ -7,7 +7,7 @@ partitions per parameter into ``global_stepK_universal/``; the engine loads that
 subprocess (the controller stays import-light), writes ``latest_universal`` atomically, and leaves the original
 files and the commit record untouched, so the checkpoint stays verifiable and loadable at the old world size too.
 Measured here: ZeRO-2 and ZeRO-3 checkpoints of the tiny model resume on half the ranks with per-step losses
-equal to the uninterrupted run within 1e-6 (tests/test_multinode.py).
+equal to the uninterrupted run within 1e-6 (tests/integration/multinode/test_multinode.py).
 """
 
 from __future__ import annotations

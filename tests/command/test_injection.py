@@ -1,4 +1,5 @@
-"""Every string that reaches a shell is quoted once, where the shell line is built (issue 10, DESIGN §7).
+"""Every string that reaches a shell is quoted once, where the shell line is built (issue 10; docs/design.md, Launch
+commands).
 
 A recording ``ssh`` stand-in sits first on PATH: it appends its argv to a log and runs the remote command with
 ``sh -c`` on this machine, as real ssh would on the remote host. Hostile values (``$(touch MARK)``, backticks,

@@ -1,6 +1,6 @@
 """Tier 2 test harness: N "hosts" as Linux network namespaces, each with its own sshd, on one machine.
 
-Design (DESIGN.md §6, Tier 2)::
+Design (docs/design.md, Testing: multinode)::
 
     root namespace (pytest, the ftkit controller, the deepspeed launcher's pdsh, ssh clients)
       bridge ftk<tag>b  10.213.7.254/24   <- the head's address on the test network
@@ -14,7 +14,7 @@ Design (DESIGN.md §6, Tier 2)::
 * Every node's interface is called ``eth0``, so one ``GLOO_SOCKET_IFNAME=eth0`` works on all of them.
 * The namespaces share everything but the network: the filesystem (same /work paths, same venv, same run
   directory: heartbeats and checkpoints written on a node are visible to the head), pids, users and the
-  hostname (so torchrun needs ``--rdzv-conf is_host=1/0``, DESIGN §6).
+  hostname (so torchrun needs ``--rdzv-conf is_host=1/0``, docs/design.md, Testing).
 * Inside a node, ``node0``, ``node1``… and ``head`` resolve to their test addresses (``/etc/netns/<ns>/hosts``,
   which ``ip netns exec`` bind-mounts over ``/etc/hosts`` for sshd and everything it starts). On the head the
   names are ssh aliases only (:attr:`NetnsCluster.ssh_config`): pass addresses, not names, where the head itself

@@ -81,7 +81,7 @@ def write_recipe(directory: Path, fixtures: dict[str, Path], **overrides: Any) -
             "seed": 7,
         },
         "zero": {"stage": 2},
-        # every save to the run directory, as the tests of checkpoints there expect; tests/test_tiers.py turns the
+        # every save to the run directory, as the tests of checkpoints there expect; tests/integration/tiers/ turn the
         # local tier on (the recipe's default is auto)
         "checkpoint": {"local_dir": None},
         "cluster": {

@@ -7,18 +7,22 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ftkit.cluster import buildlocks
 from ftkit.errors import PreflightError
+from ftkit.plan.tiers import shm_bytes
 from ftkit.run.doctor import cheap_checks
 from ftkit.run.doctor_checks import DoctorReport, _ifname_matches, check_facts, check_locks, format_report
 from tests.helpers.doctor import build_lock, clean_ftkit, failures, local_recipe
+from tests.helpers.paths import MODEL_CONFIGS
 
 # ------------------------------------------------------------------------------------------- build locks
 
@@ -270,3 +274,36 @@ def test_unreachable_host_is_named_and_the_rendezvous_skipped(tmp_path):
     assert data["hosts"]["ghost"]["ssh"] == "FAIL" and data["hosts"]["ghost"]["rendezvous"] == "skipped"
     assert failures(out) == [f["line"] for f in data["failures"]]
     assert failures(out)[0].startswith("host ghost: ssh: not reachable (") and "Connection refused" in out.stderr
+
+
+def test_a_local_tier_that_does_not_fit_in_dev_shm_is_a_blocking_finding():
+    rep = DoctorReport(hosts=["node0", "node1"], cells={"node0": {}, "node1": {}})
+    check_facts(rep, "node0", GOOD, MINE, 1000.0, "cpu", tier_bytes=6 << 30)  # 6 + 0.5 of 8 GiB free: fits
+    check_facts(rep, "node1", GOOD, MINE, 1000.0, "cpu", tier_bytes=8 << 30)
+    assert [f.line() for f in rep.failures] == [
+        "host node1: shm: the local checkpoint tier needs 8.0G of /dev/shm and the collectives 0.5G: 8.0G free "
+        "[set checkpoint.local_dir to node-local NVMe, or null; or enlarge /dev/shm]"
+    ]
+
+
+def test_launch_preflight_refuses_a_local_tier_larger_than_dev_shm(tmp_path):
+    """An 8B full fine-tune's tier (3 checkpoints of ~30 GiB per node) in this machine's /dev/shm: refused before
+    anything starts, in one line naming the key to change; a tier on disk is not /dev/shm's business."""
+    from ftkit.plan.load import load_and_plan
+
+    recipe = local_recipe(tmp_path)
+    shutil.copy(MODEL_CONFIGS / "Meta-Llama-3-8B.json", tmp_path / "model" / "config.json")
+    spec = yaml.safe_load(recipe.read_text())
+    spec["checkpoint"] = {"local_dir": f"/dev/shm/ftkit-pytest-{os.getpid()}/{{host}}"}
+    recipe.write_text(yaml.safe_dump(spec))
+    plan = load_and_plan(str(recipe), ())
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    free = shutil.disk_usage("/dev/shm").free
+    assert shm_bytes(plan.local_tier) > free, "this machine's /dev/shm holds an 8B tier: the test proves nothing"
+    with pytest.raises(PreflightError) as e:
+        cheap_checks(plan, [], env=env)
+    assert "host localhost: shm: the local checkpoint tier needs" in str(e.value), str(e.value)
+    assert "set checkpoint.local_dir" in str(e.value)
+    spec["checkpoint"] = {"local_dir": str(tmp_path / "nvme" / "{host}")}
+    recipe.write_text(yaml.safe_dump(spec))
+    assert shm_bytes(load_and_plan(str(recipe), ()).local_tier) == 0
