@@ -27,9 +27,25 @@ $(STAMP): setup.cfg pyproject.toml
 
 install: $(STAMP)
 
-# Everything: quick tier, real multi-process runs (slow) and the two-host namespace tests (multinode).
+# Everything, tier by tier, each with its wall time: quick (in parallel), heavy (transformers/peft in-process),
+# slow (real multi-process runs), multinode (two namespace hosts, root), slurm (a real Slurm, root). Every tier runs
+# even when an earlier one failed; the exit status is the first failure's.
+TIER_fast      := -n 3 -m "not slow and not multinode and not slurm and not heavy"
+TIER_heavy     := -m "heavy and not slow and not multinode and not slurm"
+TIER_slow      := --durations=15 -m "slow and not multinode and not slurm"
+TIER_multinode := --durations=10 -m "multinode and not slurm"
+TIER_slurm     := --durations=5 -m "slurm"
 test: install
-	$(PYTEST) -q --durations=30 tests
+	@rc=0; total=$$(date +%s); \
+	for tier in fast heavy slow multinode slurm; do \
+		case $$tier in fast) args='$(TIER_fast)';; heavy) args='$(TIER_heavy)';; slow) args='$(TIER_slow)';; \
+			multinode) args='$(TIER_multinode)';; slurm) args='$(TIER_slurm)';; esac; \
+		echo "==> tier $$tier: $(PYTEST) -q $$args tests"; t0=$$(date +%s); \
+		eval "$(PYTEST) -q $$args tests"; code=$$?; [ $$code -eq 5 ] && code=0; \
+		echo "==> tier $$tier: $$(( $$(date +%s) - t0 )) s, exit $$code"; \
+		[ $$rc -eq 0 ] && rc=$$code; \
+	done; \
+	echo "==> make test: $$(( $$(date +%s) - total )) s in all, exit $$rc"; exit $$rc
 
 # The inner loop: parsing, planning, rendering, command building, every CLI error path; under a minute on 2 cores
 # (these tests start no multi-process jobs, so they may share the machine; a third worker fills the time the
