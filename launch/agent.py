@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ftkit.checkpoint.directory import rotate
-from ftkit.checkpoint.layout import COMMIT_FILE, DURABLE_MARK, PEER_MARK
+from ftkit.checkpoint.layout import COMMIT_FILE, DURABLE_MARK, PEER_MARK, PEER_SENDING
 from ftkit.checkpoint.tiers import (
     CopyError,
     NodePart,
@@ -137,10 +137,19 @@ class Agent:
         for step, path, rec in local_checkpoints(self.dir)[:1]:
             if step in held or step in getattr(self, "_peered", set()):
                 continue
+            try:  # rotation keeps the part while it is copied (peer_protected); it may have gone just now
+                (path / PEER_SENDING).touch()
+            except FileNotFoundError:
+                continue
+            if not (path / COMMIT_FILE).is_file():
+                continue
             send = None if is_local(self.peer) else _send(self.tier.get("ssh_config"), self.peer)
             t0 = time.time()
-            copy_to_peer(NodePart(self.host, step, path, rec), node_dir(self.tier["dir"], self.peer), send)
-            (path / PEER_MARK).touch()  # this part pairs with the copy: rotation keeps it (peer_protected)
+            try:
+                copy_to_peer(NodePart(self.host, step, path, rec), node_dir(self.tier["dir"], self.peer), send)
+                (path / PEER_MARK).touch()  # the copy pairs with this part: rotation keeps the newest such
+            finally:
+                (path / PEER_SENDING).unlink(missing_ok=True)
             self._peered = getattr(self, "_peered", set()) | {step}
             self.say("peer_copy", step=step, to=self.peer, copy_s=round(time.time() - t0, 3))
 

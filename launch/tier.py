@@ -18,9 +18,9 @@ from ftkit.checkpoint.commit import manifest_part, write_commit
 from ftkit.checkpoint.layout import COMMIT_FILE
 from ftkit.checkpoint.tiers import (
     files_on_node,
+    local_checkpoints,
     newest_durable,
     node_dir,
-    peer_protected,
     prune_set_records,
     rotate_local,
     write_set_record,
@@ -141,7 +141,6 @@ class NodeTier:
             write_set_record(
                 ctx.rd.path, step, attempt=ctx.attempt, nodes=self.nodes, world_size=ctx.world_size, stop=stop or None
             )
-            prune_set_records(ctx.rd.path, self.keep, self.durable_steps, protect=peer_protected(self.dir))
         removed: list[str] = []
         if ctx.local_rank == 0:
             try:
@@ -150,6 +149,10 @@ class NodeTier:
                 ]
             except OSError as e:
                 print(f"ftkit: warning: local tier rotation stopped: {e}", flush=True)
+        if ctx.rank == 0:  # a set record lives as long as rank 0's node keeps its part (rotation kept those that
+            # pair with peer copies too), so a peer copy that arrives late still finds its set
+            held = {s for s, _, _ in local_checkpoints(self.dir)}
+            prune_set_records(ctx.rd.path, self.keep, self.durable_steps, protect=held)
         return {"tier": "local", "commit_s": commit_s, "rotated": removed}
 
     def wait_durable(self, run_dir: Path, step: int, timeout_s: float) -> bool:

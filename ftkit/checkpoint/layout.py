@@ -64,12 +64,17 @@ _MANIFEST_THREADS = 4  # per rank; several ranks share a node's cores
 SAVES_DIR = "ftkit/saves"  # relative to the output (run) directory
 DURABLE_MARK = ".ftkit_durable"  # in a local-tier checkpoint: its step is durable in the run directory (bookkeeping)
 PEER_MARK = ".ftkit_peer_copied"  # in a local-tier checkpoint: the next node holds a copy of this part (bookkeeping)
+PEER_SENDING = ".ftkit_peer_sending"  # ... a copy of it to the next node is under way (rotation keeps it meanwhile)
 
 
 def _is_bookkeeping(rel: str) -> bool:
     """Files that are not part of the checkpoint payload: our own record and temp files, NFS silly-renames."""
     name = rel.rsplit("/", 1)[-1]
-    if rel == COMMIT_FILE or (name == rel and name.startswith(_TMP_PREFIX)) or rel in (DURABLE_MARK, PEER_MARK):
+    if (
+        rel == COMMIT_FILE
+        or (name == rel and name.startswith(_TMP_PREFIX))
+        or rel in (DURABLE_MARK, PEER_MARK, PEER_SENDING)
+    ):
         return True
     # NFS renames a file that is deleted while open to .nfsXXXX until the last handle closes; not ours to cover.
     return name.startswith(".nfs")

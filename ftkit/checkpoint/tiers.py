@@ -44,6 +44,7 @@ from ftkit.checkpoint.layout import (
     COMMIT_FILE,
     DURABLE_MARK,
     PEER_MARK,
+    PEER_SENDING,
     _payload_files,
     read_commit,
 )
@@ -55,6 +56,7 @@ STAGING_PREFIX = ".staging-"  # RUN/.staging-checkpoint-N: a durable copy being 
 PEER_DIR = "peer"  # <local_dir(host)>/peer/<other host>/checkpoint-N: the previous node's part
 COPY_CHUNK = 8 << 20
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+_ARRIVING_RE = re.compile(r"^\.checkpoint-(\d+)\.tmp$")  # a peer copy on its way in (copy_to_peer, the ssh send)
 
 
 def node_dir(template: str, host: str) -> Path:
@@ -180,10 +182,16 @@ def rotate_local(directory: Path, keep: int, durable_every: int, durable_step: i
 
 
 def peer_protected(directory: Path) -> set[int]:
-    """Steps of this node's own parts a lost node's recovery needs: the newest one this node copied to the next
-    node (:data:`PEER_MARK`), and the newest of each peer copy it holds (its own part completes that set)."""
+    """Steps of this node's own parts a lost node's recovery needs: the one being copied to the next node
+    (:data:`PEER_SENDING`) and the newest copied there (:data:`PEER_MARK`), and the newest peer copy held here of
+    each other node plus any arriving (``.checkpoint-N.tmp``): this node's own part completes those sets."""
     steps = set()
-    marked = [step for step, path, _ in local_checkpoints(directory) if (path / PEER_MARK).exists()]
+    marked = []
+    for step, path in list_checkpoints(directory):
+        if (path / PEER_SENDING).exists():
+            steps.add(step)
+        if (path / PEER_MARK).exists():
+            marked.append(step)
     if marked:
         steps.add(max(marked))
     held = directory / PEER_DIR
@@ -191,6 +199,10 @@ def peer_protected(directory: Path) -> set[int]:
         copies = peer_parts(directory, src.name)
         if copies:
             steps.add(copies[0][0])
+        for p in src.iterdir():
+            m = _ARRIVING_RE.match(p.name)
+            if m:
+                steps.add(int(m.group(1)))
     return steps
 
 

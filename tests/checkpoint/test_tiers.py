@@ -8,7 +8,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from ftkit.checkpoint.layout import PEER_MARK
+from ftkit.checkpoint.layout import PEER_MARK, PEER_SENDING
 from ftkit.checkpoint.tiers import (
     PEER_DIR,
     discard_newer,
@@ -49,6 +49,15 @@ def test_rotation_keeps_the_parts_that_pair_with_peer_copies(tmp_path: Path) -> 
     (tier / "checkpoint-8" / PEER_MARK).touch()  # a newer part copied: the older pairing is not needed any more
     rotate_local(tier, keep=2, durable_every=100, durable_step=None)
     assert [s for s, _, _ in local_checkpoints(tier)] == [9, 8, 6]
+    # while a part is being sent, and while a copy of another node's part is arriving, the own parts stay
+    for step in (10, 11, 12):
+        commit(make_ckpt(tier, step))
+    (tier / "checkpoint-10" / PEER_SENDING).touch()
+    (tier / PEER_DIR / "node1" / ".checkpoint-11.tmp").mkdir()
+    assert peer_protected(tier) == {6, 8, 10, 11}
+    commit(make_ckpt(tier, 13))
+    rotate_local(tier, keep=1, durable_every=100, durable_step=None)
+    assert [s for s, _, _ in local_checkpoints(tier)] == [13, 11, 10, 8, 6]
 
 
 def test_peer_copies_held_are_bounded_to_the_newest_committed(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ftkit.checkpoint.layout import COMMIT_FILE
-from ftkit.checkpoint.tiers import PEER_DIR
+from ftkit.checkpoint.tiers import peer_parts, set_records
 from ftkit.rundir.layout import RunDir
 from tests.helpers.netns import NetnsCluster
 from tests.helpers.runs import (
@@ -37,8 +37,8 @@ from tests.helpers.runs import (
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 
 ENV = {"GLOO_SOCKET_IFNAME": "eth0"}
-STEPS, SAVE = 16, 8
-KILL_AFTER = 10  # a step the local tier committed after the durable save at SAVE
+STEPS, SAVE = 40, 20
+KILL_AFTER = 24  # a step the local tier committed after the durable save at SAVE
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +59,19 @@ def _committed(run: Path, rank: int) -> int:
     return -1
 
 
-def _peer_steps(run: Path, holder: str, of: str) -> list[int]:
-    """Committed steps of ``of``'s part that ``holder``'s tier keeps as peer copies."""
+def _recoverable_from_peer(run: Path, holder: str, lost: str) -> int:
+    """The newest step after KILL_AFTER that ``holder`` could rebuild without ``lost``: a committed peer copy of
+    ``lost``'s part, ``holder``'s own part and the set record of that step (-1: none yet). Peer copies trail the
+    saves by a copy's time, so the test waits for one rather than assuming it."""
     root = local_tier_root(run)
     if root is None:
-        return []
-    held = root / holder / PEER_DIR / of
-    return sorted(int(p.name.split("-")[1]) for p in held.glob("checkpoint-*[0-9]") if (p / COMMIT_FILE).is_file())
+        return -1
+    sets = {r["step"] for r in set_records(run)}
+    for step, _ in peer_parts(root / holder, lost):
+        own = root / holder / f"checkpoint-{step}" / COMMIT_FILE
+        if step >= KILL_AFTER and step in sets and own.is_file():
+            return step
+    return -1
 
 
 @pytest.mark.timeout(900)
@@ -92,7 +98,7 @@ def test_a_lost_host_and_its_tier_resume_from_the_peer_copy_else_from_durable(
         proc = start_ftkit("launch", str(recipe), env=ENV, log=tmp_path / "launch.log")
         try:
             if peer_copies:
-                wait_for(lambda: any(s >= KILL_AFTER for s in _peer_steps(run, "node0", "node1")), 300, "a peer copy")
+                wait_for(lambda: _recoverable_from_peer(run, "node0", "node1") > 0, 300, "a usable peer copy")
             else:
                 wait_for(lambda: _committed(run, 1) >= KILL_AFTER, 300, f"step {KILL_AFTER} committed locally")
             newest_local = _committed(run, 1)
