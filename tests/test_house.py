@@ -5,6 +5,7 @@ only its few flat modules, and no comment points at a design document the reposi
 from __future__ import annotations
 
 import ast
+import importlib
 import os
 import re
 import subprocess
@@ -173,3 +174,21 @@ def test_no_new_reference_to_a_missing_design_document():
     assert not over, "comments that refer to DESIGN § (a file not in the repository; say it here instead):\n" + (
         "\n".join(over)
     )
+
+
+def test_no_package_name_is_shadowed_by_its_own_submodule():
+    """``from ftkit.checkpoint.verify import verify`` in a package with a submodule named ``verify``: importing that
+    submodule later rebinds the package's name to the module, and a call fails only at run time."""
+    clashes = []
+    for init in sorted((REPO / "ftkit").glob("*/__init__.py")):
+        name = f"ftkit.{init.parent.name}"
+        package = importlib.import_module(name)
+        for node in ast.parse(init.read_text()).body:
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module != name):
+                continue
+            source = importlib.import_module(node.module)
+            for alias in node.names:
+                bound = alias.asname or alias.name
+                if getattr(package, bound, None) is not getattr(source, alias.name, None):
+                    clashes.append(f"{init.relative_to(REPO)}:{node.lineno}: {name}.{bound} is not what it imported")
+    assert not clashes, "\n".join(clashes)

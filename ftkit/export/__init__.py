@@ -33,7 +33,7 @@ from typing import Any
 from ftkit.checkpoint.checksums import full_checksum
 from ftkit.checkpoint.commit import write_commit
 from ftkit.checkpoint.layout import _fsync_path
-from ftkit.checkpoint.verify import verify
+from ftkit.checkpoint.verify import verify as verify_checkpoint  # ftkit.export.verify is a submodule
 from ftkit.cluster.procs import is_alive
 from ftkit.errors import ExitCode, ExportMismatch, FtkitError, Problem, UserError
 from ftkit.export import card, weights
@@ -458,7 +458,7 @@ def verify_export(export_dir: str | os.PathLike[str], *, note: Callable[[str], N
     if not d.is_dir():
         raise UserError(Problem("not a directory", file=str(export_dir), key="--verify"))
     rec = read_record(d)
-    v = verify(d, checksums=True, require_commit=True)
+    v = verify_checkpoint(d, checksums=True, require_commit=True)
     if not v.ok:
         raise ExportTorn(f"{export_dir}: {v.reason.split(': ', 1)[-1]}")
     note(f"files: {v.reason.split(': ', 1)[-1]}")

@@ -193,3 +193,18 @@ def test_sizes() -> None:
     for bad in ("", "GB", "-1GB", "0"):
         with pytest.raises(ValueError):
             parse_size(bad)
+
+
+def test_verify_of_an_export_without_its_commit_record_is_torn(tmp_path: Path) -> None:
+    """--verify reads the export's files against its commit record first: none there is exit 13, never a crash
+    (ftkit.export's own ``verify`` submodule once shadowed the checkpoint verifier it imports)."""
+    from ftkit.export import ExportTorn, verify_export
+    from ftkit.export.card import RECORD, RECORD_FORMAT
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / RECORD).write_text(json.dumps({"format": RECORD_FORMAT, "source": {"run_dir": str(tmp_path)}}))
+    (out / "model.safetensors").write_bytes(b"\0" * 64)
+    with pytest.raises(ExportTorn) as e:
+        verify_export(out)
+    assert e.value.exit_code == ExitCode.VERIFY_FAILED
