@@ -173,7 +173,7 @@ def test_killing_the_copying_agent_and_then_the_attempt_never_leaves_a_partial_d
 
 def _agent_restarted(run: Path) -> bool:
     log = run / "logs" / "attempt-0" / "rank-0.log"
-    return log.is_file() and "restarting it" in log.read_text(errors="replace")
+    return log.is_file() and "): restarted" in log.read_text(errors="replace")
 
 
 def test_a_graceful_stop_saves_to_the_local_tier_waits_for_the_durable_copy_and_leaves_nothing_in_dev_shm(
