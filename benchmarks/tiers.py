@@ -124,6 +124,7 @@ def _rank_save(rank: int, ckpt: str, nbytes: int, barrier: mp.Barrier, out: mp.Q
     d.mkdir(parents=True, exist_ok=True)
     torch.save({"optimizer_state_dict": chunks}, d / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
     if rank == 0:
+        torch.save({"module": {}}, d / "mp_rank_00_model_states.pt")  # DeepSpeed's module states (small here)
         (Path(ckpt) / "latest").write_text("global_step1")
         torch.save({"step": 1}, Path(ckpt) / "scheduler.pt")
         (Path(ckpt) / "trainer_state.json").write_text(json.dumps({"global_step": 1}))
