@@ -305,12 +305,27 @@ def test_ctrl_c_is_one_line_and_130(tmp_path: Path, argv: list[str]) -> None:
     # A recipe that is a FIFO blocks the command in the middle of its work until the signal arrives.
     os.mkfifo(tmp_path / "fifo.yaml")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ftkit", *argv], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-m", "ftkit", *argv],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # a shell starts background jobs with SIGINT ignored, and Python then installs no handler: as a terminal would
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    time.sleep(2.0)  # past the imports, blocked in open()
-    assert proc.poll() is None
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
+    try:
+        # past the imports, blocked opening the FIFO (the kernel names the wait; 10 s at most where it does not)
+        wchan = Path(f"/proc/{proc.pid}/wchan")
+        deadline = time.monotonic() + 10
+        while proc.poll() is None and wchan.read_text() != "wait_for_partner" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     assert proc.returncode == 130, (proc.returncode, out, err)
     assert [line for line in err.splitlines() if line.strip()] == ["ftkit: interrupted (Ctrl-C)"], err
     assert "Aborted" not in out + err
