@@ -372,7 +372,7 @@ class Supervisor:
             code = ExitCode.NO_SPACE
             return code
         finally:
-            self._end_local_tier(finished=code == ExitCode.OK)
+            self._end_local_tier()
             self.observer.finish()
             for s, h in old.items():
                 signal.signal(s, h)
@@ -625,14 +625,12 @@ class Supervisor:
             return "peer"
         return "durable"
 
-    def _end_local_tier(self, finished: bool) -> None:
+    def _end_local_tier(self) -> None:
         tier = self._tier()
         if not tier:
             return
         try:
-            end_local_tier(
-                self.rd, tier, list(tier.get("nodes") or []), self._agents(), self.events, flush=not finished
-            )
+            end_local_tier(self.rd, tier, list(tier.get("nodes") or []), self._agents(), self.events)
         except Exception as e:  # noqa: BLE001 - the launch's outcome stands; say what was left
             self.events("tier_left", f"could not end the local tier: {type(e).__name__}: {e}")
 

@@ -148,14 +148,15 @@ def discard_stale(rd: RunDir, hosts: list[str], step: int | None, agents: Agents
 
 
 def end_local_tier(
-    rd: RunDir, tier: dict[str, Any], hosts: list[str], agents: Agents, events: Callable[..., None], flush: bool
+    rd: RunDir, tier: dict[str, Any], hosts: list[str], agents: Agents, events: Callable[..., None]
 ) -> None:
-    """The end of a launch: with ``flush`` (the run did not finish), the newest step every node committed in its
-    local tier and the run directory lacks is copied there; then the run's local tier is removed from every node
-    (nothing of the run is left in /dev/shm)."""
+    """The end of a launch, whatever its outcome: the newest step every node committed in its local tier and the
+    run directory lacks is copied there (a finished run's last step too: a later launch with a raised step limit
+    continues from it), then the run's local tier is removed from every node (nothing of the run is left in
+    /dev/shm)."""
     durable = newest_durable(rd.path)
     newest = next((r for r in set_records(rd.path) if durable is None or r["step"] > durable), None)
-    if flush and newest is not None and set(newest.get("nodes") or []) <= set(hosts):
+    if newest is not None and set(newest.get("nodes") or []) <= set(hosts):
         step = newest["step"]
         answers = agents.run(list(newest["nodes"]), "flush", step=step)
         if (rd.path / f"checkpoint-{step}").is_dir():
