@@ -256,7 +256,7 @@ def test_rank_applies_new_optimizer_values_after_the_checkpoint_is_loaded():
     pytest.importorskip("torch")
     import math
 
-    from ftkit.launch.train import apply_resume_overrides
+    from ftkit.launch.callback import apply_resume_overrides
 
     w, opt, sched = _resumed(1e-3, None)
     _train(w, opt, sched, 4)

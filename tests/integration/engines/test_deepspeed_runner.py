@@ -16,12 +16,9 @@ import pytest
 def test_deepspeed_runner_puts_the_selected_ranks_on_the_selected_devices(tmp_path: Path, write_recipe) -> None:
     """The real DeepSpeed runner, fed ftkit's argv (the training module swapped for a stub that writes down what it
     sees): `--include localhost:1,3` on `localhost slots=4` starts 2 ranks with CUDA_VISIBLE_DEVICES=1,3."""
-    try:
-        from ftkit.run.job import launch_inputs
-    except ImportError:
-        from ftkit.cli.launch import launch_inputs
     from ftkit.command.engines import TRAIN_MODULE, build_launch
     from ftkit.plan.load import load_and_plan
+    from ftkit.run.job import launch_inputs
 
     (tmp_path / "stub").mkdir()
     (tmp_path / "stub" / "showdev.py").write_text(
