@@ -297,9 +297,13 @@ def test_launch_preflight_refuses_a_local_tier_larger_than_dev_shm(tmp_path):
     spec["checkpoint"] = {"local_dir": f"/dev/shm/ftkit-pytest-{os.getpid()}/{{host}}"}
     recipe.write_text(yaml.safe_dump(spec))
     plan = load_and_plan(str(recipe), ())
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
     free = shutil.disk_usage("/dev/shm").free
-    assert shm_bytes(plan.local_tier) > free, "this machine's /dev/shm holds an 8B tier: the test proves nothing"
+    if shm_bytes(plan.local_tier) <= free:  # a machine with a large /dev/shm: keep more checkpoints than it holds
+        spec["checkpoint"]["local_keep"] = free // plan.local_tier.bytes_per_node + 1
+        recipe.write_text(yaml.safe_dump(spec))
+        plan = load_and_plan(str(recipe), ())
+    assert shm_bytes(plan.local_tier) > free
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
     with pytest.raises(PreflightError) as e:
         cheap_checks(plan, [], env=env)
     assert "host localhost: shm: the local checkpoint tier needs" in str(e.value), str(e.value)

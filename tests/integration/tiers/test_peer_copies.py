@@ -98,9 +98,16 @@ def test_a_lost_host_and_its_tier_resume_from_the_peer_copy_else_from_durable(
         proc = start_ftkit("launch", str(recipe), env=ENV, log=tmp_path / "launch.log")
         try:
             if peer_copies:
-                wait_for(lambda: _recoverable_from_peer(run, "node0", "node1") > 0, 300, "a usable peer copy")
+                usable = lambda: _recoverable_from_peer(run, "node0", "node1") > 0  # noqa: E731
+                wait_for(usable, 300, "a usable peer copy", poll=0.02)
             else:
-                wait_for(lambda: _committed(run, 1) >= KILL_AFTER, 300, f"step {KILL_AFTER} committed locally")
+                durable = run / f"checkpoint-{SAVE}" / COMMIT_FILE  # copied in the background: wait for it too
+                wait_for(
+                    lambda: _committed(run, 1) >= KILL_AFTER and durable.is_file(),
+                    300,
+                    f"step {KILL_AFTER} committed locally and step {SAVE} durable",
+                    poll=0.02,
+                )
             newest_local = _committed(run, 1)
             netns2.kill_node(1)  # the whole host: ranks, agent, sshd; it does not come back
             root = local_tier_root(run)
