@@ -95,6 +95,13 @@ def _payload_files(ckpt_dir: Path) -> list[str]:
 
 def _writer_rank(rel: str) -> int:
     """The rank that writes ``rel`` in HF Trainer + DeepSpeed's layout; 0 for everything not per-rank."""
+    rank = per_rank(rel)
+    return 0 if rank is None else rank
+
+
+def per_rank(rel: str) -> int | None:
+    """The rank a file belongs to when it is one rank's own (RNG state, ZeRO shard, NVMe-offloaded tensors); None for
+    the shared files every node holds."""
     parts = rel.split("/")
     name = parts[-1]
     if m := _RNG_RANK_RE.match(name) or _ACCELERATE_RNG_RE.match(name):
@@ -104,7 +111,7 @@ def _writer_rank(rel: str) -> int:
     for i, comp in enumerate(parts[:-2]):
         if comp == "offloaded_tensors" and (m := _OFFLOAD_RANK_RE.match(parts[i + 1])):
             return int(m.group(1))
-    return 0
+    return None
 
 
 def files_owned_by_rank(ckpt_dir: str | os.PathLike[str], rank: int, world_size: int) -> list[str]:

@@ -37,15 +37,12 @@ from ftkit.checkpoint.checksums import DEFAULT_SPEC, SAMPLED, SampleSpec, recomp
 from ftkit.checkpoint.commit import CommitError, write_commit
 from ftkit.checkpoint.directory import list_checkpoints, rotate
 from ftkit.checkpoint.layout import (
-    _ACCELERATE_RNG_RE,
-    _OFFLOAD_RANK_RE,
-    _RNG_RANK_RE,
-    _ZERO_RANK_RE,
     COMMIT_FILE,
     DURABLE_MARK,
     PEER_MARK,
     PEER_SENDING,
     _payload_files,
+    per_rank,
     read_commit,
 )
 from ftkit.checkpoint.verify import Verdict, verify
@@ -72,21 +69,6 @@ def resume_path(template: str, step: int) -> str:
 
 def for_node(path: str, host: str) -> str:
     return path.replace("{host}", host)
-
-
-def per_rank(rel: str) -> int | None:
-    """The rank a file belongs to when it is one rank's own (RNG state, ZeRO shard, NVMe-offloaded tensors); None for
-    the shared files every node holds."""
-    parts = rel.split("/")
-    name = parts[-1]
-    if m := _RNG_RANK_RE.match(name) or _ACCELERATE_RNG_RE.match(name):
-        return int(m.group(1))
-    if m := _ZERO_RANK_RE.search(name):
-        return int(m.group(1))
-    for i, comp in enumerate(parts[:-2]):
-        if comp == "offloaded_tensors" and (m := _OFFLOAD_RANK_RE.match(parts[i + 1])):
-            return int(m.group(1))
-    return None
 
 
 def files_on_node(ckpt: str | os.PathLike[str], rank: int, first_rank_of_node: int) -> list[str]:
