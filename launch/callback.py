@@ -401,6 +401,39 @@ def guard_trackers(trackers: Trackers) -> Any:
     return patch
 
 
+def atomic_mlflow_run_info(mod: Any) -> None:
+    """A patch for ``mlflow.store.tracking.file_store``: its ``write_yaml`` rewrites a run's ``meta.yaml`` in place
+    (open for writing, then dump), so a rank killed between the two leaves it empty, and every later attempt that
+    resumes the run fails reading it (``'NoneType' object has no attribute 'copy'``): the supervisor's teardown of a
+    failed attempt lands there when mlflow's exit handler ends the run. A rewrite goes through a temporary file beside
+    it and a rename; a new file is written as mlflow writes it."""
+    original = mod.write_yaml
+    if getattr(original, "_ftkit", False):
+        return
+
+    def write_yaml(
+        root: str,
+        file_name: str,
+        data: Any,
+        overwrite: bool = False,
+        sort_keys: bool = True,
+        ensure_yaml_extension: bool = True,
+    ) -> None:
+        path = Path(root) / file_name
+        if ensure_yaml_extension and path.suffix != ".yaml":
+            path = path.with_name(path.name + ".yaml")
+        if not (overwrite and path.is_file()):
+            return original(root, file_name, data, overwrite, sort_keys, ensure_yaml_extension)
+        import yaml
+        from mlflow.utils.yaml_utils import YamlSafeDumper
+
+        text = yaml.dump(data, default_flow_style=False, allow_unicode=True, sort_keys=sort_keys, Dumper=YamlSafeDumper)
+        atomic_write(path, text)
+
+    write_yaml._ftkit = True  # type: ignore[attr-defined]
+    mod.write_yaml = write_yaml
+
+
 class AtMaxSteps(Exception):  # noqa: N818 - a signal to train_guard, not an error
     """Raised by the callback when training resumes at ``max_steps``: nothing is left to train."""
 

@@ -50,6 +50,7 @@ from ftkit.launch.callback import (
     COMPUTE_EWMA,
     Trackers,
     apply_resume_overrides,
+    atomic_mlflow_run_info,
     callback_class,
     guard_trackers,
     install_train_guard,
@@ -151,6 +152,7 @@ def start(
         for key, value in r.trackers.environment().items():
             os.environ.setdefault(key, value)  # before any tracker starts; the user's own values win
         on_import("transformers.integrations.integration_utils", guard_trackers(r.trackers))
+        on_import("mlflow.store.tracking.file_store", atomic_mlflow_run_info)
         _rank = r
     print(
         f"ftkit rank {r.ctx.rank}/{r.ctx.world_size} on {r.ctx.host} pid {os.getpid()} attempt {attempt} "
