@@ -8,10 +8,12 @@ from checkpoint-2 (the rank's restored global step 2, its first logged step 3) a
 (``resume_tolerance: 0``: any difference stops the run with exit 9), then write the final model.
 
 With CPU optimizer offload the first update after a resume differs from the uninterrupted run's in the last bits
-(measured: 2.5e-7 and 7.8e-7 relative in the loss of the step after it): DeepSpeed's CPU Adam keeps Adam's bias
-corrections beta^t as a float it multiplies by beta at every step, and recomputes them with ``pow`` when the step does
-not follow the last one it saw (``csrc/includes/cpu_adam.h``, ``IncrementStep``), as after a resume. Those cells
-allow 1e-6 relative (``resume_tolerance: 1e-7``; 10x that stops the run); every other cell is held to 0.
+(measured: 2.5e-7 and 7.8e-7 relative in the loss of the step after it, 1.01e-6 in DPO's grad norm at ZeRO-2):
+DeepSpeed's CPU Adam keeps Adam's bias corrections beta^t as a float it multiplies by beta at every step, and
+recomputes them with ``pow`` when the step does not follow the last one it saw (``csrc/includes/cpu_adam.h``,
+``IncrementStep``), as after a resume. Those cells allow 1e-5 relative (``resume_tolerance: 1e-6``; 10x that stops the
+run), four orders of magnitude under the loss's change from one step to the next here (8.6% from step 3 to 4 in
+DPO's cell), which a resume from the wrong step would show; every other cell is held to 0.
 
 ``make test`` runs the issue's six cells: the script, DPO and ``ftkit.hf`` entries at ZeRO-3 with and without CPU
 optimizer offload, on the three engines. ``FTKIT_MATRIX=pairwise`` adds cells until every pair of values appears in
@@ -184,7 +186,7 @@ def _command(cell: Cell, fx: dict[str, Path], workdir: Path, preference: Path) -
 
 def tolerance(cell: Cell) -> float:
     """The relative difference a recomputed step may show (module docstring: CPU Adam's bias corrections)."""
-    return 1e-7 if cell.offload == "cpu" else 0.0
+    return 1e-6 if cell.offload == "cpu" else 0.0
 
 
 def run_cell(cell: Cell, fx: dict[str, Path], workdir: Path, preference: Path) -> dict:
