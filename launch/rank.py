@@ -254,6 +254,18 @@ def on_import(name: str, patch: Callable[[Any], None]) -> None:
 # ------------------------------------------------------------------------------------------------ rank start-up
 
 
+def skip_final_collection() -> None:
+    """At exit, after every other exit handler of the rank (register this first: atexit runs them in reverse):
+    ``gc.freeze()``, so Python's last garbage collections at shutdown skip the millions of objects torch,
+    transformers and DeepSpeed allocated. Walking them cost a rank ~1.7 s of CPU at every exit, a restart's
+    teardown included (``benchmarks/rank_exit.py``: 1.7 s -> 0.2 s). Files, checkpoints and records are closed by
+    then (the rank's own records are atomic renames; trackers end in their exit handlers, which ran before this);
+    what the freeze leaves uncollected is memory the process returns to the OS as it ends."""
+    import gc
+
+    gc.freeze()
+
+
 def install_startup() -> None:
     """What every rank needs before any model is built, whatever its entry (the built-in one, the import hook or a
     script calling ftkit.hf): once TrainingArguments exist, DeepSpeed sees the real process group (ZeRO-3's

@@ -55,7 +55,16 @@ from ftkit.launch.callback import (
     guard_trackers,
     install_train_guard,
 )
-from ftkit.launch.rank import Fault, RankContext, StopRequest, _env_int, _redirect_output, install_startup, on_import
+from ftkit.launch.rank import (
+    Fault,
+    RankContext,
+    StopRequest,
+    _env_int,
+    _redirect_output,
+    install_startup,
+    on_import,
+    skip_final_collection,
+)
 from ftkit.launch.tier import local_tier
 from ftkit.launch.watchdog import SupervisorWatchdog, remove_own_shm
 from ftkit.rundir.env import ATTEMPT_ENV, FAULT_ENV, RESUME_ENV, RUN_DIR_ENV
@@ -125,6 +134,7 @@ def start(
     with _lock:
         if _rank is not None:
             return _rank.ctx
+        atexit.register(skip_final_collection)  # first registered, so it runs after every other exit handler
         if run_dir is None:
             run_dir = os.environ.get(RUN_DIR_ENV)
             if not run_dir:
