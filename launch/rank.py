@@ -68,6 +68,8 @@ class RankContext:
         self.committed: int | None = None  # the newest step committed in this attempt (heartbeats carry it)
 
     def heartbeat(self, phase: str, step: int | None = None, **extra: Any) -> None:
+        if phase == "train":
+            resume_full_collections()
         rec = {
             "rank": self.rank,
             "attempt": self.attempt,
@@ -254,11 +256,47 @@ def on_import(name: str, patch: Callable[[Any], None]) -> None:
 # ------------------------------------------------------------------------------------------------ rank start-up
 
 
+DEFER_AT_MOST_S = 300.0  # start-up's deferral of full collections ends here at the latest (a loop ftkit never sees)
+_startup_thresholds: tuple[int, int, int] | None = None  # the thresholds to restore; None: nothing deferred
+_deferred_once = False
+
+
+def defer_full_collections() -> None:
+    """At a rank's start, before the libraries load: collect the oldest generation 1000x less often until training
+    begins (:func:`resume_full_collections`: the first training heartbeat, or :data:`DEFER_AT_MOST_S`). Importing
+    torch, transformers and DeepSpeed otherwise sets off full collections of an ever larger heap of objects that
+    live as long as the process (~0.9 s of every rank's start, ``benchmarks/rank_gc.py``); young cycles are still
+    collected as usual. Once per process; a process whose collector is off is left as it is."""
+    global _startup_thresholds, _deferred_once
+    import gc
+
+    if _deferred_once or not gc.isenabled():
+        return
+    _deferred_once = True
+    _startup_thresholds = gc.get_threshold()
+    first, second, third = _startup_thresholds
+    gc.set_threshold(first, second, third * 1000)
+    timer = threading.Timer(DEFER_AT_MOST_S, resume_full_collections)
+    timer.daemon = True
+    timer.name = "ftkit-startup-gc"
+    timer.start()
+
+
+def resume_full_collections() -> None:
+    """Training began: the collector's own thresholds again (cheap to call at every step)."""
+    global _startup_thresholds
+    saved, _startup_thresholds = _startup_thresholds, None
+    if saved is not None:
+        import gc
+
+        gc.set_threshold(*saved)
+
+
 def skip_final_collection() -> None:
     """At exit, after every other exit handler of the rank (register this first: atexit runs them in reverse):
     ``gc.freeze()``, so Python's last garbage collections at shutdown skip the millions of objects torch,
     transformers and DeepSpeed allocated. Walking them cost a rank ~1.7 s of CPU at every exit, a restart's
-    teardown included (``benchmarks/rank_exit.py``: 1.7 s -> 0.2 s). Files, checkpoints and records are closed by
+    teardown included (``benchmarks/rank_gc.py``: 1.6 s -> 0.2 s). Files, checkpoints and records are closed by
     then (the rank's own records are atomic renames; trackers end in their exit handlers, which ran before this);
     what the freeze leaves uncollected is memory the process returns to the OS as it ends."""
     import gc

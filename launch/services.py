@@ -61,6 +61,7 @@ from ftkit.launch.rank import (
     StopRequest,
     _env_int,
     _redirect_output,
+    defer_full_collections,
     install_startup,
     on_import,
     skip_final_collection,
@@ -135,6 +136,7 @@ def start(
         if _rank is not None:
             return _rank.ctx
         atexit.register(skip_final_collection)  # first registered, so it runs after every other exit handler
+        defer_full_collections()  # until training begins
         if run_dir is None:
             run_dir = os.environ.get(RUN_DIR_ENV)
             if not run_dir:
