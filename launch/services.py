@@ -135,8 +135,6 @@ def start(
     with _lock:
         if _rank is not None:
             return _rank.ctx
-        atexit.register(skip_final_collection)  # first registered, so it runs after every other exit handler
-        defer_full_collections()  # until training begins
         if run_dir is None:
             run_dir = os.environ.get(RUN_DIR_ENV)
             if not run_dir:
@@ -146,6 +144,8 @@ def start(
         if resume is None:
             resume = os.environ.get(RESUME_ENV) or None
         r = _Rank(Path(run_dir), attempt, resume)
+        atexit.register(skip_final_collection)  # the rank's first exit handler, so it runs after every other
+        defer_full_collections()  # until training begins
         if "tensorboard" in (r.spec.training_args.get("report_to") or []):
             # transformers 5.x has no logging_dir: its TensorBoard callback reads this variable (run directory only)
 
