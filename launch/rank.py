@@ -295,7 +295,7 @@ def resume_full_collections() -> None:
 def skip_final_collection() -> None:
     """At exit, after every other exit handler of the rank (register this first: atexit runs them in reverse):
     ``gc.freeze()``, so Python's last garbage collections at shutdown skip the millions of objects torch,
-    transformers and DeepSpeed allocated. Walking them cost a rank ~1.7 s of CPU at every exit, a restart's
+    transformers and DeepSpeed allocated. Walking them cost a rank ~1.4 s at every exit, a restart's
     teardown included (``benchmarks/rank_gc.py``: 1.6 s -> 0.2 s). Files, checkpoints and records are closed by
     then (the rank's own records are atomic renames; trackers end in their exit handlers, which ran before this);
     what the freeze leaves uncollected is memory the process returns to the OS as it ends."""
