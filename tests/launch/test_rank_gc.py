@@ -15,18 +15,6 @@ from ftkit.run.spec import build_spec
 from ftkit.rundir.layout import RunDir
 from tests.helpers.paths import REPO
 
-RECIPE = """\
-model:
-  path: ./model
-data:
-  train: ./data.jsonl
-train:
-  output_dir: ./run
-cluster:
-  gpus_per_node: 2
-  accelerator: cpu
-"""
-
 PROGRAM = """
 import atexit, gc, sys
 atexit.register(lambda: print("last:", gc.get_freeze_count() > 0, flush=True))  # registered first: runs last
@@ -51,7 +39,7 @@ def test_full_collections_wait_for_training_and_the_heap_is_frozen_after_the_lat
     still runs on a live heap, and the heap is frozen before the interpreter's last collections (~1.4 s of every
     rank's exit)."""
     (tmp_path / "data.jsonl").write_text(json.dumps({"text": "a b c"}) + "\n")
-    plan = build_plan(load_recipe(write_recipe(RECIPE), []), with_memory=False)
+    plan = build_plan(load_recipe(write_recipe(), []), with_memory=False)
     rd = RunDir(tmp_path / "run")
     rd.meta.mkdir(parents=True)
     rd.spec.write_text(build_spec(plan, rd.path, rd.meta / "ds_config.json", fingerprint={}).to_json())
