@@ -36,6 +36,7 @@ from ftkit.checkpoint.layout import COMMIT_FILE, DURABLE_MARK, PEER_MARK, PEER_S
 from ftkit.checkpoint.tiers import (
     CopyError,
     NodePart,
+    claim_peer_copy,
     copy_to_durable,
     copy_to_peer,
     discard_newer,
@@ -143,6 +144,7 @@ class Agent:
                 continue
             if not (path / COMMIT_FILE).is_file():
                 continue
+            claim_peer_copy(self.rd.path, self.host, self.peer, step)  # the peer keeps its own part of the step
             send = None if is_local(self.peer) else _send(self.tier.get("ssh_config"), self.peer)
             t0 = time.time()
             try:

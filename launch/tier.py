@@ -21,6 +21,7 @@ from ftkit.checkpoint.tiers import (
     local_checkpoints,
     newest_durable,
     node_dir,
+    peer_claims,
     prune_set_records,
     rotate_local,
     write_set_record,
@@ -145,7 +146,14 @@ class NodeTier:
         if ctx.local_rank == 0:
             try:
                 removed = [
-                    p.name for p in rotate_local(self.dir, self.keep, self.durable_steps, newest_durable(ctx.rd.path))
+                    p.name
+                    for p in rotate_local(
+                        self.dir,
+                        self.keep,
+                        self.durable_steps,
+                        newest_durable(ctx.rd.path),
+                        claimed=peer_claims(ctx.rd.path, self.host),
+                    )
                 ]
             except OSError as e:
                 print(f"ftkit: warning: local tier rotation stopped: {e}", flush=True)

@@ -17,7 +17,10 @@ most a staging directory, which no reader ever takes for a checkpoint. A node's 
 
 **Peer copies** (``checkpoint.peer_copies: 1``): each node's agent also copies its committed part to the next node's
 tier, under ``peer/<host>/checkpoint-N``, with its node record: a survivor holding its own part and the lost node's
-can assemble step N in the run directory (:func:`assemble`) without the lost node.
+can assemble step N in the run directory (:func:`assemble`) without the lost node. Before it sends step N, an agent
+**claims** it in the run directory (``RUN/ftkit/local/peer-claims/<next node>/<host>.json``), and the next node's
+rotation keeps its own part of step N meanwhile: a copy that takes longer than a few steps (an ssh connection on a
+loaded machine, a large part) still lands beside the part it completes.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from ftkit.checkpoint.verify import Verdict, verify
 from ftkit.rundir.layout import atomic_write, read_jsonl
 
 SETS_DIR = "ftkit/local"  # RUN/ftkit/local/checkpoint-N.json: every node committed its part of step N
+CLAIMS_DIR = f"{SETS_DIR}/peer-claims"  # RUN/ftkit/local/peer-claims/<holder>/<sender>.json: the step being sent
 STAGING_PREFIX = ".staging-"  # RUN/.staging-checkpoint-N: a durable copy being assembled
 PEER_DIR = "peer"  # <local_dir(host)>/peer/<other host>/checkpoint-N: the previous node's part
 COPY_CHUNK = 8 << 20
@@ -148,12 +152,15 @@ def local_checkpoints(directory: Path) -> list[tuple[int, Path, dict[str, Any]]]
     return out
 
 
-def rotate_local(directory: Path, keep: int, durable_every: int, durable_step: int | None) -> list[Path]:
+def rotate_local(
+    directory: Path, keep: int, durable_every: int, durable_step: int | None, claimed: Iterable[int] = ()
+) -> list[Path]:
     """Keep the ``keep`` newest committed local checkpoints, any whose step is due in the run directory (a
     multiple of ``durable_every``, or a stop's save) and not yet there, and those a peer copy pairs with
-    (:func:`peer_protected`). Torn saves older than the newest go."""
+    (:func:`peer_protected`, and the steps ``claimed`` by the previous node's copy under way, :func:`peer_claims`).
+    Torn saves older than the newest go."""
     protect = []
-    paired = peer_protected(directory)
+    paired = peer_protected(directory) | set(claimed)
     for step, path, rec in local_checkpoints(directory):
         due = step % durable_every == 0 or (rec.get("extra") or {}).get("stop")
         if step in paired or (
@@ -186,6 +193,32 @@ def peer_protected(directory: Path) -> set[int]:
             if m:
                 steps.add(int(m.group(1)))
     return steps
+
+
+def claim_peer_copy(run_dir: str | os.PathLike[str], sender: str, holder: str, step: int) -> None:
+    """``sender`` is about to copy its part of ``step`` to ``holder``: ``holder``'s rotation keeps its own part of
+    that step from now on (until the sender claims a newer one). Written before the copy starts, in the run
+    directory every node reads, so no connection to ``holder`` has to be made first."""
+    atomic_write(Path(run_dir) / CLAIMS_DIR / holder / f"{sender}.json", json.dumps({"step": step}))
+
+
+def peer_claims(run_dir: str | os.PathLike[str], holder: str) -> set[int]:
+    """The steps the other nodes claimed for copies to ``holder`` (:func:`claim_peer_copy`)."""
+    out = set()
+    d = Path(run_dir) / CLAIMS_DIR / holder
+    for p in d.glob("*.json") if d.is_dir() else []:
+        try:
+            step = json.loads(p.read_text()).get("step")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(step, int):
+            out.add(step)
+    return out
+
+
+def clear_peer_claims(run_dir: str | os.PathLike[str]) -> None:
+    """Before an attempt (no agent is copying): the claims are an earlier attempt's."""
+    shutil.rmtree(Path(run_dir) / CLAIMS_DIR, ignore_errors=True)
 
 
 def rotate_peer_copies(directory: Path) -> list[Path]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ftkit.checkpoint.tiers import (
+    clear_peer_claims,
     clear_set_records,
     clear_staging,
     discard_set_records_newer,
@@ -141,6 +142,7 @@ def discard_stale(rd: RunDir, hosts: list[str], step: int | None, agents: Agents
     """Before an attempt resumes from ``step`` (None: from scratch): the local parts, peer copies and set records
     of later steps are an earlier attempt's (perhaps at another world size); the attempt saves those steps anew."""
     discard_set_records_newer(rd.path, step)
+    clear_peer_claims(rd.path)
     answers = agents.run(hosts, "clean", newer_than=-1 if step is None else step)
     gone = {h: a.get("discarded") for h, a in answers.items() if a.get("discarded")}
     if gone:

@@ -11,9 +11,12 @@ from pathlib import Path
 from ftkit.checkpoint.layout import PEER_MARK, PEER_SENDING
 from ftkit.checkpoint.tiers import (
     PEER_DIR,
+    claim_peer_copy,
+    clear_peer_claims,
     discard_newer,
     discard_set_records_newer,
     local_checkpoints,
+    peer_claims,
     peer_parts,
     peer_protected,
     prune_set_records,
@@ -58,6 +61,27 @@ def test_rotation_keeps_the_parts_that_pair_with_peer_copies(tmp_path: Path) -> 
     commit(make_ckpt(tier, 13))
     rotate_local(tier, keep=1, durable_every=100, durable_step=None)
     assert [s for s, _, _ in local_checkpoints(tier)] == [13, 11, 10, 8, 6]
+
+
+def test_a_claimed_step_stays_on_the_holder_while_the_copy_is_slow_to_arrive(tmp_path: Path) -> None:
+    """CI's flake of the peer-copy run: node1's copy of step N reached node0 after node0 had rotated its own part
+    of step N away (an ssh connection on a loaded machine outlasts two 0.2 s steps), so no copy ever completed a
+    set. The sender claims the step in the run directory before it connects; node0's rotation keeps it."""
+    run = tmp_path / "run"
+    tier = _tier(tmp_path, [5])
+    claim_peer_copy(run, sender="node1", holder="node0", step=5)
+    for step in (6, 7, 8):  # node0 saves on while node1's ssh connects
+        commit(make_ckpt(tier, step))
+        rotate_local(tier, keep=2, durable_every=100, durable_step=None, claimed=peer_claims(run, "node0"))
+    assert [s for s, _, _ in local_checkpoints(tier)] == [8, 7, 5]
+    (tier / PEER_DIR / "node1").mkdir(parents=True)
+    commit(make_ckpt(tier / PEER_DIR / "node1", 5))  # the copy landed: it pairs with node0's part of step 5
+    claim_peer_copy(run, sender="node1", holder="node0", step=9)  # the next copy replaces the claim
+    commit(make_ckpt(tier, 9))
+    rotate_local(tier, keep=2, durable_every=100, durable_step=None, claimed=peer_claims(run, "node0"))
+    assert [s for s, _, _ in local_checkpoints(tier)] == [9, 8, 5]
+    clear_peer_claims(run)  # a new attempt: no copy is under way
+    assert peer_claims(run, "node0") == set()
 
 
 def test_peer_copies_held_are_bounded_to_the_newest_committed(tmp_path: Path) -> None:

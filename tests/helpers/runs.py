@@ -130,12 +130,21 @@ def start_ftkit(*args: str, env: dict[str, str] | None = None, log: Path | None 
     )
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, poll: float = 0.1) -> Any:
+def wait_for(
+    predicate: Callable[[], Any],
+    timeout: float,
+    what: str,
+    poll: float = 0.1,
+    while_running: subprocess.Popen[Any] | None = None,
+) -> Any:
+    """``predicate()``'s first true value; ``while_running``: fail at once when that process ended first."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         value = predicate()
         if value:
             return value
+        if while_running is not None and while_running.poll() is not None:
+            raise AssertionError(f"the process ended (exit {while_running.returncode}) before {what}")
         time.sleep(poll)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 

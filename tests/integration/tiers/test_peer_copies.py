@@ -19,7 +19,7 @@ import pytest
 
 from ftkit.checkpoint.layout import COMMIT_FILE
 from ftkit.checkpoint.tiers import peer_parts, set_records
-from ftkit.rundir.layout import RunDir
+from ftkit.rundir.layout import RunDir, read_jsonl
 from tests.helpers.netns import NetnsCluster
 from tests.helpers.runs import (
     RUN_ENV,
@@ -97,17 +97,26 @@ def test_a_lost_host_and_its_tier_resume_from_the_peer_copy_else_from_durable(
     with mp_lock():
         proc = start_ftkit("launch", str(recipe), env=ENV, log=tmp_path / "launch.log")
         try:
-            if peer_copies:
-                usable = lambda: _recoverable_from_peer(run, "node0", "node1") > 0  # noqa: E731
-                wait_for(usable, 300, "a usable peer copy", poll=0.02)
-            else:
-                durable = run / f"checkpoint-{SAVE}" / COMMIT_FILE  # copied in the background: wait for it too
-                wait_for(
-                    lambda: _committed(run, 1) >= KILL_AFTER and durable.is_file(),
-                    300,
-                    f"step {KILL_AFTER} committed locally and step {SAVE} durable",
-                    poll=0.02,
-                )
+            try:
+                if peer_copies:
+                    usable = lambda: _recoverable_from_peer(run, "node0", "node1") > 0  # noqa: E731
+                    wait_for(usable, 300, "a usable peer copy", poll=0.02, while_running=proc)
+                else:
+                    durable = run / f"checkpoint-{SAVE}" / COMMIT_FILE  # copied in the background: wait for it too
+                    wait_for(
+                        lambda: _committed(run, 1) >= KILL_AFTER and durable.is_file(),
+                        300,
+                        f"step {KILL_AFTER} committed locally and step {SAVE} durable",
+                        poll=0.02,
+                        while_running=proc,
+                    )
+            except AssertionError as e:  # what the copies did, for a failure on a loaded machine
+                metrics = read_jsonl(RunDir(run).metrics)
+                copies = [
+                    (c["host"], c["step"], c["copy_s"], c["time"]) for c in metrics if c.get("event") == "peer_copy"
+                ]
+                log = (tmp_path / "launch.log").read_text()[-3000:]
+                raise AssertionError(f"{e}\npeer copies (host, step, copy_s, time): {copies}\n{log}") from None
             newest_local = _committed(run, 1)
             netns2.kill_node(1)  # the whole host: ranks, agent, sshd; it does not come back
             root = local_tier_root(run)
