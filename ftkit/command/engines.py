@@ -5,15 +5,21 @@ Nothing here reads ``os.environ`` or spawns anything: the caller passes the base
 
 Engines (all existing ones, never a home-made launcher):
 
-* ``deepspeed``: one ``deepspeed`` runner on the head node. It fans out over pdsh/ssh for several hosts and
-  starts ``deepspeed.launcher.launch`` locally for one. ftkit passes ``--no_local_rank --module`` and an explicit
-  ``--master_addr``; the environment for remote ranks goes through a fresh per-attempt ``DS_ENV_FILE`` (never
-  appended to ``.deepspeed_env``). Its pdsh runner puts the rank's command on one remote shell line unquoted, so
-  a user command travels in ``FTKIT_COMMAND`` instead (``launch/run_command.py`` runs it on the rank).
+* ``deepspeed``: one ``deepspeed`` runner on the head node, which fans out over pdsh/ssh; for one local host ftkit
+  starts DeepSpeed's per-node launcher (``deepspeed.launcher.launch``) itself, with the arguments the runner would
+  give it, one process (and one import of DeepSpeed) less per attempt. ftkit passes ``--no_local_rank --module``
+  and an explicit ``--master_addr``; the environment for remote ranks goes through a fresh per-attempt
+  ``DS_ENV_FILE`` (never appended to ``.deepspeed_env``). Its pdsh runner puts the rank's command on one remote
+  shell line unquoted, so a user command travels in ``FTKIT_COMMAND`` instead (``launch/run_command.py`` runs it
+  on the rank).
 * ``accelerate``: ``accelerate launch --config_file accelerate.yaml`` on every host (over ssh for remote ones)
   with its ``--machine_rank``.
 * ``torchrun``: one ``torchrun`` agent per host with c10d rendezvous at ``master_addr:master_port`` (over ssh for
   remote hosts); ``--max-restarts 0`` because restarts are ftkit's, counted once per incident for the whole job.
+
+ftkit starts each of these processes through :mod:`ftkit.launch.engine` (``python -m ftkit.launch.engine MODULE
+ARGS``: the engine's module run as ``python -m MODULE ARGS`` would run it, with the garbage collector tuned as in the
+ranks, ~1.2 s less per attempt). The line DeepSpeed's pdsh runner builds for remote hosts is DeepSpeed's own.
 
 What runs on every rank is ftkit's built-in entry (``python -m ftkit.launch.train RUN_DIR --attempt N``) or the
 user's own command (``ftkit launch RECIPE -- CMD``, :class:`UserCommand`): a script, a module or an executable,
@@ -25,7 +31,9 @@ and runs in the directory ftkit was launched from (``env -C DIR`` here, ``cd DIR
 
 from __future__ import annotations
 
+import base64
 import fnmatch
+import json
 import re
 import shlex
 from collections.abc import Mapping
@@ -49,6 +57,9 @@ from ftkit.rundir.env import (
 
 TRAIN_MODULE = "ftkit.launch.train"
 RUN_COMMAND_MODULE = "ftkit.launch.run_command"  # the trampoline that runs a command carried in COMMAND_ENV
+# every engine process ftkit starts runs as `python -m ENGINE_MODULE MODULE ARGS`: the module as `python -m` would
+# run it, with a rank's garbage-collector tuning (launch/engine.py)
+ENGINE_MODULE = "ftkit.launch.engine"
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # a name a shell can export (environ can hold any other)
 # What DeepSpeed's pdsh runner splices into the remote shell line unquoted (cd to the runner's directory, the
@@ -263,15 +274,26 @@ def build_launch(inp: LaunchInputs, base_env: Mapping[str, str]) -> LaunchComman
 
 
 def _deepspeed(inp: LaunchInputs, base_env: Mapping[str, str], attempt_dir: Path) -> LaunchCommand:
+    env = forwarded_env(base_env, inp.accelerator, run_env(inp, base_env))
+    flags, program = program_argv(inp, "deepspeed")
+    if len(inp.hosts) == 1 and is_local(inp.hosts[0][0]):
+        # DeepSpeed's per-node launcher, started exactly as its runner starts it for one local host: the runner's
+        # own process (importing all of DeepSpeed, then waiting) added ~3 s to every attempt
+        # (benchmarks/engine_start.py)
+        launch = [inp.python, "-u", "-m", ENGINE_MODULE, "deepspeed.launcher.launch"]
+        argv = _in_workdir(inp, [*launch, *launch_args(inp, flags, node_rank=None), "--log_level=info", *program])
+        node = NodeCommand(inp.hosts[0][0], 0, tuple(argv), env, remote=False)
+        note = f"deepspeed.launcher.launch --world_info: {json.dumps(_world(inp))}"  # which devices, readable
+        return LaunchCommand("deepspeed", (node,), notes=(note,))
+    if pdsh_problems(inp.run_dir, inp.python, inp.master_addr):  # preflight said so already
+        raise UserError([Problem(m) for m in pdsh_problems(inp.run_dir, inp.python, inp.master_addr)])
     hostfile = attempt_dir / "hostfile"
     env_file = attempt_dir / "ds_env"
-    env = forwarded_env(base_env, inp.accelerator, run_env(inp, base_env))
-    files = {str(hostfile): hostfile_text(inp.hosts, inp.devices)}
-    flags, program = program_argv(inp, "deepspeed")
     argv = [
         inp.python,
         "-u",
         "-m",
+        ENGINE_MODULE,
         "deepspeed.launcher.runner",
         "--hostfile",
         str(hostfile),
@@ -285,26 +307,24 @@ def _deepspeed(inp: LaunchInputs, base_env: Mapping[str, str], attempt_dir: Path
     include = deepspeed_include(inp)
     if include:  # DeepSpeed's launch sets CUDA_VISIBLE_DEVICES on each node from it
         argv += ["--include", include]
-    remote = len(inp.hosts) > 1 or not is_local(inp.hosts[0][0])
-    if remote and pdsh_problems(inp.run_dir, inp.python, inp.master_addr):  # preflight said so already
-        raise UserError([Problem(m) for m in pdsh_problems(inp.run_dir, inp.python, inp.master_addr)])
     # ftkit's preflight checks ssh itself (with cluster.ssh_config); DeepSpeed's own check would ignore that config.
-    argv.append("--no_ssh_check")
-    if remote:
-        argv += ["--launcher", "pdsh"]
-        if len(inp.hosts) == 1:
-            argv.append("--force_multi")  # one remote host is still reached over pdsh, never started locally
-        if inp.ssh_port:
-            argv += ["--ssh_port", str(inp.ssh_port)]
-        # Remote ranks get exactly this environment: a fresh file per attempt, never ~/.deepspeed_env.
-        remote_env = {k: v for k, v in env.items() if k not in ("PATH", "HOME", "USER")}
-        files[str(env_file)] = "".join(f"{k}={ds_env_value(v)}\n" for k, v in remote_env.items())
-        env["DS_ENV_FILE"] = str(env_file)
-        env["PDSH_RCMD_TYPE"] = "ssh"
-        if inp.ssh_config:
-            env["PDSH_SSH_ARGS_APPEND"] = f"-F {inp.ssh_config}"
+    argv += ["--no_ssh_check", "--launcher", "pdsh"]
+    if len(inp.hosts) == 1:
+        argv.append("--force_multi")  # one remote host is still reached over pdsh, never started locally
+    if inp.ssh_port:
+        argv += ["--ssh_port", str(inp.ssh_port)]
+    # Remote ranks get exactly this environment: a fresh file per attempt, never ~/.deepspeed_env.
+    remote_env = {k: v for k, v in env.items() if k not in ("PATH", "HOME", "USER")}
+    files = {
+        str(hostfile): hostfile_text(inp.hosts, inp.devices),
+        str(env_file): "".join(f"{k}={ds_env_value(v)}\n" for k, v in remote_env.items()),
+    }
+    env["DS_ENV_FILE"] = str(env_file)
+    env["PDSH_RCMD_TYPE"] = "ssh"
+    if inp.ssh_config:
+        env["PDSH_SSH_ARGS_APPEND"] = f"-F {inp.ssh_config}"
     notes: tuple[str, ...] = ()
-    if remote and inp.command is not None:
+    if inp.command is not None:
         # DeepSpeed's pdsh runner joins `cd CWD; python ... SCRIPT ARGS` into one remote shell line and quotes only
         # arguments with spaces: the command (and the directory it runs in) travel in the environment instead,
         # base64-encoded, and every rank runs ftkit's trampoline from the (validated) run directory.
@@ -319,20 +339,34 @@ def _deepspeed(inp: LaunchInputs, base_env: Mapping[str, str], attempt_dir: Path
         notes = (f"{COMMAND_ENV} carries: {shlex.join(c.display(inp.python))}  (run in {inp.workdir})",)
     else:
         argv = _in_workdir(inp, [*argv, *program])
-    if remote:
-        line = pdsh_line(inp, files[str(env_file)], flags, program)
-        notes = (f"remote shell line (DeepSpeed's pdsh runner, on each host): {line}", *notes)
+    line = pdsh_line(inp, files[str(env_file)], flags, program)
+    notes = (f"remote shell line (DeepSpeed's pdsh runner, on each host): {line}", *notes)
     node = NodeCommand(inp.hosts[0][0], 0, tuple(argv), env, remote=False)
     return LaunchCommand("deepspeed", (node,), files, notes)
+
+
+def launch_args(inp: LaunchInputs, flags: list[str], node_rank: str | None) -> list[str]:
+    """The arguments of DeepSpeed's per-node launcher (``deepspeed.launcher.launch``) as its runner builds them: the
+    world (every host's devices, base64 JSON), the master, ``--node_rank`` (pdsh's ``%n``; None: the runner's local
+    start passes none) and the program flags in the runner's order."""
+    info = base64.urlsafe_b64encode(json.dumps(_world(inp)).encode()).decode()
+    argv = [f"--world_info={info}"]
+    if node_rank is not None:
+        argv.append(f"--node_rank={node_rank}")
+    argv += [f"--master_addr={inp.master_addr}", f"--master_port={inp.master_port}"]
+    order = ("--no_python", "--module", "--no_local_rank")  # the order DeepSpeed appends them in
+    return argv + [f for f in order if f in (*flags, "--no_local_rank")]
+
+
+def _world(inp: LaunchInputs) -> dict[str, list[int]]:
+    """DeepSpeed's world info: each host's device indices."""
+    return {h: list(inp.devices.get(h) or range(n)) for h, n in inp.hosts}
 
 
 def pdsh_line(inp: LaunchInputs, env_file: str, flags: list[str], program: list[str]) -> str:
     """The shell line DeepSpeed's pdsh runner has every remote host run (``multinode_runner.PDSHRunner``): the
     env file's exports (quoted as its ``add_export`` does), ``cd`` to the runner's directory, its launcher and the
     program. ``%n`` is pdsh's node index."""
-    import base64
-    import json
-
     exports = ""
     for line in env_file.splitlines():
         key, _, value = line.partition("=")
@@ -340,13 +374,8 @@ def pdsh_line(inp: LaunchInputs, env_file: str, flags: list[str], program: list[
         if re.search(r"[^\w@%+=:,./-]", value):
             value = '"' + value + '"'
         exports += f"export {key.strip()}={value}; "
-    world = {h: list(inp.devices.get(h) or range(n)) for h, n in inp.hosts}
-    info = base64.urlsafe_b64encode(json.dumps(world).encode()).decode()
     cwd = inp.run_dir if inp.command is not None else (inp.workdir or inp.run_dir)
-    launch = [inp.python, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={info}", "--node_rank=%n"]
-    launch += [f"--master_addr={inp.master_addr}", f"--master_port={inp.master_port}"]
-    order = ("--no_python", "--module", "--no_local_rank")  # the order DeepSpeed appends them in
-    launch += [f for f in order if f in (*flags, "--no_local_rank")]
+    launch = [inp.python, "-u", "-m", "deepspeed.launcher.launch", *launch_args(inp, flags, node_rank="%n")]
     return f"{exports}cd {cwd}; " + " ".join([*launch, *program])
 
 
@@ -358,6 +387,7 @@ def _accelerate(inp: LaunchInputs, base_env: Mapping[str, str], meta: Path) -> L
         argv = [
             inp.python,
             "-m",
+            ENGINE_MODULE,
             "accelerate.commands.launch",
             "--config_file",
             str(meta / "accelerate.yaml"),
@@ -381,6 +411,7 @@ def torchrun_argv(inp: LaunchInputs, nnodes: int, nproc: int, rdzv_id: str) -> l
     argv = [
         inp.python,
         "-m",
+        ENGINE_MODULE,
         "torch.distributed.run",
         "--nnodes",
         str(nnodes),

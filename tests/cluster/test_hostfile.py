@@ -9,10 +9,12 @@ torch (~2 s) and these functions only need the standard library.
 from __future__ import annotations
 
 import ast
+import base64
 import collections
 import copy
 import importlib.util
 import itertools
+import json
 import logging
 import os
 import re
@@ -461,6 +463,9 @@ def _launched_devices(ds: SimpleNamespace, cmd, slots: dict[str, int], tmp_path:
     if cmd.engine == "deepspeed":  # its runner reads the hostfile and --include/--exclude, then sets the devices
         (node,) = cmd.nodes
         argv = list(node.argv)
+        info = next((a.split("=", 1)[1] for a in argv if a.startswith("--world_info=")), None)
+        if info is not None:  # one local host: DeepSpeed's launcher itself, given the world the runner would give
+            return json.loads(base64.urlsafe_b64decode(info))
         hostfile = tmp_path / "launched-hostfile"
         hostfile.write_text(cmd.files[argv[argv.index("--hostfile") + 1]])
         include = argv[argv.index("--include") + 1] if "--include" in argv else ""
@@ -501,7 +506,10 @@ def test_slot_selection_shows_in_dry_run(tmp_path: Path, write_recipe) -> None:
 
     (tmp_path / "hostfile").write_text("localhost slots=4\n")
     recipe = write_recipe()
-    for engine, shown in (("torchrun", "CUDA_VISIBLE_DEVICES=1,3"), ("deepspeed", "--include localhost:1,3")):
+    for engine, shown in (
+        ("torchrun", "CUDA_VISIBLE_DEVICES=1,3"),
+        ("deepspeed", '--world_info: {"localhost": [1, 3]}'),
+    ):
         argv = ["launch", str(recipe), "--hostfile", "hostfile", "--include", "localhost:1,3", "--engine", engine]
         out = run_ftkit(*argv, "--dry-run", cwd=tmp_path)
         assert out.returncode == 0, out.stderr

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+import json
+
 from ftkit.cluster.procs import exit_meaning
 from ftkit.command.engines import LaunchInputs, build_launch, describe, forwarded_env
 
@@ -42,22 +45,22 @@ def test_env_is_an_allow_list_with_the_accelerator():
 
 
 def test_deepspeed_local_golden():
+    """One local host: DeepSpeed's per-node launcher, with the arguments its runner would give it."""
     cmd = build_launch(_inputs("deepspeed"), BASE_ENV)
     (node,) = cmd.nodes
+    world = base64.urlsafe_b64encode(json.dumps({"localhost": [0, 1]}).encode()).decode()
     assert node.argv == (
         "/py",
         "-u",
         "-m",
-        "deepspeed.launcher.runner",
-        "--hostfile",
-        "/r/run/ftkit/attempts/1/hostfile",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        "29500",
-        "--no_local_rank",
+        "ftkit.launch.engine",
+        "deepspeed.launcher.launch",
+        f"--world_info={world}",
+        "--master_addr=127.0.0.1",
+        "--master_port=29500",
         "--module",
-        "--no_ssh_check",
+        "--no_local_rank",
+        "--log_level=info",
         "ftkit.launch.train",
         "/r/run",
         "--attempt",
@@ -65,7 +68,7 @@ def test_deepspeed_local_golden():
         "--resume",
         "/r/run/checkpoint-8",
     )
-    assert cmd.files == {"/r/run/ftkit/attempts/1/hostfile": "localhost slots=2\n"}
+    assert cmd.files == {} and cmd.notes == ('deepspeed.launcher.launch --world_info: {"localhost": [0, 1]}',)
     text = describe(cmd)
     assert "HF_TOKEN=***" in text and "hf_secret" not in text and "WANDB_API_KEY=***" in text
 
@@ -75,7 +78,9 @@ def test_deepspeed_multinode_uses_pdsh_and_a_fresh_env_file():
         _inputs("deepspeed", hosts=(("n0", 1), ("n1", 1)), master_addr="10.0.0.1", ssh_config="/cfg/ssh"), BASE_ENV
     )
     (node,) = cmd.nodes
-    assert "--no_ssh_check" in node.argv and ("--launcher", "pdsh") == node.argv[13:15]
+    assert node.argv[:5] == ("/py", "-u", "-m", "ftkit.launch.engine", "deepspeed.launcher.runner")
+    assert "--no_ssh_check" in node.argv and ("--launcher", "pdsh") == node.argv[14:16]
+    assert " -m deepspeed.launcher.launch --world_info=" in cmd.notes[0]  # the remote line is DeepSpeed's own
     env_file = "/r/run/ftkit/attempts/1/ds_env"
     assert node.env["DS_ENV_FILE"] == env_file and node.env["PDSH_SSH_ARGS_APPEND"] == "-F /cfg/ssh"
     assert "DS_ACCELERATOR=cpu\n" in cmd.files[env_file] and "RANDOM_VAR" not in cmd.files[env_file]
@@ -101,8 +106,8 @@ def test_torchrun_per_host_over_ssh_golden():
         remote = node.argv[-1]
         assert remote.startswith("cd /r && exec env ")
         assert (
-            f"/py -m torch.distributed.run --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint "
-            f"10.0.0.1:29500 --rdzv-id demo-1 --max-restarts 0 --rdzv-conf is_host={is_host} "
+            f"/py -m ftkit.launch.engine torch.distributed.run --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d "
+            f"--rdzv-endpoint 10.0.0.1:29500 --rdzv-id demo-1 --max-restarts 0 --rdzv-conf is_host={is_host} "
             f"--local-addr {node.host} -m ftkit.launch.train /r/run --attempt 1 --resume /r/run/checkpoint-8"
         ) in remote
         assert "DS_ACCELERATOR=cpu" in remote and "RANDOM_VAR" not in remote
@@ -120,9 +125,10 @@ def test_accelerate_machine_ranks():
     cmd = build_launch(_inputs("accelerate", hosts=(("n0", 2), ("n1", 2)), master_addr="10.0.0.1"), BASE_ENV)
     assert [n.argv[-1].split("--machine_rank ")[1].split()[0] for n in cmd.nodes] == ["0", "1"]
     local = build_launch(_inputs("accelerate"), BASE_ENV).nodes[0]
-    assert local.argv[:6] == (
+    assert local.argv[:7] == (
         "/py",
         "-m",
+        "ftkit.launch.engine",
         "accelerate.commands.launch",
         "--config_file",
         "/r/run/ftkit/accelerate.yaml",
@@ -206,17 +212,17 @@ def test_user_command_argv_per_engine(tmp_path):
 
     cases = {
         UserCommand("script", "/w/sft.py", ("--a", "1")): {
-            "deepspeed": ("--no_local_rank", "--no_ssh_check", "/w/sft.py", "--a", "1"),
+            "deepspeed": ("--no_local_rank", "--log_level=info", "/w/sft.py", "--a", "1"),
             "accelerate": ("--main_process_port", "29500", "/w/sft.py", "--a", "1"),
             "torchrun": ("--max-restarts", "0", "/w/sft.py", "--a", "1"),
         },
         UserCommand("module", "trl.scripts.sft", ("--a",)): {
-            "deepspeed": ("--no_local_rank", "--module", "--no_ssh_check", "trl.scripts.sft", "--a"),
+            "deepspeed": ("--module", "--no_local_rank", "--log_level=info", "trl.scripts.sft", "--a"),
             "accelerate": ("--main_process_port", "29500", "-m", "trl.scripts.sft", "--a"),
             "torchrun": ("--max-restarts", "0", "-m", "trl.scripts.sft", "--a"),
         },
         UserCommand("exec", "/bin/mytrain", ()): {
-            "deepspeed": ("--no_local_rank", "--no_python", "--no_ssh_check", "/bin/mytrain"),
+            "deepspeed": ("--no_python", "--no_local_rank", "--log_level=info", "/bin/mytrain"),
             "accelerate": ("--main_process_port", "29500", "--no_python", "/bin/mytrain"),
             "torchrun": ("--max-restarts", "0", "--no-python", "/bin/mytrain"),
         },

@@ -36,7 +36,7 @@ def test_dry_run_shows_the_command_the_env_contract_and_the_hook(write_recipe, t
     assert f"PYTHONPATH={inject}:/site" in r.stdout
     run = (tmp_path / "run").resolve()
     assert f"FTKIT_RUN_DIR={run}" in r.stdout and "FTKIT_ATTEMPT=0" in r.stdout and "FTKIT_RESUME=\n" in r.stdout
-    assert f"env -C {tmp_path} " in r.stdout and f"--no_ssh_check {tmp_path / 'sft.py'} --output_dir x" in r.stdout
+    assert f"env -C {tmp_path} " in r.stdout and f"--log_level=info {tmp_path / 'sft.py'} --output_dir x" in r.stdout
     assert "data.max_seq_len" not in r.stderr and "data.train: data.* and peft.*" in r.stderr  # the keys it set
     off = _dry(recipe, "--no-inject", "--", "python", "sft.py")
     assert off.returncode == 0 and "import hook:" not in off.stdout and inject not in off.stdout

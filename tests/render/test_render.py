@@ -285,7 +285,7 @@ def test_a_hostfile_naming_only_this_machine_needs_no_ssh(write_recipe, tmp_path
     plan = load_and_plan(str(write_recipe()), [f"cluster.hostfile={hf}", "train.global_batch_size=16"])
     assert plan.hosts == [("localhost", 2)] and plan.master_addr == "127.0.0.1"
     (node,) = build_launch(launch_inputs(plan), {"PATH": "/bin"}).nodes
-    assert not node.remote and "pdsh" not in node.argv and "--no_ssh_check" in node.argv
+    assert not node.remote and "pdsh" not in node.argv and "deepspeed.launcher.launch" in node.argv  # no runner
 
 
 def test_world_size_from_hostfile(write_recipe, tmp_path):
