@@ -144,10 +144,10 @@ class Agent:
                 continue
             if not (path / COMMIT_FILE).is_file():
                 continue
-            claim_peer_copy(self.rd.path, self.host, self.peer, step)  # the peer keeps its own part of the step
             send = None if is_local(self.peer) else _send(self.tier.get("ssh_config"), self.peer)
             t0 = time.time()
-            try:
+            try:  # a claim or copy that fails (the run directory unwritable, ssh down) leaves no mark behind
+                claim_peer_copy(self.rd.path, self.host, self.peer, step)  # the peer keeps its own part of it
                 copy_to_peer(NodePart(self.host, step, path, rec), node_dir(self.tier["dir"], self.peer), send)
                 (path / PEER_MARK).touch()  # the copy pairs with this part: rotation keeps the newest such
             finally:
