@@ -281,7 +281,7 @@ def _deepspeed(inp: LaunchInputs, base_env: Mapping[str, str], attempt_dir: Path
         # own process (importing all of DeepSpeed, then waiting) added ~3 s to every attempt
         # (benchmarks/engine_start.py)
         launch = [inp.python, "-u", "-m", ENGINE_MODULE, "deepspeed.launcher.launch"]
-        argv = _in_workdir(inp, [*launch, *launch_args(inp, flags, node_rank=None), "--log_level=info", *program])
+        argv = _in_workdir(inp, [*launch, *_launch_args(inp, flags, node_rank=None), "--log_level=info", *program])
         node = NodeCommand(inp.hosts[0][0], 0, tuple(argv), env, remote=False)
         note = f"deepspeed.launcher.launch --world_info: {json.dumps(_world(inp))}"  # which devices, readable
         return LaunchCommand("deepspeed", (node,), notes=(note,))
@@ -345,7 +345,7 @@ def _deepspeed(inp: LaunchInputs, base_env: Mapping[str, str], attempt_dir: Path
     return LaunchCommand("deepspeed", (node,), files, notes)
 
 
-def launch_args(inp: LaunchInputs, flags: list[str], node_rank: str | None) -> list[str]:
+def _launch_args(inp: LaunchInputs, flags: list[str], node_rank: str | None) -> list[str]:
     """The arguments of DeepSpeed's per-node launcher (``deepspeed.launcher.launch``) as its runner builds them: the
     world (every host's devices, base64 JSON), the master, ``--node_rank`` (pdsh's ``%n``; None: the runner's local
     start passes none) and the program flags in the runner's order."""
@@ -375,7 +375,7 @@ def pdsh_line(inp: LaunchInputs, env_file: str, flags: list[str], program: list[
             value = '"' + value + '"'
         exports += f"export {key.strip()}={value}; "
     cwd = inp.run_dir if inp.command is not None else (inp.workdir or inp.run_dir)
-    launch = [inp.python, "-u", "-m", "deepspeed.launcher.launch", *launch_args(inp, flags, node_rank="%n")]
+    launch = [inp.python, "-u", "-m", "deepspeed.launcher.launch", *_launch_args(inp, flags, node_rank="%n")]
     return f"{exports}cd {cwd}; " + " ".join([*launch, *program])
 
 
