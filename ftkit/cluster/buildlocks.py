@@ -11,10 +11,12 @@ Build directories: ``$TORCH_EXTENSIONS_DIR/<op>/`` when that is set, else
 
 **Rule** (stated once, used by ``ftkit doctor`` and the supervisor's loading hint): a ``lock`` is *stale* when no
 process on this machine holds its build — none has the lock file open (the baton holder keeps its descriptor) and
-none runs in the op's directory (ninja and the compiler run with that cwd). Processes whose /proc entries cannot be
-read (another user's, without root) are not seen; on a file system shared between hosts a build running on another
-host is not seen either, so ``ftkit doctor`` runs the check on every host and calls a lock stale only when no host
-holds it. The fix is ``rm <lock>``: the next rank rebuilds (or reuses) the op.
+none runs in the op's directory (ninja and the compiler run with that cwd) — in two looks ``CONFIRM_S`` apart, the
+same file both times (other jobs' ranks take and give back batons many times a second while they load). Processes
+whose /proc entries cannot be read (another user's, without root) are not seen; on a file system shared between
+hosts a build running on another host is not seen either, so ``ftkit doctor`` runs the check on every host and calls
+a lock stale only when no host holds it.
+The fix is ``rm <lock>``: the next rank rebuilds (or reuses) the op.
 
 Import-light: standard library only.
 """
@@ -23,11 +25,13 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 LOADING_HINT_AFTER_S = 60.0  # a rank still "loading" this long while a stale lock exists gets a hint
+CONFIRM_S = 0.5  # an unheld lock is looked at again after this long before it is called stale
 
 
 def extension_roots(env: Mapping[str, str] | None = None) -> list[Path]:
@@ -91,11 +95,36 @@ def _holders(locks: Iterable[Path], proc: Path = Path("/proc")) -> dict[Path, in
     return held
 
 
-def lock_states(env: Mapping[str, str] | None = None) -> list[tuple[Path, int | None]]:
-    """(lock, pid holding its build or None) for every build lock on this machine."""
+def _identity(lock: Path) -> tuple[int, int] | None:
+    """The lock file's inode and modification time; None once it is gone."""
+    try:
+        st = lock.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
+def lock_states(env: Mapping[str, str] | None = None, *, confirm_s: float = CONFIRM_S) -> list[tuple[Path, int | None]]:
+    """(lock, pid holding its build or None) for every build lock on this machine.
+
+    A lock is reported unheld only when it was unheld in two scans ``confirm_s`` apart and is the same file in
+    both. Another job's ranks take and give back the baton of every op they load (the file created, a no-op
+    build, the descriptor closed, the file removed): a scan that lists the lock, then reads /proc after its
+    holder let go, must not call it stale. A lock removed meanwhile is left out.
+    """
     locks = build_locks(env)
     held = _holders(locks)
-    return [(p, held.get(p)) for p in locks]
+    unheld = {p: _identity(p) for p in locks if p not in held}
+    unheld = {p: ident for p, ident in unheld.items() if ident is not None}
+    if unheld and confirm_s > 0:
+        time.sleep(confirm_s)
+        again = _holders(list(unheld))
+        for p, ident in list(unheld.items()):
+            if p in again:
+                held[p] = again[p]
+            if p in again or _identity(p) != ident:
+                del unheld[p]
+    return [(p, held.get(p)) for p in locks if p in held or p in unheld]
 
 
 def stale_build_locks(env: Mapping[str, str] | None = None) -> list[Path]:

@@ -66,11 +66,19 @@ def _baton(lock: Path, what: str) -> subprocess.Popen:
         "import importlib.util, sys\n"
         f"s = importlib.util.spec_from_file_location('fb', {str(path)!r}); m = importlib.util.module_from_spec(s)\n"
         f"s.loader.exec_module(m); b = m.FileBaton({str(lock)!r})\n"
-        + (
-            "assert b.try_acquire(); print('ready', flush=True); import time; time.sleep(60)\n"
-            if what == "acquire"
-            else "print('ready', flush=True); b.wait()\n"
-        )
+        + {
+            "acquire": "assert b.try_acquire(); print('ready', flush=True); import time; time.sleep(60)\n",
+            "wait": "print('ready', flush=True); b.wait()\n",
+            # every rank of a running job loading its ops: the baton taken (the file created), a no-op build,
+            # the baton given back (the file closed, then removed), again and again
+            "cycle": (
+                "import time; print('ready', flush=True)\n"
+                "while True:\n"
+                "    if b.try_acquire():\n"
+                "        time.sleep(0.01); b.release()\n"
+                "    time.sleep(0.002)\n"
+            ),
+        }[what]
     )
     return _holder(code)
 
@@ -91,6 +99,25 @@ def test_real_file_baton_holder_and_waiter(tmp_path):
         for p in (holder, waiter):
             p.kill()
             p.wait()
+
+
+def test_a_build_that_starts_or_ends_during_the_scan_is_not_stale(tmp_path):
+    """Another job on this machine loading its ops takes and gives back the baton many times a second; a lock seen
+    between its listing and the scan of /proc, or between the holder's close and its remove, is not stale. (Seen
+    for real: a second job's preflight refused with exit 3, naming a lock the first job's ranks held.)"""
+    root = tmp_path / "ext"
+    (root / "deepspeed_shm_comm").mkdir(parents=True)
+    lock = root / "deepspeed_shm_comm" / "lock"
+    cycling = _baton(lock, "cycle")
+    try:
+        env = {"TORCH_EXTENSIONS_DIR": str(root)}
+        seen = [buildlocks.stale_build_locks(env) for _ in range(100)]
+        assert not any(seen), f"{sum(map(bool, seen))} of 100 scans called a held lock stale"
+    finally:
+        cycling.kill()
+        cycling.wait()
+    if lock.exists():  # killed holding the baton: now it is stale, and still found
+        assert buildlocks.stale_build_locks(env) == [lock]
 
 
 def test_default_layout_under_the_cache_dir(tmp_path):
