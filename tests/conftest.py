@@ -33,6 +33,63 @@ def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001
             pass
 
 
+# The integration tier runs on two pytest-xdist workers (make test: ``-n 2 --dist loadscope``): a module's tests
+# stay on one worker, so its module-scoped runs are made once, and the modules whose tests use namespace hosts or the
+# Slurm cluster form one unit (their hosts and daemons are machine-wide). ``pytest_collection_modifyitems`` checks
+# that the list below names every such module.
+HOST_MODULES = frozenset(
+    {
+        "tests/integration/doctor/test_doctor.py",
+        "tests/integration/multinode/test_multinode.py",
+        "tests/integration/multinode/test_netns_harness.py",
+        "tests/integration/multinode/test_scale.py",
+        "tests/integration/slurm/test_slurm.py",
+        "tests/integration/stragglers/test_stragglers_multinode.py",
+        "tests/integration/tiers/test_peer_copies.py",
+    }
+)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadscope`` with the namespace-host and Slurm modules as one scope."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return "namespace hosts and Slurm" if module in HOST_MODULES else module
+
+    return ByModule(config, log)
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ARG001
+    for item in items:
+        if item.get_closest_marker("multinode") or item.get_closest_marker("slurm"):
+            module = item.nodeid.split("::")[0]
+            if module not in HOST_MODULES:
+                raise pytest.UsageError(f"{module} uses namespace hosts or Slurm: add it to HOST_MODULES in {__file__}")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ARG001
+    """Seconds per kind of test (slow, multinode, slurm), summed over the tests that ran: the integration tier runs
+    them together on two workers, and these sums say which kind its time went to."""
+    spent: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for rep in reports:
+            kw = getattr(rep, "keywords", None)
+            if not kw or not hasattr(rep, "duration"):
+                continue
+            kind = next((k for k in ("slurm", "multinode", "slow") if k in kw), None)
+            if kind:
+                spent[kind] = spent.get(kind, 0.0) + rep.duration
+    if spent:
+        terminalreporter.write_line(
+            "test seconds by kind (summed): " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(spent.items()))
+        )
+
+
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
     d = tmp_path / "model"

@@ -1,6 +1,7 @@
 """Helpers for tests that run real multi-process jobs: fixtures on disk, recipes, launching, killing, checking.
 
-Multi-process tests take ``/tmp/ftkit-mp.lock`` (see ``mp_lock``) so two suites never share the 2 cores. The
+Multi-process tests take a place under ``/tmp/ftkit-mp.lock`` (see ``mp_lock``): by default one run at a time, so two
+suites never share the 2 cores; ``FTKIT_TEST_RUNS=2`` (the slow tier under ``make test``) lets two runs overlap. The
 session's shared runs (the ``fx`` and ``baseline`` fixtures) are in tests/integration/conftest.py.
 """
 
@@ -30,14 +31,43 @@ RUN_STEPS = 12  # write_recipe's default: checkpoints every 4 steps, the newest 
 RUN_TIMEOUT_S = 240  # an upper bound for one whole `ftkit launch` with a restart or two (a clean run takes ~15 s)
 
 
+def run_slots() -> int:
+    """How many multi-process runs may share the machine (``FTKIT_TEST_RUNS``, default 1: one at a time)."""
+    try:
+        return max(1, int(os.environ.get("FTKIT_TEST_RUNS", "1")))
+    except ValueError:
+        return 1
+
+
 @contextlib.contextmanager
-def mp_lock() -> Iterator[None]:
-    with open(LOCK, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+def mp_lock(*, alone: bool = False) -> Iterator[None]:
+    """Hold one of ``run_slots()`` places for a multi-process run; ``alone``: the machine to itself (a test whose
+    assertions are about time: step times, stragglers, the stop of an orphan within seconds).
+
+    A readers-writer gate (``LOCK``: shared for a place, exclusive for ``alone``) and one file per place.
+    """
+    with open(LOCK, "w") as gate:
+        fcntl.flock(gate, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         try:
-            yield
+            if alone:
+                yield
+                return
+            while True:
+                for i in range(run_slots()):
+                    slot = open(f"{LOCK}.{i}", "w")  # noqa: SIM115 (held for the run, closed below)
+                    try:
+                        fcntl.flock(slot, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        slot.close()
+                        continue
+                    try:
+                        yield
+                        return
+                    finally:
+                        slot.close()
+                time.sleep(0.2)
         finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+            fcntl.flock(gate, fcntl.LOCK_UN)
 
 
 def make_fixtures(root: Path, kind: str = "text") -> dict[str, Path]:
@@ -277,9 +307,12 @@ def kill_leftovers(run: Path) -> None:
 
 
 @contextlib.contextmanager
-def launched(recipe: Path, run: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
-    """``ftkit launch RECIPE ARGS`` in the background, under the multi-process lock; cleaned up if the test fails."""
-    with mp_lock():
+def launched(
+    recipe: Path, run: Path, *args: str, env: dict[str, str] | None = None, alone: bool = False
+) -> Iterator[subprocess.Popen]:
+    """``ftkit launch RECIPE ARGS`` in the background, under the multi-process lock (``alone``: see ``mp_lock``);
+    cleaned up if the test fails."""
+    with mp_lock(alone=alone):
         proc = start_ftkit(
             "launch", str(recipe), *args, env={**RUN_ENV, **(env or {})}, log=recipe.parent / "ftkit.log"
         )

@@ -3,7 +3,9 @@ session), and two namespace hosts. The Slurm cluster is in slurm/conftest.py."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+import pickle
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -14,22 +16,67 @@ from tests.helpers.netns import NetnsCluster, netns_cluster, require_netns
 # (tests read them and copy what they change: each costs a model build or a 2-rank launch).
 
 
+def _once(factory: pytest.TempPathFactory, name: str, build: Callable[[Path], dict]) -> dict:
+    """``build(directory)`` once for the whole test run: under pytest-xdist the workers share one result (the first
+    builds it under a file lock, the others read it), so a parallel tier pays for each shared run once."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return build(factory.mktemp(name))
+    from filelock import FileLock
+
+    root = factory.getbasetemp().parent  # the run's directory, above every worker's own
+    done = root / f"{name}.pickle"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            (root / name).mkdir(exist_ok=True)
+            done.write_bytes(pickle.dumps(build(root / name)))
+    return pickle.loads(done.read_bytes())  # noqa: S301 (written by this test run, above)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _own_op_builds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Under pytest-xdist, each worker's runs load DeepSpeed's JIT ops from the worker's own copy of this machine's
+    builds (``TORCH_EXTENSIONS_DIR``). A rank killed while it holds an op's build baton leaves a lock that every
+    later rank using that directory waits on; with a copy per worker, a test's kills reach only its own worker's
+    later runs, as in a one-at-a-time suite."""
+    if not os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("TORCH_EXTENSIONS_DIR"):
+        yield
+        return
+    import shutil
+
+    from ftkit.cluster.buildlocks import extension_roots
+
+    built = [r for r in extension_roots() if (r / "deepspeed_shm_comm").is_dir()]
+    if not built:  # nothing built yet (make install builds them): the ranks build their own
+        yield
+        return
+    own = tmp_path_factory.mktemp("torch_extensions")
+    shutil.copytree(built[0], own, symlinks=True, dirs_exist_ok=True, ignore=shutil.ignore_patterns("lock"))
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(own)
+    try:
+        yield
+    finally:
+        del os.environ["TORCH_EXTENSIONS_DIR"]
+
+
 @pytest.fixture(scope="session")
 def fx(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The tiny model, tokenizer and learnable data, made once per session (read-only for tests)."""
     from tests.helpers.runs import make_fixtures
 
-    return make_fixtures(tmp_path_factory.mktemp("fixtures"))
+    return _once(tmp_path_factory, "fixtures", make_fixtures)
 
 
 @pytest.fixture(scope="session")
 def baseline(fx: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One uninterrupted run: its losses are what every recovered run must reproduce; its run directory is
     copied by the corruption tests (checkpoint-8 and checkpoint-12 committed)."""
+    return _once(tmp_path_factory, "baseline", lambda d: _baseline(fx, d))
+
+
+def _baseline(fx: dict[str, Path], d: Path) -> dict:
     from tests.helpers.runs import RUN_ENV, RUN_STEPS, RUN_TIMEOUT_S, assert_no_process_left, ftkit, losses, mp_lock
     from tests.helpers.runs import write_recipe as recipe_for
 
-    d = tmp_path_factory.mktemp("baseline")
     recipe = recipe_for(d, fx)
     with mp_lock():
         r = ftkit("launch", str(recipe), env=RUN_ENV, timeout=RUN_TIMEOUT_S)

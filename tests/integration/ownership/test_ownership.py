@@ -104,7 +104,7 @@ def test_sigkilled_supervisor_ranks_stop_by_themselves_and_relaunch_finishes(fx,
     orphan_timeout = 2
     # A step takes ~0.15 s here: 120 steps outlast the orphans' timeout by far.
     recipe, run = recipe_and_run(tmp_path, fx, resilience__orphan_timeout_s=orphan_timeout, train__max_steps=LONG)
-    with launched(recipe, run) as proc:
+    with launched(recipe, run, alone=True) as proc:  # a bound in seconds: the machine to itself
         wait_step(run, 0, 5)
         assert processes_left(run)
         proc.kill()  # kill -9 of ftkit launch only: the ranks run in their own session

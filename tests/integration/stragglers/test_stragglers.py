@@ -36,7 +36,7 @@ def test_a_really_throttled_rank_is_named_within_20_steps(tmp_path: Path) -> Non
         write_recipe,
     )
 
-    with mp_lock():
+    with mp_lock(alone=True):
         fx = make_fixtures(tmp_path / "fx")
         recipe = write_recipe(tmp_path, fx, train__max_steps=40, train__save_steps=1000, train__logging_steps=10)
         run = tmp_path / "run"

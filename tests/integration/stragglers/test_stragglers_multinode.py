@@ -100,7 +100,7 @@ def test_ftkit_status_names_a_throttled_host_within_20_steps(tmp_path, fixtures,
     recipe = _recipe(tmp_path, fixtures, netns2)
     run = tmp_path / "run"
     named = None
-    with mp_lock():
+    with mp_lock(alone=True):
         proc = start_ftkit("launch", str(recipe), env=ENV, log=tmp_path / "launch.log")
         try:
             wait_for(lambda: heartbeat_step(run, 1) >= 1, 300, "rank 1's first step")
@@ -133,7 +133,7 @@ def test_ftkit_status_names_a_throttled_host_within_20_steps(tmp_path, fixtures,
 def test_exclude_stragglers_saves_then_continues_without_the_slow_host(tmp_path, fixtures, netns2):
     recipe = _recipe(tmp_path, fixtures, netns2, resilience__exclude_stragglers=True, cluster__min_nodes=1)
     run = tmp_path / "run"
-    with mp_lock():
+    with mp_lock(alone=True):
         proc = start_ftkit("launch", str(recipe), env=ENV, log=tmp_path / "launch.log")
         try:
             wait_for(lambda: heartbeat_step(run, 1) >= 1, 300, "rank 1's first step")
