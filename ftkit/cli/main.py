@@ -9,15 +9,33 @@ path (exit 12 for no space, else 2), and Ctrl-C becomes one line and exit 130 (c
 from __future__ import annotations
 
 import errno
+import importlib
 import os
 import sys
 
 import click
 
 from ftkit import __version__
-from ftkit.cli import check, doctor, explain, import_, init, launch, plan, render, report, schema, status, stop, submit
-from ftkit.cli import export as export_
 from ftkit.errors import ExitCode, FtkitError, Problem, UserError, os_error
+
+# Each command's module in ftkit.cli, imported when the command runs (or when --help lists them all): ``ftkit
+# render`` does not pay for importing the launch, doctor and export commands' libraries.
+COMMANDS = {
+    "init": "init",
+    "import": "import_",
+    "render": "render",
+    "check": "check",
+    "explain": "explain",
+    "plan": "plan",
+    "doctor": "doctor",
+    "launch": "launch",
+    "submit": "submit",
+    "status": "status",
+    "report": "report",
+    "stop": "stop",
+    "schema": "schema",
+    "export": "export",
+}
 
 EPILOG = """\b
 Examples:
@@ -31,6 +49,16 @@ Examples:
 
 
 class FtkitGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:  # noqa: ARG002
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:  # noqa: ARG002
+        module = COMMANDS.get(cmd_name)
+        if module is None:
+            return None
+        command: click.Command = importlib.import_module(f"ftkit.cli.{module}").command
+        return command
+
     def invoke(self, ctx: click.Context):  # type: ignore[override]
         try:
             return super().invoke(ctx)
@@ -106,16 +134,6 @@ def _stdout_broken(e: OSError) -> bool:
 def cli() -> None:
     """ftkit: one fine-tuning recipe in; DeepSpeed and Accelerate configs, a memory plan, a launched and
     supervised HF Trainer job out."""
-
-
-def _register() -> None:
-
-    for mod in (init, import_, render, check, explain, plan, doctor, launch, submit, status, report, stop, schema):
-        cli.add_command(mod.command)
-    cli.add_command(export_.command)
-
-
-_register()
 
 
 def main() -> None:

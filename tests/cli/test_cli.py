@@ -170,6 +170,25 @@ def test_config_commands_import_no_heavy_stack(tmp_path, model_dir, args):
     assert heavy == ["HEAVY="], out.stderr[-2000:]
 
 
+def test_every_command_is_listed_and_loaded_only_when_it_runs():
+    """``ftkit.cli.main.COMMANDS`` names each command's module; ``ftkit render`` imports no other command's."""
+    import importlib
+
+    from ftkit.cli.main import COMMANDS
+
+    for name, module in COMMANDS.items():
+        assert importlib.import_module(f"ftkit.cli.{module}").command.name == name
+    modules = {p.stem for p in (REPO / "ftkit" / "cli").glob("*.py")} - {"__init__", "main", "options"}
+    assert set(COMMANDS.values()) == modules, "a command module missing from COMMANDS"
+    probe = (
+        "import sys\nfrom ftkit.cli.main import cli\ntry:\n    cli(['render', '--help'])\nexcept SystemExit:\n"
+        "    pass\nprint(sorted(m for m in sys.modules if m.startswith('ftkit.cli.')), file=sys.stderr)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    loaded = eval(out.stderr.strip().splitlines()[-1])  # noqa: S307 (our own probe's repr of a list of names)
+    assert loaded == ["ftkit.cli.main", "ftkit.cli.options", "ftkit.cli.render"], loaded
+
+
 def test_every_package_is_in_setup_cfg():
     """A folder of the library missing from setup.cfg's packages would be missing from a plain install."""
     import configparser
