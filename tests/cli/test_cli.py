@@ -181,11 +181,12 @@ def test_every_command_is_listed_and_loaded_only_when_it_runs():
     modules = {p.stem for p in (REPO / "ftkit" / "cli").glob("*.py")} - {"__init__", "main", "options"}
     assert set(COMMANDS.values()) == modules, "a command module missing from COMMANDS"
     probe = (
-        "import sys\nfrom ftkit.cli.main import cli\ntry:\n    cli(['render', '--help'])\nexcept SystemExit:\n"
-        "    pass\nprint(sorted(m for m in sys.modules if m.startswith('ftkit.cli.')), file=sys.stderr)"
+        "import json, sys\nfrom ftkit.cli.main import cli\ntry:\n    cli(['render', '--help'])\nexcept SystemExit:\n"
+        "    pass\nnames = sorted(m for m in sys.modules if m.startswith('ftkit.cli.'))\n"
+        "print(json.dumps(names), file=sys.stderr)"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
-    loaded = eval(out.stderr.strip().splitlines()[-1])  # noqa: S307 (our own probe's repr of a list of names)
+    loaded = json.loads(out.stderr.strip().splitlines()[-1])
     assert loaded == ["ftkit.cli.main", "ftkit.cli.options", "ftkit.cli.render"], loaded
 
 

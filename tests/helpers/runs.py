@@ -1,7 +1,7 @@
 """Helpers for tests that run real multi-process jobs: fixtures on disk, recipes, launching, killing, checking.
 
 Multi-process tests take a place under ``/tmp/ftkit-mp.lock`` (see ``mp_lock``): by default one run at a time, so two
-suites never share the 2 cores; ``FTKIT_TEST_RUNS=2`` (the slow tier under ``make test``) lets two runs overlap. The
+suites never share the 2 cores; ``FTKIT_TEST_RUNS=2`` (the integration tier of ``make test``) lets two runs overlap. The
 session's shared runs (the ``fx`` and ``baseline`` fixtures) are in tests/integration/conftest.py.
 """
 
