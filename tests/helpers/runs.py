@@ -259,6 +259,19 @@ def assert_no_process_left(run_dir: Path, extra_pids: tuple[int, ...] = ()) -> N
     assert tier is None or not tier.exists(), f"the local checkpoint tier is left: {sorted(tier.rglob('*'))[:5]}"
 
 
+def log_tails(run_dir: Path, chars: int = 1500) -> str:
+    """The end of every rank and engine log of every attempt, for a failure message (a run directory that pytest
+    later rotates away keeps its story in the test's output)."""
+    parts = []
+    for log in sorted((run_dir / "logs").glob("attempt-*/*.log")):
+        try:
+            text = log.read_text(errors="replace")
+        except OSError:
+            continue
+        parts.append(f"--- {log.relative_to(run_dir)}\n{text[-chars:]}")
+    return "\n".join(parts)
+
+
 def local_tier_root(run_dir: Path) -> Path | None:
     """The run's local tier directory on this machine (every node's under it), None when the run has none."""
     from ftkit.rundir.spec import RunSpec

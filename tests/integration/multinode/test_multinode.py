@@ -22,6 +22,7 @@ from tests.helpers.runs import (
     events,
     ftkit,
     heartbeat_step,
+    log_tails,
     losses,
     mp_lock,
     start_ftkit,
@@ -102,7 +103,7 @@ def test_every_process_on_a_host_killed_recovers(tmp_path, fixtures, netns2):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
     log = (tmp_path / "launch.log").read_text()
-    assert code == 0, log[-4000:]
+    assert code == 0, log[-4000:] + "\n" + log_tails(run_dir)
     ev = events(run_dir)
     assert [e["event"] for e in ev].count("restart") == 1
     chosen = [e for e in ev if e["event"] == "checkpoint_chosen"]
