@@ -304,11 +304,35 @@ def skip_final_collection() -> None:
     gc.freeze()
 
 
-def install_startup() -> None:
+def install_startup(accelerator: str) -> None:
     """What every rank needs before any model is built, whatever its entry (the built-in one, the import hook or a
     script calling ftkit.hf): once TrainingArguments exist, DeepSpeed sees the real process group (ZeRO-3's
-    partitioned ``from_pretrained`` reads its world size)."""
+    partitioned ``from_pretrained`` reads its world size); on CPU ranks, so does Accelerate."""
     on_import("transformers.training_args", _share_after_training_args)
+    if accelerator == "cpu":
+        on_import("accelerate.state", _cpu_ranks_are_one_job)
+
+
+def _cpu_ranks_are_one_job(mod: Any) -> None:
+    """Accelerate counts CPU processes as one job only when told ``cpu=True`` (``accelerate launch --cpu``, HF
+    Trainer's ``use_cpu``); a plain ``Accelerator()`` under torchrun or DeepSpeed's launcher otherwise runs every
+    rank as process 0 of a job of its own: no gradient all-reduce, every rank writing the same checkpoint files.
+    The process state (``PartialState``) is made CPU on CPU ranks; ``AcceleratorState``'s own flag stays the
+    caller's, so HF Trainer's DeepSpeed path (a CPU process state with a DeepSpeed plugin) is unchanged. The
+    environment variable ``ACCELERATE_USE_CPU`` would not do: it switches that DeepSpeed path off."""
+    import functools
+
+    cls = mod.PartialState
+    if getattr(cls.__init__, "_ftkit_cpu", False):
+        return
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self: Any, cpu: bool = False, **kwargs: Any) -> None:  # noqa: ARG001 (always True here)
+        original(self, True, **kwargs)
+
+    __init__._ftkit_cpu = True  # type: ignore[attr-defined]
+    cls.__init__ = __init__
 
 
 def _share_after_training_args(mod: Any) -> None:

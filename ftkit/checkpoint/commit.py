@@ -24,6 +24,7 @@ from ftkit.checkpoint.checksums import (
     sampled_checksum,
 )
 from ftkit.checkpoint.layout import (
+    _ACCELERATE_RNG_RE,
     _MANIFEST_THREADS,
     _RNG_RANK_RE,
     _TMP_PREFIX,
@@ -90,6 +91,20 @@ def manifest_part(
         return dict(pool.map(one, files))
 
 
+def _check_accelerate_processes(name: str, present: Iterable[str], world_size: int) -> None:
+    """``Accelerator.save_state`` writes ``random_states_<process>.pkl`` on every process: a set that does not
+    match the world size means the script's Accelerator ran each rank as a job of its own (every one "process 0",
+    all writing the same files), so the state is not this run's and must not be resumed."""
+    procs = {int(m.group(1)) for rel in present if (m := _ACCELERATE_RNG_RE.match(rel))}
+    if procs and procs != set(range(world_size)):
+        got = ", ".join(map(str, sorted(procs)))
+        raise CommitError(
+            f"{name}: Accelerate saved the state of process(es) {got} for world size {world_size}: the script's "
+            "Accelerator does not see the run's process group (on CPU ranks it needs cpu=True or "
+            "ACCELERATE_USE_CPU=true, which ftkit launch sets)"
+        )
+
+
 def write_commit(
     ckpt_dir: str | os.PathLike[str],
     parts: Iterable[Mapping[str, Mapping[str, Any]]],
@@ -132,6 +147,8 @@ def write_commit(
             merged[rel] = clean
 
     present = _payload_files(ckpt)
+    if kind == "state":
+        _check_accelerate_processes(name, present, world_size)
     uncovered = [rel for rel in present if rel not in merged]
     if uncovered:
         owners = ", ".join(f"{rel} (rank {_writer_rank(rel)})" for rel in uncovered[:5])

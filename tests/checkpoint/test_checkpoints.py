@@ -273,6 +273,22 @@ def test_default_commit_uses_full_checksums(tmp_path: Path) -> None:
     assert not verify(ckpt).ok
 
 
+def test_an_accelerate_state_saved_by_every_rank_as_process_0_is_not_committed(tmp_path: Path) -> None:
+    """Two ranks whose Accelerator each believed it was the only process write the same files (random_states_0.pkl
+    only): the commit names the cause instead of committing one rank's state, or racing on its sizes."""
+    ckpt = tmp_path / "checkpoint-8"
+    ckpt.mkdir()
+    for name in ("model.safetensors", "optimizer.bin", "random_states_0.pkl"):
+        (ckpt / name).write_bytes(b"x" * 64)
+    parts = [manifest_part(ckpt, r, 2) for r in range(2)]
+    with pytest.raises(CommitError, match=r"checkpoint-8: Accelerate saved the state of process\(es\) 0 for world "):
+        write_commit(ckpt, parts, step=8, world_size=2, stage=None, recipe_hash="h", kind="state")
+    (ckpt / "random_states_1.pkl").write_bytes(b"y" * 64)
+    parts = [manifest_part(ckpt, r, 2) for r in range(2)]
+    write_commit(ckpt, parts, step=8, world_size=2, stage=None, recipe_hash="h", kind="state")
+    assert verify(ckpt).ok
+
+
 def test_missing_trainer_state(tmp_path: Path) -> None:
     ckpt = make_ckpt(tmp_path, 30)
     (ckpt / "trainer_state.json").unlink()

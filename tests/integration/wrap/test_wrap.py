@@ -301,5 +301,10 @@ def test_an_accelerate_loop_on_the_loop_api_survives_a_killed_rank(fx, tmp_path)
     assert sorted(first) == list(range(1, STEPS + 1)) and sorted(again) == list(range(5, STEPS + 1)), (first, again)
     assert all(first[s] == again[s] for s in again), (first, again)
     assert (run / "checkpoint-8" / "ftkit_commit.json").is_file() and (run / "final" / "ftkit_commit.json").is_file()
+    # both ranks are processes of one Accelerate job (each saved its own RNG state), not two jobs of one process
+    assert sorted(p.name for p in (run / "checkpoint-8").glob("random_states_*.pkl")) == [
+        "random_states_0.pkl",
+        "random_states_1.pkl",
+    ]
     assert not named(run, "unwatched")
     assert_no_process_left(run)
