@@ -53,6 +53,7 @@ from ftkit.rundir.env import (
     RUN_DIR_ENV,
     SECRET,
     encode_command,
+    path_with_python_first,
 )
 
 TRAIN_MODULE = "ftkit.launch.train"
@@ -179,6 +180,7 @@ def program_argv(inp: LaunchInputs, engine: str) -> tuple[list[str], list[str]]:
 def run_env(inp: LaunchInputs, base_env: Mapping[str, str]) -> dict[str, str]:
     """The run's environment contract on every rank, and the import hook's PYTHONPATH for a user command."""
     env = {RUN_DIR_ENV: inp.run_dir, ATTEMPT_ENV: str(inp.attempt), RESUME_ENV: inp.resume or ""}
+    env["PATH"] = path_with_python_first(inp.python, base_env.get("PATH"))  # one ninja for every rank's op builds
     if inp.command is not None and inp.inject:
         if not inp.inject_path:
             raise ValueError("inject_path is required for a user command with the import hook")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 
 RUN_DIR_ENV = "FTKIT_RUN_DIR"  # the run directory (every rank)
@@ -59,3 +60,14 @@ def encode_command(kind: str, target: str, args: list[str], workdir: str) -> str
 
 def decode_command(value: str) -> dict:
     return json.loads(base64.b64decode(value.encode(), validate=True))
+
+
+def path_with_python_first(python: str, path: str | None) -> str:
+    """``PATH`` with the directory of the Python that runs the ranks first, as activating its virtual environment
+    does: the tools installed beside it are the ones every rank and ``ftkit.launch.warmup`` run. Above all ninja,
+    which torch's just-in-time op builds call by name: the system's ninja 1.11 and pip's 1.13 (a DeepSpeed
+    dependency) hash build commands differently, so each one rebuilds what the other built (a minute or more of
+    compiling in a rank's start-up, measured on CPU ranks) whenever processes find different ones."""
+    first = os.path.dirname(python)
+    rest = [p for p in (path or os.defpath).split(os.pathsep) if p and p != first]
+    return os.pathsep.join([first, *rest])

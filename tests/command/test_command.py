@@ -44,6 +44,20 @@ def test_env_is_an_allow_list_with_the_accelerator():
     assert "DS_ACCELERATOR" not in forwarded_env({**BASE_ENV, "DS_ACCELERATOR": "cpu"}, "cuda")
 
 
+def test_every_rank_finds_the_tools_beside_its_python_first():
+    """torch builds DeepSpeed's ops with the ``ninja`` on PATH; the system's and pip's (beside the ranks' Python)
+    hash build commands differently, so ranks that found different ones rebuilt each other's ops at every start."""
+    py = "/venv/bin/python"
+    for engine in ("deepspeed", "accelerate", "torchrun"):
+        for hosts in ((("localhost", 2),), (("localhost", 1), ("w1", 1))):
+            cmd = build_launch(_inputs(engine, hosts=hosts, python=py), {**BASE_ENV, "PATH": "/usr/bin:/venv/bin"})
+            for node in cmd.nodes:
+                words = node.argv[-1].split() if node.remote else []  # ssh: the environment is inline
+                env = dict(w.strip("'").split("=", 1) for w in words if "=" in w) if node.remote else node.env
+                path = env.get("PATH", "")
+                assert path == "/venv/bin:/usr/bin", (engine, node.host, path)
+
+
 def test_deepspeed_local_golden():
     """One local host: DeepSpeed's per-node launcher, with the arguments its runner would give it."""
     cmd = build_launch(_inputs("deepspeed"), BASE_ENV)
