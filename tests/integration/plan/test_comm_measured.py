@@ -23,7 +23,7 @@ def comm_runs(tmp_path_factory: pytest.TempPathFactory, fx):
     from tests.helpers.runs import mp_lock, write_recipe
 
     root = tmp_path_factory.mktemp("comm")
-    with mp_lock(alone=True):
+    with mp_lock():  # bytes, not seconds: another run beside these changes nothing they assert
         recipe = write_recipe(root, fx)
         # All twelve cases on one pair of ranks, one after another (a fresh Trainer and DeepSpeed engine each): the
         # libraries' import is paid once, not twelve times.
