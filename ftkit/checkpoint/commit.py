@@ -100,8 +100,8 @@ def _check_accelerate_processes(name: str, present: Iterable[str], world_size: i
         got = ", ".join(map(str, sorted(procs)))
         raise CommitError(
             f"{name}: Accelerate saved the state of process(es) {got} for world size {world_size}: the script's "
-            "Accelerator does not see the run's process group (on CPU ranks it needs cpu=True or "
-            "ACCELERATE_USE_CPU=true, which ftkit launch sets)"
+            "Accelerator does not see the run's process group (on CPU ranks: pass Accelerator(cpu=True), or build "
+            "it after the first ftkit.hf call, whose start-up makes Accelerate's process state CPU)"
         )
 
 
