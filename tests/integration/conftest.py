@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from ftkit.rundir.env import path_with_python_first
 from tests.helpers.netns import NetnsCluster, netns_cluster, require_netns
+
+# Every process these tests start finds the tools beside this Python first, as ftkit's ranks do (run_env) and as an
+# activated virtual environment would: the system's ninja and the venv's hash DeepSpeed's op builds differently, so
+# a test that starts DeepSpeed or Accelerate itself with the system's would recompile the ops the ranks built (and
+# the next rank would recompile them back: 30-90 s each, seen 8 times in one run before this).
+os.environ["PATH"] = path_with_python_first(sys.executable, os.environ.get("PATH"))
 
 # Real 2-rank runs (tests marked slow): the fixtures model and one uninterrupted reference run, made once per session
 # (tests read them and copy what they change: each costs a model build or a 2-rank launch).
