@@ -315,8 +315,9 @@ def _deepspeed(inp: LaunchInputs, base_env: Mapping[str, str], attempt_dir: Path
         argv.append("--force_multi")  # one remote host is still reached over pdsh, never started locally
     if inp.ssh_port:
         argv += ["--ssh_port", str(inp.ssh_port)]
-    # Remote ranks get exactly this environment: a fresh file per attempt, never ~/.deepspeed_env.
-    remote_env = {k: v for k, v in env.items() if k not in ("PATH", "HOME", "USER")}
+    # Remote ranks get exactly this environment: a fresh file per attempt, never ~/.deepspeed_env. PATH too, as over
+    # ssh for the other engines (its first entry, the ranks' Python's directory, picks the ninja of their op builds).
+    remote_env = {k: v for k, v in env.items() if k not in ("HOME", "USER")}
     files = {
         str(hostfile): hostfile_text(inp.hosts, inp.devices),
         str(env_file): "".join(f"{k}={ds_env_value(v)}\n" for k, v in remote_env.items()),

@@ -56,6 +56,9 @@ def test_every_rank_finds_the_tools_beside_its_python_first():
                 env = dict(w.strip("'").split("=", 1) for w in words if "=" in w) if node.remote else node.env
                 path = env.get("PATH", "")
                 assert path == "/venv/bin:/usr/bin", (engine, node.host, path)
+            for name, text in cmd.files.items():  # DeepSpeed's pdsh runner: the remote ranks' environment file
+                if name.endswith("ds_env"):
+                    assert "PATH=/venv/bin:/usr/bin\n" in text, text
 
 
 def test_deepspeed_local_golden():
