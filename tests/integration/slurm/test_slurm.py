@@ -105,8 +105,26 @@ def _write(d: Path, fx: dict[str, Path], **kw: Any) -> Path:
     return recipe_for(d, fx, **values)
 
 
+def _own_op_builds(directory: Path) -> dict[str, str]:
+    """The job loads DeepSpeed's ops from a copy of this worker's builds. Slurm's time limit and ftkit's stop kill
+    ranks wherever they are, start-up included; one killed while it held torch's build baton leaves a lock on which
+    every later run using that directory would wait (and that ftkit's preflight refuses: seen once, exit 3)."""
+    import shutil
+
+    from ftkit.cluster.buildlocks import extension_roots
+
+    built = [r for r in extension_roots() if (r / "deepspeed_shm_comm").is_dir()]
+    if not built:
+        return {}
+    own = directory / "torch_extensions"
+    if not own.is_dir():
+        shutil.copytree(built[0], own, symlinks=True, ignore=shutil.ignore_patterns("lock"))
+    return {"TORCH_EXTENSIONS_DIR": str(own)}
+
+
 def _submit(c: SlurmCluster, recipe: Path, *args: str) -> str:
-    r = slurm_ftkit("submit", str(recipe), *args, env={**c.env, **ENV}, cwd=recipe.parent)
+    env = {**c.env, **ENV, **_own_op_builds(recipe.parent)}
+    r = slurm_ftkit("submit", str(recipe), *args, env=env, cwd=recipe.parent)
     assert r.returncode == 0, r.stdout + r.stderr
     m = re.search(r"submitted job (\d+)", r.stdout)
     assert m, r.stdout
