@@ -384,3 +384,18 @@ def assert_same_losses(run: Path, expected: dict[int, float], steps: range | Non
 def committed_ok(ckpt: Path) -> bool:
     v = verify(ckpt, checksums=True, require_commit=True)
     return v.ok and v.committed
+
+
+def copy_op_builds(dest: Path) -> Path | None:
+    """A copy of this machine's DeepSpeed op builds at ``dest`` (without a build lock), for runs whose kills must not
+    reach other runs' op loading (set it as TORCH_EXTENSIONS_DIR); None when nothing is built yet."""
+    import shutil
+
+    from ftkit.cluster.buildlocks import extension_roots
+
+    built = [r for r in extension_roots() if (r / "deepspeed_shm_comm").is_dir()]
+    if not built:
+        return None
+    if not dest.is_dir():
+        shutil.copytree(built[0], dest, symlinks=True, ignore=shutil.ignore_patterns("lock"))
+    return dest

@@ -49,16 +49,12 @@ def _own_op_builds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     if not os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("TORCH_EXTENSIONS_DIR"):
         yield
         return
-    import shutil
+    from tests.helpers.runs import copy_op_builds
 
-    from ftkit.cluster.buildlocks import extension_roots
-
-    built = [r for r in extension_roots() if (r / "deepspeed_shm_comm").is_dir()]
-    if not built:  # nothing built yet (make install builds them): the ranks build their own
+    own = copy_op_builds(tmp_path_factory.mktemp("torch_extensions") / "builds")
+    if own is None:  # nothing built yet (make install builds them): the ranks build their own
         yield
         return
-    own = tmp_path_factory.mktemp("torch_extensions")
-    shutil.copytree(built[0], own, symlinks=True, dirs_exist_ok=True, ignore=shutil.ignore_patterns("lock"))
     os.environ["TORCH_EXTENSIONS_DIR"] = str(own)
     try:
         yield

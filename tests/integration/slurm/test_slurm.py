@@ -19,7 +19,7 @@ import pytest
 
 from ftkit.run.status import read_jsonl
 from ftkit.rundir.layout import RunDir
-from tests.helpers.runs import heartbeat_step, losses, mp_lock, processes_left, wait_for
+from tests.helpers.runs import copy_op_builds, heartbeat_step, losses, mp_lock, processes_left, wait_for
 from tests.helpers.runs import write_recipe as recipe_for
 from tests.helpers.slurm import SlurmCluster, clean_env, require_slurm, slurm_ftkit
 
@@ -109,17 +109,8 @@ def _own_op_builds(directory: Path) -> dict[str, str]:
     """The job loads DeepSpeed's ops from a copy of this worker's builds. Slurm's time limit and ftkit's stop kill
     ranks wherever they are, start-up included; one killed while it held torch's build baton leaves a lock on which
     every later run using that directory would wait (and that ftkit's preflight refuses: seen once, exit 3)."""
-    import shutil
-
-    from ftkit.cluster.buildlocks import extension_roots
-
-    built = [r for r in extension_roots() if (r / "deepspeed_shm_comm").is_dir()]
-    if not built:
-        return {}
-    own = directory / "torch_extensions"
-    if not own.is_dir():
-        shutil.copytree(built[0], own, symlinks=True, ignore=shutil.ignore_patterns("lock"))
-    return {"TORCH_EXTENSIONS_DIR": str(own)}
+    own = copy_op_builds(directory / "torch_extensions")
+    return {"TORCH_EXTENSIONS_DIR": str(own)} if own else {}
 
 
 def _submit(c: SlurmCluster, recipe: Path, *args: str) -> str:
