@@ -2,7 +2,9 @@
 
 ``facts`` (standard library only, well under a second): versions, GPU model and driver (cuda), free space in the
 run directory, /dev/shm size and free space, this host's clock, the network interface the collectives will use
-and whether it exists here, torch extension build locks (``ftkit.cluster.buildlocks``).
+and whether it exists here, torch extension build locks (``ftkit.cluster.buildlocks``). With
+``--release-dead-batons`` (the launch's preflight) it first removes the locks a killed rank of the run left here
+(``ftkit.rundir.batons``).
 
 ``rendezvous``: a real ``torch.distributed`` rendezvous and all-reduce across all hosts with the engine's backend
 (gloo on cpu, nccl on cuda), one process per host, bounded by ``--timeout``: rank 0 serves a TCPStore on
@@ -27,6 +29,8 @@ import time
 
 from ftkit.cluster.buildlocks import lock_states
 from ftkit.cluster.pkgversions import versions
+from ftkit.rundir.batons import release_dead
+from ftkit.rundir.layout import RunDir
 
 MARK = "FTKIT_DOCTOR "
 
@@ -93,6 +97,8 @@ def _route_dev(addr: str) -> dict:
 
 def facts(args: argparse.Namespace) -> dict:
 
+    # the launch's preflight: the locks a killed rank of this run left here go first (ftkit.rundir.batons)
+    released = release_dead(RunDir(args.run_dir).batons) if args.release_dead_batons else []
     shm = _disk("/dev/shm") if os.path.isdir("/dev/shm") else {"error": "no /dev/shm"}
     names = sorted(name for _, name in socket.if_nameindex())
     var = "NCCL_SOCKET_IFNAME" if args.accelerator == "cuda" else "GLOO_SOCKET_IFNAME"
@@ -107,6 +113,7 @@ def facts(args: argparse.Namespace) -> dict:
         "ifname": os.environ.get(var),
         "route": _route_dev(args.master_addr),
         "locks": [{"path": str(p), "holder": pid} for p, pid in lock_states()],
+        "locks_released": released,
     }
     if args.accelerator == "cuda":
         out["gpu"] = _gpus()
@@ -288,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--run-dir", required=True)
     f.add_argument("--master-addr", required=True)
     f.add_argument("--accelerator", default="cpu")
+    f.add_argument("--release-dead-batons", action="store_true")
     r = sub.add_parser("rendezvous")
     r.add_argument("--rank", type=int, required=True)
     r.add_argument("--world", type=int, required=True)

@@ -10,6 +10,7 @@ Standard library only at import time (torch inside the functions that need it).
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import json
 import os
@@ -24,6 +25,9 @@ from typing import Any
 
 from ftkit.cluster.procs import proc_start_time
 from ftkit.errors import FtkitError
+from ftkit.rundir.batons import forget as forget_baton
+from ftkit.rundir.batons import record as record_baton
+from ftkit.rundir.batons import release_dead
 from ftkit.rundir.env import ENV_ALLOW, NODE_ENV, SECRET
 from ftkit.rundir.layout import STOP_FILE, RunDir, atomic_write
 from ftkit.rundir.spec import RunSpec
@@ -304,13 +308,44 @@ def skip_final_collection() -> None:
     gc.freeze()
 
 
-def install_startup(accelerator: str) -> None:
+def install_startup(accelerator: str, batons: Path) -> None:
     """What every rank needs before any model is built, whatever its entry (the built-in one, the import hook or a
     script calling ftkit.hf): once TrainingArguments exist, DeepSpeed sees the real process group (ZeRO-3's
-    partitioned ``from_pretrained`` reads its world size); on CPU ranks, so does Accelerate."""
+    partitioned ``from_pretrained`` reads its world size); on CPU ranks, so does Accelerate. Before any op loads,
+    the build locks a killed rank of this run left on this machine are removed, and the ones this rank takes are
+    recorded in ``batons`` (:mod:`ftkit.rundir.batons`)."""
+    for lock in release_dead(batons):
+        print(f"ftkit: removed {lock}: a build lock a killed rank of this run left on this host", flush=True)
+    on_import("torch.utils.file_baton", functools.partial(_record_batons, batons))
     on_import("transformers.training_args", _share_after_training_args)
     if accelerator == "cpu":
         on_import("accelerate.state", _cpu_ranks_are_one_job)
+
+
+def _record_batons(records: Path, mod: Any) -> None:
+    """torch's ``FileBaton``: each baton this process takes is recorded until it gives it back, so one it dies
+    holding can be told from a lock someone else left (:func:`ftkit.rundir.batons.release_dead`)."""
+    cls = mod.FileBaton
+    if getattr(cls.try_acquire, "_ftkit_batons", False):
+        return
+    acquire, release = cls.try_acquire, cls.release
+
+    @functools.wraps(acquire)
+    def try_acquire(self: Any) -> Any:
+        got = acquire(self)
+        if got:
+            self._ftkit_record = record_baton(records, self.lock_file_path)
+        return got
+
+    @functools.wraps(release)
+    def release_(self: Any) -> None:
+        try:
+            release(self)
+        finally:
+            forget_baton(getattr(self, "_ftkit_record", None))
+
+    try_acquire._ftkit_batons = True  # type: ignore[attr-defined]
+    cls.try_acquire, cls.release = try_acquire, release_
 
 
 def _cpu_ranks_are_one_job(mod: Any) -> None:
@@ -336,8 +371,6 @@ def _cpu_ranks_are_one_job(mod: Any) -> None:
 
 
 def _share_after_training_args(mod: Any) -> None:
-    import functools
-
     cls = mod.TrainingArguments
     if getattr(cls.__post_init__, "_ftkit_share", False):
         return

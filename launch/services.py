@@ -156,7 +156,7 @@ def start(
         r.ctx.record_pid(watchdog=watched)
         r.ctx.heartbeat("starting")
         atexit.register(_at_exit, r)
-        install_startup(r.spec.accelerator)
+        install_startup(r.spec.accelerator, r.ctx.rd.batons)
         if r.tier is not None:
             r.tier.start(r.ctx)
             on_import("transformers.trainer", r.tier.patch_trainer)

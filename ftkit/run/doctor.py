@@ -82,7 +82,13 @@ def _probe_env(env: dict[str, str]) -> dict[str, str]:
 
 
 def _facts(
-    plan: Any, rep: DoctorReport, ssh_args: list[str], python: str, env: dict[str, str], transport: Any = None
+    plan: Any,
+    rep: DoctorReport,
+    ssh_args: list[str],
+    python: str,
+    env: dict[str, str],
+    transport: Any = None,
+    release_dead_batons: bool = False,
 ) -> set[str]:
     """Run the facts probe everywhere; returns the hosts that could not be reached."""
 
@@ -90,6 +96,8 @@ def _facts(
     hosts = rep.hosts
     args = ["facts", "--run-dir", str(Path(r.train.output_dir).resolve()), "--master-addr", plan.master_addr]
     args += ["--accelerator", r.cluster.accelerator]
+    if release_dead_batons:
+        args.append("--release-dead-batons")
     line = _probe_line(python, args, _probe_env(env))
     results = run_on_hosts(
         hosts, line, ssh_args, deadline_s=FACTS_DEADLINE_S, connect_timeout_s=FACTS_DEADLINE_S - 2, transport=transport
@@ -116,6 +124,10 @@ def _facts(
         rep.set(host, "ssh", "local" if host in LOCAL_HOSTS else f"{res.seconds:.1f}s")
         check_facts(rep, host, f, mine, time.time(), r.cluster.accelerator, tier_bytes=shm_bytes(plan.local_tier))
         locks[host] = f.get("locks", [])
+        rep.released += [
+            f"host {host}: removed {lock}: a build lock a killed rank of this run left"
+            for lock in f.get("locks_released", [])
+        ]
     check_locks(rep, locks)
     return unreachable
 
@@ -269,6 +281,7 @@ def run_doctor(
     env: dict[str, str] | None = None,
     python: str = sys.executable,
     transport: Any = None,
+    release_dead_batons: bool = False,
 ) -> DoctorReport:
     """All of doctor's checks for ``plan``'s hosts; the report carries every failure (nothing raised for them).
 
@@ -282,7 +295,7 @@ def run_doctor(
     # preflight and facts fan out at the same time: an unreachable host costs one ssh timeout, not two
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="doctor-preflight") as ex:
         pre = ex.submit(_preflight, plan, list(rep.hosts), ssh_args, python)
-        unreachable = _facts(plan, rep, ssh_args, python, env, transport)
+        unreachable = _facts(plan, rep, ssh_args, python, env, transport, release_dead_batons)
         rep.preflight, pre_failures = pre.result()
     facts_failures, rep.failures = rep.failures, []
     for host, text in pre_failures:
@@ -313,7 +326,9 @@ def cheap_checks(
 
     Raises PreflightError (exit 3) with one line per failure. Returns what :func:`ftkit.run.preflight.run_preflight`
     returns (a drop-in for it), with doctor's checks appended to ``checks``."""
-    rep = run_doctor(plan, ssh_args=ssh_args, rendezvous=False, env=env, python=python, transport=transport)
+    rep = run_doctor(
+        plan, ssh_args=ssh_args, rendezvous=False, env=env, python=python, transport=transport, release_dead_batons=True
+    )
     # doctor's thresholds on space, /dev/shm and clock are advice: a launch goes on with a warning (a disk that
     # fills ends the run with exit 12, committed checkpoints intact; ftkit times heartbeats on its own clock)
     advisory = [f for f in rep.failures if _advisory(f)]
@@ -322,6 +337,7 @@ def cheap_checks(
         raise PreflightError("\n".join(f.line() for f in blocking) or "preflight failed")
     report = rep.preflight
     report.checks.extend(f"warning: {f.line()}" for f in advisory)
+    report.checks.extend(rep.released)
     report.checks.append(
         f"doctor: versions, run-directory space, /dev/shm, clock, interface, build locks ok on {len(rep.hosts)} host(s)"
     )

@@ -36,6 +36,7 @@ class DoctorReport:
     bandwidth: dict[str, Any] | None = None
     bandwidth_file: str | None = None
     notes: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)  # build locks a killed rank of the run left, removed
     seconds: float = 0.0
     preflight: Any = None  # ftkit.run.preflight.PreflightReport when preflight passed
 

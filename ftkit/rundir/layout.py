@@ -13,6 +13,7 @@
     ftkit/heartbeat/rank-R.json   rewritten every step: progress the supervisor can see
     ftkit/attempts/N/pids/rank-R.json   host, pid and parent pid of each rank, for teardown by pid
     ftkit/attempts/N/errors/rank-R.json user errors a rank reported (not worth a restart)
+    ftkit/batons/PID-INODE.json   a torch build lock a rank holds right now (ftkit.rundir.batons)
 
 Writes that others read while they change use :func:`atomic_write` (temp file, fsync, rename).
 """
@@ -60,6 +61,10 @@ class RunDir:
     @property
     def final(self) -> Path:
         return self.path / "final"
+
+    @property
+    def batons(self) -> Path:
+        return self.meta / "batons"
 
     @property
     def heartbeat_dir(self) -> Path:

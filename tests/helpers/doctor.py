@@ -1,5 +1,6 @@
 """``ftkit doctor`` as the tests run it: the command with only the environment a test sets, a recipe on this machine
-(2 CPU ranks of the tiny model, cluster keys as given), a stale build lock, and the failure lines it printed."""
+(2 CPU ranks of the tiny model, cluster keys as given), a stale build lock, a rank holding one, and the failure lines
+it printed."""
 
 from __future__ import annotations
 
@@ -28,6 +29,36 @@ def build_lock(root: Path, op: str) -> Path:
     p = d / "lock"
     p.write_text("")
     return p
+
+
+def holding_rank(records: Path, lock: Path, *, give_back: bool = False) -> subprocess.Popen:
+    """A process with a rank's start-up (``install_startup``: the locks it takes are recorded in ``records``) that
+    takes torch's own build baton on ``lock``, says ``held`` (and ``given back`` after releasing it if asked), then
+    sleeps until killed. Its other output (the start-up's lines) comes first."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    code = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from ftkit.launch.rank import install_startup\n"
+        f"install_startup('cpu', Path({str(records)!r}))\n"
+        "from torch.utils.file_baton import FileBaton\n"
+        f"b = FileBaton({str(lock)!r})\n"
+        "print('held' if b.try_acquire() else 'busy', flush=True)\n"
+        f"if {give_back}:\n"
+        "    b.release(); print('given back', flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+
+def read_until(proc: subprocess.Popen, last: str) -> list[str]:
+    """The lines ``proc`` printed up to and including ``last`` (or up to its end)."""
+    lines = []
+    for line in proc.stdout:
+        lines.append(line.rstrip("\n"))
+        if lines[-1] == last:
+            break
+    return lines
 
 
 def local_recipe(d: Path, **cluster) -> Path:

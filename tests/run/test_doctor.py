@@ -21,7 +21,7 @@ from ftkit.errors import PreflightError
 from ftkit.plan.tiers import shm_bytes
 from ftkit.run.doctor import cheap_checks
 from ftkit.run.doctor_checks import DoctorReport, _ifname_matches, check_facts, check_locks, format_report
-from tests.helpers.doctor import build_lock, clean_ftkit, failures, local_recipe
+from tests.helpers.doctor import build_lock, clean_ftkit, failures, holding_rank, local_recipe, read_until
 from tests.helpers.paths import MODEL_CONFIGS
 
 # ------------------------------------------------------------------------------------------- build locks
@@ -286,6 +286,34 @@ def test_cheap_checks_name_a_stale_build_lock(tmp_path):
     assert f"host localhost: locks: stale torch extension build lock {lock}" in str(e.value)
     assert str(e.value).endswith(f"[rm {lock}]")
     assert time.monotonic() - t0 < 20
+
+
+def test_the_launchs_preflight_removes_the_lock_a_killed_rank_of_the_run_left(tmp_path):
+    """A rank SIGKILLed while it held torch's build baton (a teardown during start-up, the OOM killer) left the lock.
+    It is ftkit's own and provably dead: the next launch's preflight removes it and says so, instead of refusing
+    with exit 3. A lock no rank of this run recorded is still refused, with the rm to run."""
+    import signal
+
+    from ftkit.plan.load import load_and_plan
+    from ftkit.rundir.layout import RunDir
+
+    plan = load_and_plan(str(local_recipe(tmp_path)), ())
+    records = RunDir(plan.recipe.train.output_dir).batons
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    lock = tmp_path / "ext" / "deepspeed_shm_comm" / "lock"
+    rank = holding_rank(records, lock)
+    assert read_until(rank, "held")[-1] == "held"
+    rank.send_signal(signal.SIGKILL)
+    rank.wait(timeout=30)
+    assert lock.exists()
+    report = cheap_checks(plan, [], env=env)
+    assert f"host localhost: removed {lock}: a build lock a killed rank of this run left" in report.checks
+    assert not lock.exists() and list(records.iterdir()) == []
+
+    other = build_lock(tmp_path / "ext", "cpu_adam")  # nobody of this run made it
+    with pytest.raises(PreflightError) as e:
+        cheap_checks(plan, [], env=env)
+    assert f"stale torch extension build lock {other}" in str(e.value) and other.exists()
 
 
 def test_unreachable_host_is_named_and_the_rendezvous_skipped(tmp_path):
