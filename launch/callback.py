@@ -13,13 +13,18 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftkit.checkpoint.commit import manifest_part, write_commit
 from ftkit.checkpoint.directory import record_save_begun, rotate
 from ftkit.errors import ExitCode, SaveWroteNothing
 from ftkit.rundir.layout import append_jsonl, atomic_write, read_jsonl
 from ftkit.rundir.spec import RANK_APPLIED
+
+if TYPE_CHECKING:
+    from ftkit.launch.rank import Fault
+    from ftkit.launch.services import _Rank
+    from ftkit.rundir.layout import RunDir
 
 COMPUTE_EWMA = 0.2  # weight of the newest step in the per-rank compute-time average
 
@@ -36,7 +41,7 @@ def callback_class() -> Any:
     class FtkitCallback(TrainerCallback):
         """Heartbeat, metrics, commit records, graceful stop and resume overrides, on HF Trainer's own events."""
 
-        def __init__(self, r: Any, fault: Any, exit_after_stop: bool = True):
+        def __init__(self, r: _Rank, fault: Fault | None, exit_after_stop: bool = True):
             self.r, self.ctx, self.spec, self.fault = r, r.ctx, r.spec, fault
             self.exit_after_stop = exit_after_stop
             self._t0: float | None = None
@@ -266,7 +271,7 @@ class Trackers:
     """Per rank: the tracker runs' ids (wandb's derived from the run directory, mlflow's as its first attempt created
     it), and, once the trackers started, which steps each already holds."""
 
-    def __init__(self, rd: Any, attempt: int, resume: str | None):
+    def __init__(self, rd: RunDir, attempt: int, resume: str | None):
         import hashlib
         import json
 

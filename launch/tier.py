@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftkit.checkpoint.commit import manifest_part, write_commit
 from ftkit.checkpoint.layout import COMMIT_FILE
@@ -30,6 +30,9 @@ from ftkit.cluster.procs import proc_start_time
 from ftkit.rundir.layout import atomic_write
 from ftkit.rundir.spec import RunSpec
 
+if TYPE_CHECKING:
+    from ftkit.launch.rank import RankContext
+
 
 class NodeTier:
     """This rank's view of its node's tier: where saves go, and (on the node's first rank) the agent."""
@@ -44,14 +47,14 @@ class NodeTier:
         self.host = host
         self.agent: subprocess.Popen | None = None
 
-    def start(self, ctx: Any) -> None:
+    def start(self, ctx: RankContext) -> None:
         """The tier directory, and on the node's first rank its agent (a child: it ends with the rank)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         if ctx.local_rank != 0:
             return
         self._start_agent(ctx)
 
-    def _start_agent(self, ctx: Any) -> None:
+    def _start_agent(self, ctx: RankContext) -> None:
         self.agent = subprocess.Popen(
             [
                 sys.executable,
@@ -93,7 +96,7 @@ class NodeTier:
         _get_output_dir._ftkit_tier = True  # type: ignore[attr-defined]
         cls._get_output_dir = _get_output_dir
 
-    def commit(self, ctx: Any, spec: RunSpec, step: int, stop: bool) -> dict[str, Any]:
+    def commit(self, ctx: RankContext, spec: RunSpec, step: int, stop: bool) -> dict[str, Any]:
         """After the Trainer saved ``checkpoint-<step>`` to every node's tier: each rank checksums its files there,
         each node's first rank commits the node's part, rank 0 records that every node did (the set record), and
         each node rotates its tier. Every rank calls it (two collectives)."""
@@ -174,7 +177,7 @@ class NodeTier:
         return False
 
 
-def local_tier(spec: RunSpec, ctx: Any) -> NodeTier | None:
+def local_tier(spec: RunSpec, ctx: RankContext) -> NodeTier | None:
     """This rank's node tier, None when the run has none (every save goes to the run directory)."""
     return NodeTier(spec, ctx.node_host) if spec.local_tier else None
 

@@ -5,6 +5,7 @@ structure (for runs ftkit did not write). Never raises for an unreadable file: t
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,7 +105,12 @@ def verify(
 
 
 def _verify(
-    ckpt: Path, checksums: bool, require_commit: bool, world_size: int | None, stage: int | None, verdict: Any
+    ckpt: Path,
+    checksums: bool,
+    require_commit: bool,
+    world_size: int | None,
+    stage: int | None,
+    verdict: Callable[..., Verdict],
 ) -> Verdict:
     dir_step = _checkpoint_step(ckpt)
 
@@ -147,7 +153,12 @@ def _verify(
 
 
 def _verify_committed(
-    ckpt: Path, record: dict[str, Any], checksums: bool, world_size: int | None, stage: int | None, verdict: Any
+    ckpt: Path,
+    record: dict[str, Any],
+    checksums: bool,
+    world_size: int | None,
+    stage: int | None,
+    verdict: Callable[..., Verdict],
 ) -> Verdict:
     bad = VerdictKind.BAD_COMMIT
     try:

@@ -14,11 +14,14 @@ import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftkit.cluster.fanout import run_on_hosts
 from ftkit.cluster.hosts import LOCAL_HOSTS as LOCAL_HOSTS
 from ftkit.cluster.hosts import is_local
+
+if TYPE_CHECKING:
+    from ftkit.cluster.fanout import Transport
 
 
 def exit_meaning(code: int | None) -> str:
@@ -234,7 +237,7 @@ def teardown(
     grace_s: float,
     ssh_args: list[str],
     ssh_timeout: float = 10.0,
-    transport: Any = None,
+    transport: Transport | None = None,
     sleep=time.sleep,
     clock=time.monotonic,
 ) -> TeardownResult:
@@ -360,7 +363,7 @@ def remove_shm_script(keys: Iterable[str]) -> str:
 
 
 def remove_shm(
-    records: Iterable[Mapping[str, Any]], ssh_args: list[str], timeout: float = 10.0, transport: Any = None
+    records: Iterable[Mapping[str, Any]], ssh_args: list[str], timeout: float = 10.0, transport: Transport | None = None
 ) -> list[str]:
     """Delete the run's shared-memory buffers on every host once its ranks are gone. DeepSpeed never removes
     them, so without this every attempt leaks ~70 MB of RAM per rank (hundreds of runs filled a 24 GB machine).

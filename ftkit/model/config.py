@@ -17,7 +17,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 from ftkit.errors import ModelConfigError, Problem
 from ftkit.model.shape import load_config_file, load_model_config
@@ -51,25 +51,40 @@ class ConfigSource:
     revision: str | None = None
 
 
-def _revision(recipe: Any) -> str:
-    return recipe.model.revision or DEFAULT_REVISION
+class ModelKeys(Protocol):
+    """The recipe's ``model`` section as this module reads it (``ftkit.recipe.sections.ModelSection``)."""
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def revision(self) -> str | None: ...
+
+    @property
+    def config(self) -> str | None: ...
 
 
-def model_is_hub(recipe: Any) -> bool:
+def _revision(model: ModelKeys) -> str:
+    return model.revision or DEFAULT_REVISION
+
+
+def model_is_hub(model: ModelKeys) -> bool:
     """The recipe's model is a hub id (the loader left it unresolved; a local path is absolute by then)."""
-    path = recipe.model.path
+    path = model.path
     return bool(path) and not os.path.isabs(path) and looks_like_hub_id(path)
 
 
-def config_source(recipe: Any, *, checked_in: bool = True) -> ConfigSource:
+def config_source(
+    model: ModelKeys, *, base: str | os.PathLike[str] | None = None, checked_in: bool = True
+) -> ConfigSource:
     """The config.json plan/render/check read: ``model.config`` when set (and ``checked_in``), the local model
-    directory's, or the hub's (resolved into the local cache, fetched when the hub is reachable)."""
-    path = recipe.model.path
-    if checked_in and recipe.model.config:
-        return ConfigSource(recipe.model.config, recipe.model.config)
-    if model_is_hub(recipe):
-        rev = _revision(recipe)
-        base = getattr(recipe, "base_dir", None)
+    directory's, or the hub's (resolved into the local cache, fetched when the hub is reachable). ``base``: the
+    recipe's directory, where a local ``model.path`` was looked for (named when the hub has no such id either)."""
+    path = model.path
+    if checked_in and model.config:
+        return ConfigSource(model.config, model.config)
+    if model_is_hub(model):
+        rev = _revision(model)
         try:
             file = hub_config_file(path, rev)
         except ModelConfigError as e:  # say that a directory of that name was looked for too (a typo, or a hub id?)
@@ -173,17 +188,17 @@ def _error(repo_id: str, revision: str, what: str, fix: str) -> ModelConfigError
     return ModelConfigError(Problem(f"{repo_id} (revision {revision}): {what} [{fix}]"))
 
 
-def checked_in_drift(recipe: Any) -> str | None:
+def checked_in_drift(model: ModelKeys, base: str | os.PathLike[str] | None = None) -> str | None:
     """For ``ftkit launch``: a one-line warning when ``model.config`` differs from the model's actual config.json
     (the ranks load the real one), or cannot be compared; None when it is not set or matches."""
-    checked = recipe.model.config
+    checked = model.config
     if not checked:
         return None
 
     try:
         mine = load_config_file(checked)
-        actual_src = config_source(recipe, checked_in=False)
-        actual = load_config_file(actual_src.file) if actual_src.hub_id else load_model_config(recipe.model.path)
+        actual_src = config_source(model, base=base, checked_in=False)
+        actual = load_config_file(actual_src.file) if actual_src.hub_id else load_model_config(model.path)
     except ModelConfigError as e:
         return f"ftkit: warning: model.config {checked}: cannot compare with the model's config.json: {e.lines()[0]}"
     if mine == actual:

@@ -12,7 +12,7 @@ nodes, with a margin; the order of docs/design.md, Memory planning, breaks ties)
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftkit.errors import RecipeError, UserError
 from ftkit.model.shape import ModelShape, count_params, count_params_meta, lora_tensors, lora_trainable_params
@@ -45,6 +45,10 @@ from ftkit.plan.memory import (
 HEADROOM = 0.10  # fraction of GPU memory and host RAM kept free
 TIGHT = 0.80  # above this share of the (headroom-reduced) limit, memory counts as tight for buffer sizing
 
+if TYPE_CHECKING:
+    from ftkit.plan.plan import Plan
+    from ftkit.recipe.load import Recipe
+
 
 @dataclass
 class MemoryReport:
@@ -60,15 +64,16 @@ class MemoryReport:
     room_for_overlap: bool
     suggestions: list[str]
     choice_reason: str
-    recipe: Any = None
+    recipe: Recipe | None = None
     # step-time prediction of every candidate judged (label -> Prediction), and the one-line why of the choice
     predictions: dict[str, Prediction] = field(default_factory=dict)
     speed_reason: str = ""
 
-    def choice_for(self, stage: Any, opt: Any, strict: bool = True) -> Candidate:
+    def choice_for(self, stage: int | str, opt: str, strict: bool = True) -> Candidate:
         if self.choice.chosen is None and not strict:
             return self.choice.estimates[-1].candidate
         if self.choice.chosen is None:
+            assert self.recipe is not None  # plan_memory sets it
             raise RecipeError(
                 self.recipe.problem(
                     "zero.stage",
@@ -122,31 +127,28 @@ class MemoryReport:
         }
 
 
-def model_shape(plan: Any) -> ModelShape:
+def model_shape(plan: Plan) -> ModelShape:
     """Closed form for known families; the meta device (imports transformers, ~seconds) for anything else."""
     path = plan.recipe.model.path
     shape = count_params(plan.model_config, source=plan.model_config_label or f"{path}/config.json")
     return shape if shape is not None else count_params_meta(plan.model_config_file or path)
 
 
-def _stage3_limits(r: Any) -> dict[str, Any]:  # Workload keyword arguments (int values)
-    """Stage 3 sizes a recipe sets explicitly (zero.prefetch_bucket_size, zero.max_live_parameters), for Workload."""
-    pairs = (
-        ("stage3_prefetch_bucket_size", "prefetch_bucket_size"),
-        ("stage3_max_live_parameters", "max_live_parameters"),
-    )
-    return {arg: r[f"zero.{key}"] for arg, key in pairs if r[f"zero.{key}"] != "auto"}
+def _size(value: int | str) -> int | None:
+    """A size key of the ``zero`` section: None for ``auto`` (the planner's own default)."""
+    return None if value == "auto" else int(value)
 
 
-def plan_memory(plan: Any) -> MemoryReport:
+def plan_memory(plan: Plan) -> MemoryReport:
     r = plan.recipe
     shape = model_shape(plan)
     lora = None
-    if r.has_peft:
+    if r.peft is not None:
         try:
             lora = lora_trainable_params(shape, r.peft.r, r.peft.target_modules)
         except UserError as e:
             raise RecipeError([r.problem("peft.target_modules", p.message) for p in e.problems]) from None
+    live = _size(r.zero.max_live_parameters)
     w = Workload(
         shape=shape,
         world_size=plan.world_size,
@@ -156,8 +158,9 @@ def plan_memory(plan: Any) -> MemoryReport:
         precision=r.train.precision,
         lora_params=lora,
         gradient_checkpointing=r.model.gradient_checkpointing,
-        reduce_bucket_size=None if r.zero.reduce_bucket_size == "auto" else r.zero.reduce_bucket_size,
-        **_stage3_limits(r),
+        reduce_bucket_size=_size(r.zero.reduce_bucket_size),
+        stage3_prefetch_bucket_size=_size(r.zero.prefetch_bucket_size),
+        stage3_max_live_parameters=Workload.stage3_max_live_parameters if live is None else live,
         pin_memory=r.cluster.accelerator != "cpu",
     )
     gpu, host = float(r.cluster.gpu_memory_gb), float(r.cluster.host_memory_gb)
@@ -176,7 +179,7 @@ def plan_memory(plan: Any) -> MemoryReport:
     if stage in ("auto", 3) and opt in ("auto", "none") and (par_open or par == "none"):
         allowed += zeropp_candidates(w.gpus_per_node, w.num_nodes)  # across nodes only
     if not auto:
-        allowed = [Candidate(stage, opt, par)]
+        allowed = [Candidate(int(stage), opt, par)]
     elif not allowed:
         raise RecipeError(
             r.problem(
@@ -235,11 +238,11 @@ def plan_memory(plan: Any) -> MemoryReport:
     )
 
 
-def plan_context_for(plan: Any, shape: ModelShape) -> dict[str, Any]:
+def plan_context_for(plan: Plan, shape: ModelShape) -> dict[str, Any]:
     return plan_context(plan.recipe, plan.hosts, shape)
 
 
-def predict_for(c: Candidate, w: Workload, plan: Any, ctx: dict[str, Any], gpu_gb: float) -> Prediction:
+def predict_for(c: Candidate, w: Workload, plan: Plan, ctx: dict[str, Any], gpu_gb: float) -> Prediction:
     """Step time of candidate ``c`` with the knobs the plan would give it (the rules of ftkit.plan.knobs)."""
     oc = plan.recipe.zero.overlap_comm
     if oc == "auto":
@@ -327,7 +330,7 @@ def speed_reason(choice: Choice, preds: dict[str, Prediction], ctx: dict[str, An
     return head
 
 
-def full_table(plan: Any) -> MemoryReport:
+def full_table(plan: Plan) -> MemoryReport:
     """Every candidate (not only those the recipe allows), each judged on its own, for ``ftkit plan``'s table."""
     rep = plan.memory if plan.memory is not None else plan_memory(plan)
     w = rep.workload
@@ -361,13 +364,13 @@ def _default_lora(shape: ModelShape) -> int | None:
         return None
 
 
-def plan_context(recipe: Any, hosts: list[tuple[str, int]], shape: Any) -> dict[str, Any]:
+def plan_context(recipe: Recipe, hosts: list[tuple[str, int]], shape: ModelShape) -> dict[str, Any]:
     """What the predictions for one plan share: the network, the GPU, the LoRA tensor sizes."""
     r = recipe
-    gpu, gpu_src = resolve_gpu(r)
-    net = resolve_network(r, [h for h, _ in hosts])
+    gpu, gpu_src = resolve_gpu(r.cluster)
+    net = resolve_network(r.cluster, [h for h, _ in hosts])
     lora = None
-    if r.has_peft:
+    if r.peft is not None:
         try:
             lora = lora_tensors(shape, r.peft.r, r.peft.target_modules)
         except Exception:  # noqa: BLE001 - the memory planner reported a bad target already
@@ -375,7 +378,7 @@ def plan_context(recipe: Any, hosts: list[tuple[str, int]], shape: Any) -> dict[
     return {"gpu": gpu, "gpu_source": gpu_src, "net": net, "lora_tensors": lora}
 
 
-def predict_plan(plan: Any, candidate: Candidate | None = None) -> Prediction:
+def predict_plan(plan: Plan, candidate: Candidate | None = None) -> Prediction:
     """The prediction for the plan's own choice (or ``candidate``) with the plan's knobs."""
     if plan.memory is None:
         plan.memory = plan_memory(plan)
@@ -401,7 +404,7 @@ def predict_plan(plan: Any, candidate: Candidate | None = None) -> Prediction:
     )
 
 
-def plan_candidate(plan: Any) -> Candidate:
+def plan_candidate(plan: Plan) -> Candidate:
     k = plan.knobs
     hpz = k["zero_hpz_partition_size"].value if "zero_hpz_partition_size" in k else 1
     qwz = bool(k["zero_quantized_weights"].value) if "zero_quantized_weights" in k else False

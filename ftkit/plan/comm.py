@@ -49,9 +49,12 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftkit.plan.memory import PRECISION_BYTES, Candidate, Workload
+
+if TYPE_CHECKING:
+    from ftkit.recipe.sections import ClusterSection
 
 # ------------------------------------------------------------------------------------------------ hardware tables
 
@@ -175,19 +178,19 @@ def read_bandwidth_file(hosts: list[str], path: Path | None = None) -> Network |
         return None
 
 
-def resolve_network(recipe: Any, hosts: list[str]) -> Network:
+def resolve_network(cluster: ClusterSection, hosts: list[str]) -> Network:
     """Measured file > the recipe (cluster.intra_node_gbs/inter_node_gbs over cluster.network's preset) > default."""
     measured = read_bandwidth_file(hosts)
     if measured is not None:
         return measured
-    name = recipe.cluster.network
+    name = cluster.network
     if name == "auto":
-        name = "loopback" if recipe.cluster.accelerator == "cpu" else DEFAULT_NETWORK
+        name = "loopback" if cluster.accelerator == "cpu" else DEFAULT_NETWORK
         source = f"default ({name}: cluster.network is auto)"
     else:
         source = f"cluster.network {name}"
     base = NETWORK_PRESETS[name]
-    intra, inter = recipe.cluster.intra_node_gbs, recipe.cluster.inter_node_gbs
+    intra, inter = cluster.intra_node_gbs, cluster.inter_node_gbs
     if intra is not None or inter is not None:
         source += " with cluster." + " and cluster.".join(
             k for k, v in (("intra_node_gbs", intra), ("inter_node_gbs", inter)) if v is not None
@@ -203,14 +206,14 @@ def resolve_network(recipe: Any, hosts: list[str]) -> Network:
     )
 
 
-def resolve_gpu(recipe: Any) -> tuple[str, str]:
+def resolve_gpu(cluster: ClusterSection) -> tuple[str, str]:
     """(table key, where it came from)."""
-    gpu = recipe.cluster.gpu
+    gpu = cluster.gpu
     if gpu != "auto":
         return gpu, "cluster.gpu"
-    if recipe.cluster.accelerator == "cpu":
+    if cluster.accelerator == "cpu":
         return "cpu", "cluster.accelerator cpu"
-    mem = float(recipe.cluster.gpu_memory_gb)
+    mem = float(cluster.gpu_memory_gb)
     for size, name in _GPU_BY_MEMORY:
         if mem <= size * 1.1:
             return name, f"guessed from cluster.gpu_memory_gb {mem:g} (set cluster.gpu)"

@@ -212,7 +212,7 @@ def build_plan(
 
     source, unknown_why = None, ""
     try:
-        source = config_source(recipe)
+        source = config_source(recipe.model, base=recipe.base_dir)
         cfg = (
             load_config_file(source.file)
             if source.hub_id or recipe.model.config

@@ -20,9 +20,13 @@ import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftkit.rundir.layout import RunDir, read_jsonl
+
+if TYPE_CHECKING:
+    from ftkit.plan.plan import Plan
+    from ftkit.recipe.load import Recipe
 
 GiB = 1 << 30
 DEFAULT_ROOT = "/dev/shm"  # a RAM disk on every Linux node: the fastest local tier there is
@@ -95,7 +99,7 @@ def young_daly_steps(save_cost_s: float, mtbf_hours: float, step_time_s: float, 
 
 
 def plan_local_tier(
-    recipe: Any,
+    recipe: Recipe,
     *,
     num_nodes: int,
     per_node: int,
@@ -162,7 +166,7 @@ def measured_costs(run_dir: Path) -> tuple[float | None, float | None]:
     return (statistics.median(saves) if saves else None), (statistics.median(gaps) if gaps else None)
 
 
-def local_tier_line(plan: Any) -> str:
+def local_tier_line(plan: Plan) -> str:
     """``ftkit plan``'s line for the local tier: where, how often, the host memory per node, or why it is off."""
     t = plan.local_tier
     if t is None:

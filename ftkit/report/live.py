@@ -18,18 +18,21 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftkit.model.shape import count_params
 from ftkit.plan.candidates import predict_plan
 from ftkit.rundir.layout import RunDir
+
+if TYPE_CHECKING:
+    from ftkit.plan.plan import Plan
 
 REPORT_NAME = "report.html"
 FINISH_TIMEOUT_S = 30.0  # the launch's wait for its last render (one takes ~1-2 s here)
 PREVIOUS_WAIT_S = 5.0  # a render still running when the next attempt ends: waited for this long, then stopped
 
 
-def plan_record(plan: Any) -> dict[str, Any]:
+def plan_record(plan: Plan) -> dict[str, Any]:
     """The plan's figures for the ``plan`` event. The step-time model needs the model's parameter counts: when they
     cannot be had cheaply (a family without a closed form would import transformers into the supervisor, or a
     user command's model that the plan could not read), the record says why instead."""

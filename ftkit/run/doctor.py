@@ -40,7 +40,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftkit.cluster.fanout import run_on_hosts
 from ftkit.cluster.hosts import LOCAL_HOSTS
@@ -50,6 +50,10 @@ from ftkit.plan.tiers import shm_bytes
 from ftkit.run.doctor_checks import DoctorReport, check_facts, check_locks
 from ftkit.run.preflight import local_versions, run_preflight
 from ftkit.rundir.layout import atomic_write
+
+if TYPE_CHECKING:
+    from ftkit.cluster.fanout import Transport
+    from ftkit.plan.plan import Plan
 
 FACTS_DEADLINE_S = 15.0
 RENDEZVOUS_TIMEOUT_S = 10.0
@@ -82,12 +86,12 @@ def _probe_env(env: dict[str, str]) -> dict[str, str]:
 
 
 def _facts(
-    plan: Any,
+    plan: Plan,
     rep: DoctorReport,
     ssh_args: list[str],
     python: str,
     env: dict[str, str],
-    transport: Any = None,
+    transport: Transport | None = None,
     release_dead_batons: bool = False,
 ) -> set[str]:
     """Run the facts probe everywhere; returns the hosts that could not be reached."""
@@ -132,7 +136,7 @@ def _facts(
     return unreachable
 
 
-def _preflight(plan: Any, hosts: list[str], ssh_args: list[str], python: str) -> tuple[Any, list[tuple[str, str]]]:
+def _preflight(plan: Plan, hosts: list[str], ssh_args: list[str], python: str) -> tuple[Any, list[tuple[str, str]]]:
     """run_preflight as it is: (its report or None, [(host or "-", problem)])."""
 
     r = plan.recipe
@@ -162,13 +166,13 @@ def _preflight(plan: Any, hosts: list[str], ssh_args: list[str], python: str) ->
 
 
 def _rendezvous(
-    plan: Any,
+    plan: Plan,
     rep: DoctorReport,
     ssh_args: list[str],
     python: str,
     env: dict[str, str],
     bandwidth: bool,
-    transport: Any = None,
+    transport: Transport | None = None,
 ) -> None:
     r = plan.recipe
     hosts = rep.hosts
@@ -223,7 +227,7 @@ def _rendezvous(
             rep.set(h, "rendezvous", "waited")
 
 
-def _rendezvous_fix(o: dict[str, Any], plan: Any) -> str:
+def _rendezvous_fix(o: dict[str, Any], plan: Plan) -> str:
     err = str(o.get("error", ""))
     if o.get("stage") == "import":
         return "install the same torch on every host"
@@ -235,7 +239,7 @@ def _rendezvous_fix(o: dict[str, Any], plan: Any) -> str:
     return "check the interface (GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME) and that hosts reach each other on all ports"
 
 
-def _bandwidth(plan: Any, hosts: list[str], outs: dict[str, dict[str, Any]], backend: str) -> dict[str, Any]:
+def _bandwidth(plan: Plan, hosts: list[str], outs: dict[str, dict[str, Any]], backend: str) -> dict[str, Any]:
 
     r = plan.recipe
     rows = outs[hosts[0]].get("all", [])
@@ -273,14 +277,14 @@ def write_bandwidth(data: dict[str, Any], path: Path | None = None) -> Path:
 
 
 def run_doctor(
-    plan: Any,
+    plan: Plan,
     *,
     ssh_args: list[str],
     bandwidth: bool = False,
     rendezvous: bool = True,
     env: dict[str, str] | None = None,
     python: str = sys.executable,
-    transport: Any = None,
+    transport: Transport | None = None,
     release_dead_batons: bool = False,
 ) -> DoctorReport:
     """All of doctor's checks for ``plan``'s hosts; the report carries every failure (nothing raised for them).
@@ -316,11 +320,11 @@ def run_doctor(
 
 
 def cheap_checks(
-    plan: Any,
+    plan: Plan,
     ssh_args: list[str],
     env: dict[str, str] | None = None,
     python: str = sys.executable,
-    transport: Any = None,
+    transport: Transport | None = None,
 ) -> Any:
     """The part of doctor ``ftkit launch`` runs as its preflight: preflight + facts (no rendezvous, a few seconds).
 

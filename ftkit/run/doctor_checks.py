@@ -7,7 +7,10 @@ runs the probes), so every rule is tested without a host.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ftkit.run.preflight import PreflightReport
 
 MIN_FREE_RUN_DIR = 1 << 30  # bytes free in the run directory below which doctor fails (checkpoints need room)
 MIN_SHM = 512 << 20  # bytes of /dev/shm (size and free) below which doctor fails (NCCL/DeepSpeed shm buffers)
@@ -38,7 +41,7 @@ class DoctorReport:
     notes: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)  # build locks a killed rank of the run left, removed
     seconds: float = 0.0
-    preflight: Any = None  # ftkit.run.preflight.PreflightReport when preflight passed
+    preflight: PreflightReport | None = None  # when preflight passed
 
     @property
     def ok(self) -> bool:

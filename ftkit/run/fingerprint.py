@@ -92,13 +92,16 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftkit import __version__
 from ftkit.cluster.pkgversions import versions as installed_versions
 from ftkit.errors import Problem, UserError
 from ftkit.model.config import config_source
 from ftkit.recipe.schema import FIELD_BY_KEY
+
+if TYPE_CHECKING:
+    from ftkit.plan.plan import Plan
 
 FORMAT = 1
 LIBRARIES = ("torch", "deepspeed", "transformers", "peft", "accelerate")
@@ -337,14 +340,14 @@ def _model_part(path: str | None, config_file: str = "", revision: str | None = 
     return out
 
 
-def _actual_config_file(plan: Any) -> str:
+def _actual_config_file(plan: Plan) -> str:
     """The config.json the ranks will load: the plan's, unless that is a checked-in copy (model.config), then
     the model's own where it can be resolved here."""
     r = plan.recipe
     file = getattr(plan, "model_config_file", "") or ""
     if r.model.config and r.model.path:
         try:
-            return config_source(r, checked_in=False).file
+            return config_source(r.model, base=r.base_dir, checked_in=False).file
         except UserError:
             return file
     return file
@@ -369,7 +372,7 @@ def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-def compute(plan: Any) -> dict[str, Any]:
+def compute(plan: Plan) -> dict[str, Any]:
     """The fingerprint of ``plan`` (a :class:`ftkit.plan.plan.Plan`; only ``plan.recipe`` is read). JSON-able."""
     t0 = time.perf_counter()
     r = plan.recipe

@@ -117,7 +117,8 @@ def launch(req: LaunchRequest, echo: Callable[[str], None] = print, warn: Callab
     custom = req.command is not None or recipe.train.command is not None
     plan = build_plan(recipe, include=req.include, exclude=req.exclude, unknown_model_ok=custom)
 
-    warning = checked_in_drift(plan.recipe)  # model.config (checked in) differs from the model's real config.json
+    # model.config (checked in) differs from the model's real config.json
+    warning = checked_in_drift(plan.recipe.model, plan.recipe.base_dir)
     if warning:
         (warn or echo)(warning)
     command = _user_command(plan, req, echo, warn or echo)

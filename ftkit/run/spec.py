@@ -147,9 +147,9 @@ def build_spec(
         model_path=r.model.path,
         tokenizer_path=r.model.tokenizer or r.model.path,
         # a hub id's revision (main unless pinned): the ranks call from_pretrained(id, revision=...); None: local
-        model_revision=(r.model.revision or DEFAULT_REVISION) if model_is_hub(r) else None,
+        model_revision=(r.model.revision or DEFAULT_REVISION) if model_is_hub(r.model) else None,
         tokenizer_revision=(r.model.revision or DEFAULT_REVISION)
-        if model_is_hub(r) and not r.model.tokenizer
+        if model_is_hub(r.model) and not r.model.tokenizer
         else None,
         peft=r.to_dict()["peft"],
         data=DataSpec(

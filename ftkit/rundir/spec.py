@@ -38,8 +38,8 @@ class RunSpec:
     world_size: int
     hosts: list[list[Any]]  # [[host, slots], ...] in hostfile order
     stage: int
-    offload_optimizer: Any
-    offload_params: Any
+    offload_optimizer: str
+    offload_params: str
     accelerator: str
     model_path: str
     tokenizer_path: str

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ftkit.cluster.procs import (
     agent_targets,
@@ -27,6 +27,9 @@ from ftkit.cluster.procs import (
 )
 from ftkit.command.engines import LaunchCommand
 from ftkit.rundir.layout import RunDir, atomic_write
+
+if TYPE_CHECKING:
+    from ftkit.cluster.fanout import Transport
 
 
 @dataclass
@@ -76,7 +79,7 @@ def teardown_attempt(
     *,
     grace_s: float,
     ssh_args: list[str],
-    transport: Any = None,
+    transport: Transport | None = None,
 ) -> None:
     """Stop every process of the attempt on every host and record the outcome (a ``teardown`` event)."""
     groups = [p.proc.pid for p in procs]  # the group may outlive its leader

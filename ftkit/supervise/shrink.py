@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftkit.checkpoint.directory import Selection, set_aside_newer
 from ftkit.checkpoint.verify import Verdict
@@ -20,9 +20,12 @@ from ftkit.cluster.hosts import LOCAL_HOSTS
 from ftkit.errors import ExitCode
 from ftkit.supervise.universal import ConversionError, convert_to_universal
 
+if TYPE_CHECKING:
+    from ftkit.cluster.fanout import Transport
+
 
 def probe_hosts(
-    hosts: list[tuple[str, int]], ssh_args: list[str], timeout: float = 10, transport: Any = None
+    hosts: list[tuple[str, int]], ssh_args: list[str], timeout: float = 10, transport: Transport | None = None
 ) -> list[str]:
     """Remote hosts that ssh (or ``transport``: srun inside a Slurm allocation) cannot reach now (``true``), all
     probed at once: one ``timeout`` in total."""

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftkit.checkpoint.directory import list_checkpoints, select_resume, set_aside_newer
 from ftkit.checkpoint.layout import read_commit
@@ -53,6 +53,9 @@ from ftkit.supervise.observe import Observer, log_tail, root_cause
 from ftkit.supervise.shrink import convert_newest, probe_hosts
 from ftkit.supervise.stragglers import hosts_to_exclude, record_step_times
 from ftkit.supervise.tiers import Agents, TierChoice, choose_tier, discard_stale, end_local_tier
+
+if TYPE_CHECKING:
+    from ftkit.plan.plan import Plan
 
 # A closed terminal (SIGHUP) is handled like SIGTERM; SIGUSR1 is Slurm's advance notice (--signal=B:USR1@T).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
@@ -148,7 +151,7 @@ class Supervisor:
         self.stop_requested: int | None = None  # the first signal: save at the next step, then stop
         self._stop_sent_at: float | None = None
         self.check_fidelity = True  # off for an attempt that resumes with changes the user allowed
-        self._plan: Any = None
+        self._plan: Plan | None = None
         self._universal_attempt = False
         self._exclude: list[str] = []  # stragglers a graceful stop is leaving out (resilience.exclude_stragglers)
         self._unwatched = False  # this attempt's script built no Trainer and calls no ftkit.hf.step(): not restarted

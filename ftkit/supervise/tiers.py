@@ -19,7 +19,7 @@ import json
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftkit.checkpoint.tiers import (
     clear_peer_claims,
@@ -32,6 +32,9 @@ from ftkit.checkpoint.tiers import (
 )
 from ftkit.cluster.fanout import HostResult, run_on_hosts
 from ftkit.rundir.layout import RunDir
+
+if TYPE_CHECKING:
+    from ftkit.cluster.fanout import Transport
 
 AGENT_TIMEOUT_S = 600.0  # one fan-out of the agents (verify reads every byte of a node's part)
 
@@ -48,7 +51,7 @@ class TierChoice:
 class Agents:
     """The nodes' checkpoint agents, run as one-shot commands on every host (``ftkit.launch.agent``)."""
 
-    def __init__(self, rd: RunDir, python: str, ssh_args: list[str], transport: Any = None):
+    def __init__(self, rd: RunDir, python: str, ssh_args: list[str], transport: Transport | None = None):
         self.rd, self.python, self.ssh_args, self.transport = rd, python, ssh_args, transport
 
     def run(self, hosts: list[str], command: str, **options: Any) -> dict[str, dict[str, Any]]:

@@ -213,11 +213,11 @@ def test_bandwidth_file_overrides_the_recipe(write_recipe, tmp_path: Path, monke
     p = write_recipe()
     r = load_recipe(str(p), ["cluster.network=pcie-eth25", "cluster.inter_node_gbs=4"])
     monkeypatch.setenv(BANDWIDTH_FILE_ENV, str(tmp_path / "none.json"))
-    net = resolve_network(r, ["localhost"])
+    net = resolve_network(r.cluster, ["localhost"])
     assert (net.intra_gbs, net.inter_gbs) == (20.0, 4.0) and "inter_node_gbs" in net.source
     (tmp_path / "bw.json").write_text(json.dumps({"version": 1, "intra_node_gbs": 300, "inter_node_gbs": 40}))
     monkeypatch.setenv(BANDWIDTH_FILE_ENV, str(tmp_path / "bw.json"))
-    net = resolve_network(r, ["localhost"])
+    net = resolve_network(r.cluster, ["localhost"])
     assert (net.intra_gbs, net.inter_gbs) == (300.0, 40.0) and net.source.startswith("measured")
 
 
