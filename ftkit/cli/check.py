@@ -12,7 +12,7 @@ from ftkit.cli.options import out_option, overrides_argument, recipe_argument
 from ftkit.errors import ExitCode, os_error
 from ftkit.imports.against import check_against
 from ftkit.plan.load import default_out_dir, load_and_plan
-from ftkit.render import render_files
+from ftkit.render import render_files, unused_files
 
 
 @click.command(
@@ -72,6 +72,9 @@ def command(recipe: str, out: str | None, against: tuple[str, ...], overrides: t
             click.echo("".join(diff), nl=False)
         else:
             click.echo(f"{path}: in sync")
+    for name in unused_files(plan, out_dir):
+        click.echo(f"{out_dir / name}: not used with train.backend {plan.recipe.train.backend} (remove it)")
+        drifted += 1
     if drifted:
         click.echo(f"{drifted} file(s) drifted; run `ftkit render {recipe}` to update them", err=True)
         sys.exit(ExitCode.DRIFT)

@@ -116,10 +116,7 @@ def command(recipe: str, overrides: tuple[str, ...], as_json: bool) -> None:
         )
     click.echo("\n(GiB; gather = ZeRO-3's gathered largest layer; host = host RAM per node)")
     label = (sel.candidate if sel is not None else plan_candidate(plan)).label
-    click.echo(
-        f"\nthis run: {label} ({'auto' if rep.auto else 'set in the recipe'}): "
-        f"{plan.knobs['zero_optimization.stage'].why}"
-    )
+    click.echo(f"\nthis run: {label} ({'auto' if rep.auto else 'set in the recipe'}): {plan.sharding_why}")
     click.echo(local_tier_line(plan))
     if sel is not None and not sel.fits:
         click.echo(f"warning: {label} does not fit: {sel.reason}", err=True)

@@ -91,6 +91,32 @@ class ModelShape:
 # config.json
 
 
+# Decoder layer classes whose names do not follow <Prefix>DecoderLayer (the class FSDP wraps per unit).
+_LAYER_CLASS = {
+    "GPT2LMHeadModel": "GPT2Block",
+    "GPTNeoXForCausalLM": "GPTNeoXLayer",
+    "GPTJForCausalLM": "GPTJBlock",
+    "BloomForCausalLM": "BloomBlock",
+    "MptForCausalLM": "MptBlock",
+}
+_HEADS = ("ForCausalLM", "LMHeadModel")  # not ForConditionalGeneration: multimodal models wrap several layer kinds
+
+
+def decoder_layer_class(cfg: Mapping[str, Any]) -> str | None:
+    """The transformers class of one decoder layer, from config.json's ``architectures`` (``LlamaForCausalLM`` ->
+    ``LlamaDecoderLayer``); None when the config names no architecture this rule knows."""
+    archs = cfg.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+    if arch is None:
+        return None
+    if arch in _LAYER_CLASS:
+        return _LAYER_CLASS[arch]
+    for head in _HEADS:
+        if arch.endswith(head) and len(arch) > len(head):
+            return arch[: -len(head)] + "DecoderLayer"
+    return None
+
+
 def load_model_config(model_path: str) -> dict[str, Any]:
     """Read ``<model_path>/config.json``; a missing or unparsable file is a ModelConfigError naming the path."""
     path = os.path.join(model_path, "config.json")

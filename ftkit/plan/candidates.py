@@ -38,6 +38,8 @@ from ftkit.plan.memory import (
     choose,
     estimate,
     estimate_all,
+    fsdp2_candidate,
+    fsdp2_candidates,
     judge,
     suggestions,
 )
@@ -178,7 +180,9 @@ def plan_memory(plan: Plan) -> MemoryReport:
     ]
     if stage in ("auto", 3) and opt in ("auto", "none") and (par_open or par == "none"):
         allowed += zeropp_candidates(w.gpus_per_node, w.num_nodes)  # across nodes only
-    if not auto:
+    if r.train.backend == "fsdp2":
+        auto, allowed = False, [fsdp2_candidate(r.fsdp.reshard_after_forward, r.fsdp.offload_params)]
+    elif not auto:
         allowed = [Candidate(int(stage), opt, par)]
     elif not allowed:
         raise RecipeError(
@@ -334,7 +338,11 @@ def full_table(plan: Plan) -> MemoryReport:
     """Every candidate (not only those the recipe allows), each judged on its own, for ``ftkit plan``'s table."""
     rep = plan.memory if plan.memory is not None else plan_memory(plan)
     w = rep.workload
-    cands = candidates(include_stage0=True) + zeropp_candidates(w.gpus_per_node, w.num_nodes)
+    cands: list[Candidate]
+    if plan.recipe.train.backend == "fsdp2":
+        cands = fsdp2_candidates(include_offload=plan.recipe.cluster.accelerator != "cpu")
+    else:
+        cands = [*candidates(include_stage0=True), *zeropp_candidates(w.gpus_per_node, w.num_nodes)]
     judged = tuple(
         judge(e, rep.gpu_memory_gb, rep.host_memory_gb, HEADROOM) for e in with_zeropp(estimate_all(w, cands), w)
     )
@@ -405,6 +413,8 @@ def predict_plan(plan: Plan, candidate: Candidate | None = None) -> Prediction:
 
 
 def plan_candidate(plan: Plan) -> Candidate:
+    if plan.recipe.train.backend == "fsdp2":
+        return fsdp2_candidate(plan.recipe.fsdp.reshard_after_forward, plan.recipe.fsdp.offload_params)
     k = plan.knobs
     hpz = k["zero_hpz_partition_size"].value if "zero_hpz_partition_size" in k else 1
     qwz = bool(k["zero_quantized_weights"].value) if "zero_quantized_weights" in k else False

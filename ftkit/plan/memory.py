@@ -122,6 +122,33 @@ class Candidate:
         return self.label
 
 
+@dataclass(frozen=True)
+class Fsdp2(Candidate):
+    """PyTorch FSDP2 (``train.backend: fsdp2``), planned on ZeRO's model of the same sharding: resharding after
+    forward holds ZeRO-3's memory and moves its traffic (all-gather in forward and again in backward, reduce-scatter
+    of gradients); without it the gathered parameters stay from forward to backward (ZeRO-2's peak, one all-gather
+    less); parameter offload keeps parameters, gradients and optimizer states in host memory (ZeRO-3 with both
+    offloads)."""
+
+    @property
+    def label(self) -> str:
+        name = "FSDP2" if self.stage == 3 else "FSDP2 (no reshard after forward)"
+        return name + (" + offload (cpu)" if self.offload_params != "none" else "")
+
+
+def fsdp2_candidate(reshard_after_forward: bool, offload_params: bool) -> Fsdp2:
+    """The FSDP2 candidate of the ``fsdp`` section's two memory choices."""
+    if offload_params:
+        return Fsdp2(3, "cpu", "cpu")
+    return Fsdp2(3 if reshard_after_forward else 2)
+
+
+def fsdp2_candidates(include_offload: bool = True) -> list[Candidate]:
+    """Every FSDP2 candidate, fastest first (offload only where there is device memory to save: cuda)."""
+    out: list[Candidate] = [fsdp2_candidate(False, False), fsdp2_candidate(True, False)]
+    return out + ([fsdp2_candidate(True, True)] if include_offload else [])
+
+
 def candidates(include_stage0: bool = False, include_nvme: bool = True) -> list[Candidate]:
     """All candidates, fastest first (docs/design.md, Memory planning): ZeRO-1 → ZeRO-2 → ZeRO-2 + optimizer
     offload → ZeRO-3 → ZeRO-3 + optimizer offload → ZeRO-3 + param offload (with the optimizer offloaded too, the

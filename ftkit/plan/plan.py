@@ -21,6 +21,7 @@ from ftkit.model.config import config_source
 from ftkit.model.shape import hidden_size, load_config_file, load_model_config
 from ftkit.plan.candidates import plan_memory
 from ftkit.plan.comm import ZeroPP
+from ftkit.plan.fsdp import resolve_fsdp
 from ftkit.plan.knobs import decide_config_knobs, decide_zero_knobs
 from ftkit.plan.memory import PRECISION_BYTES, Candidate
 from ftkit.plan.tiers import LocalTier, measured_costs, plan_local_tier
@@ -82,6 +83,12 @@ class Plan:
     @property
     def is_local(self) -> bool:
         return self.num_nodes == 1 and self.hosts[0][0] in LOCAL_HOSTS
+
+    @property
+    def sharding_why(self) -> str:
+        """Why the run shards as it does: the ZeRO stage's reason, or FSDP2's resharding choice."""
+        knob = "fsdp_reshard_after_forward" if self.recipe.train.backend == "fsdp2" else "zero_optimization.stage"
+        return self.knobs[knob].why
 
     def note(self, knob: str, value: Any, why: str) -> Any:
         self.knobs[knob] = Knob(value, why)
@@ -269,6 +276,10 @@ def build_plan(
             f"model: {unknown_why}: memory and step time not estimated; bucket sizes are DeepSpeed's defaults"
         )
         with_memory = False
+    if recipe.train.backend == "fsdp2":
+        resolve_fsdp(plan, _src)
+        _resolve_local_tier(plan)
+        return plan
     _resolve_zero(plan, with_memory, strict)
     if plan.unknown:  # no hidden size: DeepSpeed's own defaults instead of h-derived sizes
         for knob, key, value in (

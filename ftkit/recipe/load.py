@@ -26,13 +26,14 @@ import yaml
 
 from ftkit.errors import Problem, RecipeError
 from ftkit.model.config import is_hub_id
-from ftkit.recipe.rules import offload_problems
+from ftkit.recipe.rules import backend_problems, offload_problems
 from ftkit.recipe.schema import FIELD_BY_KEY, REQUIRED, SECTION_BY_NAME, SECTIONS, TOP_LEVEL, Field
 from ftkit.recipe.sections import (
     SECTION_TYPES,
     CheckpointSection,
     ClusterSection,
     DataSection,
+    FsdpSection,
     ModelSection,
     PeftSection,
     ResilienceSection,
@@ -107,6 +108,10 @@ class Recipe:
     @property
     def zero(self) -> ZeroSection:
         return self._section("zero")  # type: ignore[no-any-return]
+
+    @property
+    def fsdp(self) -> FsdpSection:
+        return self._section("fsdp")  # type: ignore[no-any-return]
 
     @property
     def cluster(self) -> ClusterSection:
@@ -619,8 +624,9 @@ def _cross_checks(r: Recipe, add: Any) -> None:
         return CLI if r.sources.get(key) == CLI else None
 
     v = r.values
-    for key, problem in offload_problems(v["zero.stage"], v["zero.offload_optimizer"], v["zero.offload_params"]):
-        add(key, problem, src(key))
+    if v["train.backend"] == "deepspeed":
+        for key, problem in offload_problems(v["zero.stage"], v["zero.offload_optimizer"], v["zero.offload_params"]):
+            add(key, problem, src(key))
     uses_nvme = "nvme" in (v["zero.offload_optimizer"], v["zero.offload_params"])
     if uses_nvme and not v["zero.nvme_path"]:
         add("zero.nvme_path", "required when offloading to nvme: a local NVMe directory", src("zero.nvme_path"))
@@ -653,8 +659,12 @@ def _cross_checks(r: Recipe, add: Any) -> None:
             f"{v['cluster.min_nodes']} is more than cluster.num_nodes {v['cluster.num_nodes']}",
             src("cluster.min_nodes"),
         )
-    if v["cluster.engine"] == "auto":  # resolved once, here, so every reader sees the engine that will run
-        v["cluster.engine"] = "slurm" if os.environ.get("SLURM_JOB_ID") else "deepspeed"
+    fsdp2 = v["train.backend"] == "fsdp2"
+    for key, problem in backend_problems(v, r.explicit):
+        add(key, problem, src(key))
+    if v["cluster.engine"] == "auto" or (fsdp2 and "cluster.engine" not in r.explicit):
+        # resolved once, here, so every reader sees the engine that will run; FSDP2 runs under accelerate
+        v["cluster.engine"] = "slurm" if os.environ.get("SLURM_JOB_ID") else ("accelerate" if fsdp2 else "deepspeed")
     if v["cluster.engine"] == "slurm" and v["cluster.hostfile"] is not None:
         add(
             "cluster.hostfile",

@@ -1,7 +1,73 @@
 """Rules across recipe keys that the schema's per-field types cannot state: which ZeRO stage/offload combinations
-DeepSpeed can run. The loader reports them to the user; the planner's candidates obey them."""
+DeepSpeed can run, and which keys belong to which sharding backend. The loader reports them to the user; the
+planner's candidates obey them."""
 
 from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any
+
+# Each DeepSpeed-only key, and what to use under train.backend fsdp2 instead (the refusal's second half).
+FSDP2_EQUIVALENT = {
+    "zero.stage": "use fsdp.reshard_after_forward (true: ZeRO-3's memory, false: about ZeRO-2's)",
+    "zero.offload_optimizer": "FSDP2 offloads parameters, gradients and optimizer states together: use "
+    "fsdp.offload_params",
+    "zero.offload_params": "use fsdp.offload_params",
+    "zero.nvme_path": "FSDP2 has no NVMe offload: remove it",
+    "zero.overlap_comm": "FSDP2 overlaps communication per wrapped layer: remove it",
+    "zero.reduce_bucket_size": "FSDP2 reduce-scatters per wrapped layer: remove it",
+    "zero.allgather_bucket_size": "FSDP2 all-gathers per wrapped layer: remove it",
+    "zero.contiguous_gradients": "FSDP2 has no such setting: remove it",
+    "zero.round_robin_gradients": "FSDP2 has no such setting: remove it",
+    "zero.pin_memory": "FSDP2's CPU offload pins host memory itself: remove it",
+    "zero.sub_group_size": "FSDP2 has no such setting: remove it",
+    "zero.prefetch_bucket_size": "FSDP2 prefetches one wrapped layer ahead: remove it",
+    "zero.param_persistence_threshold": "FSDP2 shards every wrapped layer: remove it",
+    "zero.max_live_parameters": "FSDP2 keeps one wrapped layer gathered at a time: remove it",
+    "zero.max_reuse_distance": "FSDP2 has no such setting: remove it",
+}
+FSDP_KEYS = (
+    "fsdp.reshard_after_forward",
+    "fsdp.offload_params",
+    "fsdp.transformer_layer_cls",
+    "fsdp.state_dict_type",
+    "fsdp.cpu_ram_efficient_loading",
+)
+
+
+def backend_problems(values: Mapping[str, Any], explicit: Collection[str]) -> list[tuple[str, str]]:
+    """``(recipe key, problem)`` for each key the chosen ``train.backend`` cannot use, each with what to use
+    instead; ``explicit``: the keys the recipe file or command line set (defaults never count)."""
+    out: list[tuple[str, str]] = []
+    if values["train.backend"] == "deepspeed":
+        for key in FSDP_KEYS:
+            if key in explicit:
+                out.append((key, "applies to train.backend fsdp2 only (train.backend is deepspeed: see zero.*)"))
+        return out
+    for key, instead in FSDP2_EQUIVALENT.items():
+        if key in explicit:
+            out.append((key, f"DeepSpeed's key; under train.backend fsdp2 {instead}"))
+    if values["fsdp.offload_params"] and values["cluster.accelerator"] == "cpu":
+        out.append(("fsdp.offload_params", "needs cuda: on cpu ranks the parameters are in host memory already"))
+    if values["cluster.engine"] == "deepspeed" and "cluster.engine" in explicit:
+        out.append(
+            (
+                "cluster.engine",
+                "the deepspeed runner starts DeepSpeed ranks; train.backend fsdp2 runs under accelerate, torchrun or "
+                "slurm (without cluster.engine: accelerate)",
+            )
+        )
+    if "checkpoint.local_dir" in explicit and values["checkpoint.local_dir"] is not None:
+        out.append(
+            (
+                "checkpoint.local_dir",
+                "the node-local checkpoint tier knows DeepSpeed's checkpoints only: set it to null under "
+                "train.backend fsdp2",
+            )
+        )
+    if values["checkpoint.peer_copies"]:
+        out.append(("checkpoint.peer_copies", "copies the node-local tier, which fsdp2 does not use: set it to 0"))
+    return out
 
 
 def offload_problems(stage: int | str, offload_optimizer: str, offload_params: str) -> list[tuple[str, str]]:

@@ -162,6 +162,15 @@ SECTIONS: tuple[Section, ...] = (
                 "Run directory: checkpoints, logs, events.jsonl, rendered configs, final model.",
             ),
             _f(
+                "backend",
+                "choice",
+                "deepspeed",
+                "How the ranks shard the model: deepspeed (ZeRO, the zero section; ds_config.json and a DEEPSPEED "
+                "accelerate.yaml) or fsdp2 (PyTorch FSDP2 through Accelerate, the fsdp section; an FSDP "
+                "accelerate.yaml with fsdp_version 2, no ds_config.json).",
+                choices=("deepspeed", "fsdp2"),
+            ),
+            _f(
                 "precision",
                 "choice",
                 "bf16",
@@ -415,6 +424,53 @@ SECTIONS: tuple[Section, ...] = (
                 "Stage 3: a gathered parameter used again within this many parameters stays gathered "
                 "(stage3_max_reuse_distance); auto: 1e9, 1e8 when memory is tight.",
                 minimum=0,
+            ),
+        ),
+    ),
+    Section(
+        "fsdp",
+        "PyTorch FSDP2 sharding (train.backend: fsdp2). Parameters, gradients and optimizer states are always "
+        "sharded across all ranks; model.gradient_checkpointing becomes FSDP's activation checkpointing.",
+        (
+            _f(
+                "reshard_after_forward",
+                "bool",
+                True,
+                "Free each wrapped layer's gathered parameters after its forward and gather them again for backward "
+                "(ZeRO-3's memory); false keeps them gathered until backward (about ZeRO-2's memory, one all-gather "
+                "less per step).",
+            ),
+            _f(
+                "offload_params",
+                "bool",
+                False,
+                "Keep parameters, gradients and optimizer states in host memory and step the optimizer there "
+                "(FSDP2's CPU offload; cuda only).",
+            ),
+            _f(
+                "transformer_layer_cls",
+                "str|auto",
+                "auto",
+                "The decoder layer class each FSDP unit wraps (comma-separated for several); auto: from config.json's "
+                "architectures (LlamaForCausalLM -> LlamaDecoderLayer).",
+                pattern=r"[A-Za-z_][A-Za-z0-9_]*(,[A-Za-z_][A-Za-z0-9_]*)*",
+                pattern_doc="must be Python class names separated by commas",
+            ),
+            _f(
+                "state_dict_type",
+                "choice",
+                "sharded",
+                "Checkpoints: sharded (torch.distributed.checkpoint shards written by every rank, resharded on load "
+                "to another world size) or full (one state dict gathered on rank 0). The final model is always "
+                "saved whole, in Hugging Face format.",
+                choices=("sharded", "full"),
+            ),
+            _f(
+                "cpu_ram_efficient_loading",
+                "bool",
+                True,
+                "Rank 0 alone reads the pretrained weights and broadcasts them; the other ranks start on the meta "
+                "device (host memory for one copy of the model per node, not one per rank).",
             ),
         ),
     ),

@@ -49,6 +49,7 @@ class TrainSection:
     """``train``: The HF Trainer run."""
 
     output_dir: str
+    backend: str
     precision: str
     fp16_loss_scale: float | str
     fp16_initial_scale_power: int | str
@@ -109,6 +110,17 @@ class ZeroSection:
 
 
 @dataclass(frozen=True)
+class FsdpSection:
+    """``fsdp``: PyTorch FSDP2 sharding (train.backend: fsdp2)."""
+
+    reshard_after_forward: bool
+    offload_params: bool
+    transformer_layer_cls: str
+    state_dict_type: str
+    cpu_ram_efficient_loading: bool
+
+
+@dataclass(frozen=True)
 class ClusterSection:
     """``cluster``: Where the job runs."""
 
@@ -155,6 +167,7 @@ SECTION_TYPES: dict[str, type] = {
     "train": TrainSection,
     "checkpoint": CheckpointSection,
     "zero": ZeroSection,
+    "fsdp": FsdpSection,
     "cluster": ClusterSection,
     "resilience": ResilienceSection,
 }

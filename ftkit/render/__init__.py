@@ -18,12 +18,19 @@ ACCELERATE_FILE = "accelerate.yaml"
 
 
 def render_files(plan: Plan, out_dir: Path, *, ds_path_in_yaml: str | None = None) -> dict[str, str]:
-    """The text of every rendered file, keyed by file name; nothing is written."""
+    """The text of every rendered file, keyed by file name; nothing is written. FSDP2 has no ds_config.json."""
+    if plan.recipe.train.backend == "fsdp2":
+        return {ACCELERATE_FILE: render_accelerate(plan, None)}
     ds_ref = ds_path_in_yaml if ds_path_in_yaml is not None else _ds_reference(plan, out_dir)
     return {
         DS_FILE: to_json(render_deepspeed(plan)),
         ACCELERATE_FILE: render_accelerate(plan, ds_ref),
     }
+
+
+def unused_files(plan: Plan, out_dir: Path) -> list[str]:
+    """Rendered files in ``out_dir`` the plan's backend does not use (a ds_config.json left from DeepSpeed)."""
+    return [n for n in (DS_FILE, ACCELERATE_FILE) if n not in render_files(plan, out_dir) and (out_dir / n).is_file()]
 
 
 def _ds_reference(plan: Plan, out_dir: Path) -> str:

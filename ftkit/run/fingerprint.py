@@ -218,6 +218,22 @@ POLICY: tuple[tuple[str, tuple[str, ...], str], ...] = (
         ("train.precision",),
         "DeepSpeed's optimizer state is precision-specific and ftkit does not convert it",
     ),
+    (
+        IMPOSSIBLE,
+        ("train.backend", "fsdp.state_dict_type"),
+        "the checkpoint's layout is the recorded backend's (DeepSpeed's ZeRO files, FSDP2's sharded or full state "
+        "dict) and ftkit does not convert it; start a new run",
+    ),
+    (
+        ALLOWABLE,
+        ("fsdp.offload_params",),
+        "changes the optimizer's device (other rounding)",
+    ),
+    (
+        SAFE,
+        ("fsdp.reshard_after_forward", "fsdp.transformer_layer_cls", "fsdp.cpu_ram_efficient_loading"),
+        "same update, other memory or communication scheduling",
+    ),
 )
 DEFAULT_REASON = "not known to be safe"
 

@@ -25,7 +25,7 @@ from ftkit.errors import ExitCode, FtkitError, NoSpace, RecipeError, UserError
 from ftkit.model.config import checked_in_drift
 from ftkit.plan.memory import zero_label
 from ftkit.plan.plan import Plan, build_plan
-from ftkit.recipe.load import load_recipe
+from ftkit.recipe.load import Recipe, load_recipe
 from ftkit.report.live import ReportRefresher, plan_record
 from ftkit.run.doctor import cheap_checks
 from ftkit.run.fingerprint import compare, compute
@@ -106,11 +106,26 @@ def ssh_args_of(plan: Plan) -> list[str]:
     return ["-F", cfg] if cfg else []
 
 
+def require_launchable(recipe: Recipe) -> None:
+    """What ``ftkit launch`` and ``ftkit submit`` cannot run yet, refused before anything starts: FSDP2 ranks
+    (``ftkit render`` and ``ftkit plan`` cover them; the rank side and its checkpoints are not built)."""
+    if recipe.train.backend == "fsdp2":
+        raise RecipeError(
+            recipe.problem(
+                "train.backend",
+                "fsdp2: ftkit renders, checks and plans it, but does not launch FSDP2 ranks yet; run "
+                "`ftkit render` and start the job with `accelerate launch --config_file <its accelerate.yaml> "
+                "<your script>`, or use train.backend deepspeed",
+            )
+        )
+
+
 def launch(req: LaunchRequest, echo: Callable[[str], None] = print, warn: Callable[[str], None] | None = None) -> int:
     """Run the job; returns the exit code (README "Exit codes"). Raises FtkitError for what ends it before start.
     ``warn`` gets warnings (stderr on the command line)."""
 
     recipe = load_recipe(req.recipe, list(req.overrides))
+    require_launchable(recipe)
     if recipe.cluster.engine == "slurm":  # hosts, ranks and teardown come from the allocation: none, none here
         require_allocation(os.environ)
     # A user command loads its own model: a config.json the plan cannot read limits the plan, not the launch.

@@ -35,7 +35,7 @@ from typing import Any
 from ftkit import __version__
 from ftkit.errors import ExitCode, FtkitError, UserError
 from ftkit.recipe.load import load_recipe
-from ftkit.run.job import LaunchRequest, launch
+from ftkit.run.job import LaunchRequest, launch, require_launchable
 from ftkit.run.status import read_jsonl
 from ftkit.rundir.layout import append_jsonl, atomic_write
 
@@ -134,6 +134,7 @@ def submit(req: SubmitRequest, echo: Callable[[str], None] = print, env: Mapping
     env = dict(os.environ if env is None else env)
     overrides = list(req.overrides)
     recipe = load_recipe(req.recipe, overrides)
+    require_launchable(recipe)
     if recipe.cluster.engine != "slurm":  # the job's ranks start with srun, whatever the recipe uses elsewhere
         overrides.append("cluster.engine=slurm")
         if recipe.cluster.hostfile is not None:

@@ -1,0 +1,197 @@
+"""train.backend fsdp2 from the recipe to the configs and the plan (issue 25, points 1-3 and 6): the fsdp section, the
+DeepSpeed-only keys refused with their equivalent, an FSDP accelerate.yaml (fsdp_version 2) that Accelerate's own
+launch code turns into an FSDP2 plugin, no ds_config.json, the plan's FSDP2 candidates on ZeRO's memory and traffic
+model, and ``ftkit launch``/``ftkit submit`` refusing what is not built yet (FSDP2 ranks)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from ftkit.cli.main import cli
+from ftkit.errors import RecipeError
+from ftkit.model.shape import decoder_layer_class
+from ftkit.plan.candidates import full_table
+from ftkit.plan.load import load_and_plan
+from ftkit.plan.memory import Candidate, Workload, estimate, fsdp2_candidate
+from ftkit.recipe.load import load_recipe
+from ftkit.render import ACCELERATE_FILE, DS_FILE, render_files
+from tests.helpers.paths import MODEL_CONFIGS
+from tests.helpers.recipes import MINIMAL
+
+FSDP2 = ["train.backend=fsdp2"]
+
+
+def _plan(write_recipe, *overrides: str):
+    return load_and_plan(str(write_recipe()), [*FSDP2, *overrides])
+
+
+def test_fsdp2_renders_one_fsdp_accelerate_yaml_and_no_ds_config(write_recipe, tmp_path: Path) -> None:
+    plan = _plan(write_recipe, "model.gradient_checkpointing=true", "fsdp.reshard_after_forward=false")
+    files = render_files(plan, tmp_path / "configs")
+    assert list(files) == [ACCELERATE_FILE]
+    acc = yaml.safe_load(files[ACCELERATE_FILE])
+    assert acc["distributed_type"] == "FSDP" and "deepspeed_config" not in acc
+    assert acc["mixed_precision"] == "bf16" and acc["num_processes"] == 8
+    assert acc["fsdp_config"] == {
+        "fsdp_activation_checkpointing": True,
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_cpu_ram_efficient_loading": True,
+        "fsdp_offload_params": False,
+        "fsdp_reshard_after_forward": False,
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
+        "fsdp_version": 2,
+    }
+    assert plan.recipe.cluster.engine == "accelerate"  # FSDP2 runs under accelerate unless the recipe says otherwise
+    # every value has its why, for ftkit explain; no DeepSpeed knob is decided for an FSDP2 run
+    assert plan.knobs["fsdp_reshard_after_forward"].why == "command line"
+    assert (
+        plan.knobs["fsdp_transformer_layer_cls_to_wrap"].why == "auto: config.json's architectures (LlamaForCausalLM)"
+    )
+    assert not [k for k in plan.knobs if k.startswith(("zero", "reduce_bucket", "allgather", "overlap", "stage3"))]
+
+    full = _plan(write_recipe, "fsdp.state_dict_type=full", "fsdp.transformer_layer_cls=A,B", "train.precision=fp32")
+    fc = yaml.safe_load(render_files(full, tmp_path)[ACCELERATE_FILE])
+    assert fc["mixed_precision"] == "no" and fc["fsdp_config"]["fsdp_state_dict_type"] == "FULL_STATE_DICT"
+    assert fc["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "A,B"
+
+
+@pytest.mark.parametrize(
+    "override,line",
+    [
+        ("zero.stage=3", "zero.stage: DeepSpeed's key; under train.backend fsdp2 use fsdp.reshard_after_forward"),
+        ("zero.offload_optimizer=cpu", "FSDP2 offloads parameters, gradients and optimizer states together"),
+        ("zero.offload_params=cpu", "zero.offload_params: DeepSpeed's key; under train.backend fsdp2 use fsdp.offload"),
+        ("zero.nvme_path=/nvme", "FSDP2 has no NVMe offload: remove it"),
+        ("zero.reduce_bucket_size=1000", "FSDP2 reduce-scatters per wrapped layer: remove it"),
+        ("cluster.engine=deepspeed", "train.backend fsdp2 runs under accelerate, torchrun or slurm"),
+        ("checkpoint.local_dir=/dev/shm/x", "the node-local checkpoint tier knows DeepSpeed's checkpoints only"),
+        ("checkpoint.peer_copies=1", "checkpoint.peer_copies: copies the node-local tier, which fsdp2 does not use"),
+    ],
+)
+def test_a_deepspeed_only_key_under_fsdp2_is_refused_with_its_equivalent(write_recipe, override, line) -> None:
+    with pytest.raises(RecipeError) as e:
+        load_recipe(str(write_recipe()), [*FSDP2, override])
+    assert line in str(e.value), str(e.value)
+
+
+def test_fsdp_keys_under_deepspeed_and_cpu_offload_are_refused(write_recipe) -> None:
+    with pytest.raises(RecipeError) as e:
+        load_recipe(str(write_recipe()), ["fsdp.reshard_after_forward=false"])
+    assert "fsdp.reshard_after_forward: applies to train.backend fsdp2 only" in str(e.value)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(str(write_recipe()), [*FSDP2, "cluster.accelerator=cpu", "fsdp.offload_params=true"])
+    assert "fsdp.offload_params: needs cuda" in str(e.value)
+    assert load_recipe(str(write_recipe()), [*FSDP2, "cluster.engine=torchrun"]).cluster.engine == "torchrun"
+
+
+def test_the_fsdp2_candidates_are_planned_on_zeros_model_of_the_same_sharding(write_recipe) -> None:
+    """Resharding after forward: ZeRO-3's memory and traffic; without it: ZeRO-2's peak; offload: ZeRO-3 with both
+    offloads. The table lists FSDP2's candidates only, the recipe's marked."""
+    plan = _plan(write_recipe, "fsdp.reshard_after_forward=false")
+    rep = full_table(plan)
+    assert [e.candidate.label for e in rep.choice.estimates] == [
+        "FSDP2 (no reshard after forward)",
+        "FSDP2",
+        "FSDP2 + offload (cpu)",
+    ]
+    assert rep.selected is not None and rep.selected.candidate == fsdp2_candidate(False, False)
+    w: Workload = rep.workload
+    for fsdp, zero in (
+        ((True, False), Candidate(3)),
+        ((False, False), Candidate(2)),
+        ((True, True), Candidate(3, "cpu", "cpu")),
+    ):
+        assert estimate(fsdp2_candidate(*fsdp), w).total_gb == estimate(zero, w).total_gb
+    preds = rep.predictions
+    assert preds["FSDP2"].step_time_s >= preds["FSDP2 (no reshard after forward)"].step_time_s
+    runner = CliRunner()
+    out = runner.invoke(cli, ["plan", str(write_recipe()), *FSDP2], catch_exceptions=False)
+    assert out.exit_code == 0, out.output
+    assert "this run: FSDP2 (set in the recipe): recipe default" in out.output
+    assert "local checkpoint tier: off (train.backend fsdp2" in out.output
+
+
+def test_launch_and_submit_refuse_fsdp2_before_anything_starts(write_recipe, tmp_path: Path) -> None:
+    recipe = write_recipe()
+    runner = CliRunner()
+    for args in (["launch", str(recipe), *FSDP2], ["submit", str(recipe), *FSDP2, "--dry-run"]):
+        out = runner.invoke(cli, args)
+        assert out.exit_code == 2, out.output
+        assert "train.backend: fsdp2: ftkit renders, checks and plans it, but does not launch FSDP2 ranks" in out.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_check_names_a_ds_config_left_from_deepspeed(write_recipe, tmp_path: Path) -> None:
+    recipe = write_recipe()
+    runner = CliRunner()
+    assert runner.invoke(cli, ["render", str(recipe), "-o", str(tmp_path / "c")]).exit_code == 0
+    assert (tmp_path / "c" / DS_FILE).is_file()
+    assert runner.invoke(cli, ["render", str(recipe), *FSDP2, "-o", str(tmp_path / "c")]).exit_code == 0
+    out = runner.invoke(cli, ["check", str(recipe), *FSDP2, "-o", str(tmp_path / "c")])
+    assert out.exit_code == 1, out.output
+    assert f"{tmp_path / 'c' / DS_FILE}: not used with train.backend fsdp2 (remove it)" in out.output
+    assert f"{tmp_path / 'c' / ACCELERATE_FILE}: in sync" in out.output
+
+
+def test_decoder_layer_class_rule() -> None:
+    assert decoder_layer_class({"architectures": ["Qwen3ForCausalLM"]}) == "Qwen3DecoderLayer"
+    assert decoder_layer_class({"architectures": ["GPTNeoXForCausalLM"]}) == "GPTNeoXLayer"
+    assert decoder_layer_class({"architectures": ["LlavaForConditionalGeneration"]}) is None
+    assert decoder_layer_class({}) is None and decoder_layer_class({"architectures": "x"}) is None
+
+
+@pytest.mark.heavy
+def test_the_decoder_layer_class_is_the_models_own_no_split_module() -> None:
+    """transformers' own ``_no_split_modules`` (what Accelerate falls back to) names the class for every model family
+    the planner knows."""
+    import transformers
+
+    for f in sorted(MODEL_CONFIGS.glob("*.json")):
+        cfg = json.loads(f.read_text())
+        layer = decoder_layer_class(cfg)
+        if layer is None:
+            assert cfg["architectures"][0].endswith("ForConditionalGeneration"), f.name
+            continue
+        assert layer in getattr(transformers, cfg["architectures"][0])._no_split_modules, f.name
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("reshard,precision", [(True, "bf16"), (False, "fp32")])
+def test_accelerate_launch_turns_the_rendered_config_into_an_fsdp2_plugin(
+    write_recipe, tmp_path: Path, monkeypatch, reshard, precision
+) -> None:
+    """What ``accelerate launch --config_file`` does with the file: its parser and checks, the environment it gives
+    the ranks, and the FSDP plugin Accelerate builds from that environment in every rank."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    plan = _plan(write_recipe, f"fsdp.reshard_after_forward={str(reshard).lower()}", f"train.precision={precision}")
+    path = tmp_path / ACCELERATE_FILE
+    path.write_text(render_files(plan, tmp_path)[ACCELERATE_FILE])
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "t.py"]))
+    env = prepare_multi_gpu_env(args)
+    assert env["ACCELERATE_USE_FSDP"] == "true" and env["ACCELERATE_MIXED_PRECISION"] == {"bf16": "bf16"}.get(
+        precision, "no"
+    )
+    for k, v in env.items():
+        if k.startswith(("FSDP_", "ACCELERATE_")):
+            monkeypatch.setenv(k, v)
+    plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is reshard
+    assert plugin.transformer_cls_names_to_wrap == ["LlamaDecoderLayer"]
+    assert str(plugin.state_dict_type).endswith("SHARDED_STATE_DICT") and plugin.cpu_ram_efficient_loading is True
+
+
+def test_minimal_recipe_still_renders_deepspeed(write_recipe, tmp_path: Path) -> None:
+    """The default backend is unchanged: both files, a DEEPSPEED accelerate.yaml."""
+    assert "backend" not in MINIMAL
+    files = render_files(load_and_plan(str(write_recipe()), []), tmp_path)
+    assert list(files) == [DS_FILE, ACCELERATE_FILE]
+    assert yaml.safe_load(files[ACCELERATE_FILE])["distributed_type"] == "DEEPSPEED"
