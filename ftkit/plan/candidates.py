@@ -280,8 +280,9 @@ def with_zeropp(estimates: list[Estimate], w: Workload) -> list[Estimate]:
     return out
 
 
-def _margin(c: Any) -> float:
-    return ZEROPP_MARGIN["quantized" if c.qwz or c.qgz else "hpz"]
+def _margin(c: Candidate) -> float:
+    """The margin a ZeRO++ candidate must win by (ZEROPP_MARGIN)."""
+    return ZEROPP_MARGIN["quantized" if isinstance(c, ZeroPP) and (c.qwz or c.qgz) else "hpz"]
 
 
 def speed_reason(choice: Choice, preds: dict[str, Prediction], ctx: dict[str, Any]) -> str:

@@ -16,7 +16,11 @@ unless on the cpu accelerator or host RAM is tight; ZeRO++'s knobs only when ``a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ftkit.recipe.load import Recipe
 
 if TYPE_CHECKING:  # pragma: no cover
     from ftkit.plan.plan import Plan
@@ -48,7 +52,7 @@ def persistence_threshold(hidden_size: int) -> int:
     return 10 * hidden_size
 
 
-def decide_zero_knobs(plan: Plan, src: Any) -> None:
+def decide_zero_knobs(plan: Plan, src: Callable[[Recipe, str], str]) -> None:
     """Bucket sizes, overlap and ZeRO-3's live/reuse limits, from the hidden size and the memory plan."""
     r = plan.recipe
     report = plan.memory
@@ -81,7 +85,9 @@ def decide_zero_knobs(plan: Plan, src: Any) -> None:
     _rule_or_recipe(plan, "stage3_max_reuse_distance", "zero.max_reuse_distance", live, why, src)
 
 
-def _rule_or_recipe(plan: Plan, knob: str, key: str, rule: Any, why: str, src: Any = None) -> None:
+def _rule_or_recipe(
+    plan: Plan, knob: str, key: str, rule: Any, why: str, src: Callable[[Recipe, str], str] | None = None
+) -> None:
     """The recipe's value of an ``auto``-defaulted field when it sets one (e.g. kept by ``ftkit import``), else the
     rule's value."""
     value = plan.recipe[key]

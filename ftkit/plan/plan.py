@@ -326,7 +326,7 @@ def _resolve_local_tier(plan: Plan) -> None:
         plan.note("local_steps", tier.steps, tier.why.split("; ", 1)[-1])
 
 
-def note_zeropp(plan: Plan, chosen: Any, why: str) -> None:
+def note_zeropp(plan: Plan, chosen: Candidate, why: str) -> None:
     """ZeRO++'s knobs when ``auto`` chose a ZeRO++ candidate (by predicted speed across nodes, ftkit.plan.comm)."""
 
     if isinstance(chosen, ZeroPP):

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -590,7 +591,7 @@ def _resolve(
     values: dict,
     sources: dict,
     explicit: set,
-    add: Any,
+    add: Callable[..., None],
     section_line: int | None = None,
 ) -> None:
     if key in given:
@@ -616,7 +617,7 @@ def _resolve(
     sources[key] = DEFAULT
 
 
-def _cross_checks(r: Recipe, add: Any) -> None:
+def _cross_checks(r: Recipe, add: Callable[..., None]) -> None:
     """Rules that involve more than one field. World-size rules live in :mod:`ftkit.plan.plan` (they need the
     hostfile)."""
 

@@ -120,8 +120,8 @@ class Supervisor:
         rng: random.Random | None = None,
         min_nodes: int | None = None,
         logging_steps: int = 1,
-        replan: Callable[[list[tuple[str, int]]], Any] | None = None,
-        prepare: Callable[[Any, bool], Any] | None = None,
+        replan: Callable[[list[tuple[str, int]]], Plan] | None = None,
+        prepare: Callable[[Plan, bool], Any] | None = None,
         global_batch: int | None = None,
     ):
         self.rd = rd
@@ -450,7 +450,7 @@ class Supervisor:
                 time.sleep(0.1)
             if self.interrupted or self.stop_requested:
                 return self._stop_between_attempts()
-            if self._universal_attempt and self.prepare is not None:
+            if self._universal_attempt and self.prepare is not None and self._plan is not None:
                 self.prepare(self._plan, False)  # later attempts load the new world size's own checkpoints
                 self._universal_attempt = False
             attempt += 1
@@ -610,7 +610,7 @@ class Supervisor:
             discard_stale(self.rd, [h for h, _ in self.inputs.hosts], step, self._agents(), self.events)
 
     def _resume_local(self, choice: Choice, local: TierChoice) -> Choice:
-        if self._universal_attempt and self.prepare is not None:
+        if self._universal_attempt and self.prepare is not None and self._plan is not None:
             self.prepare(self._plan, False)  # the durable choice was converted; a local part is this world size's
             self._universal_attempt = False
         self.events(
