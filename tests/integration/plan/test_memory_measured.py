@@ -114,6 +114,12 @@ def _worker(out_dir: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results, indent=1))
     dist.barrier()
     dist.destroy_process_group()
+    # Leave without the interpreter's teardown: a C++ thread of the comm stack (gloo, DeepSpeed's shm op) can still
+    # be joinable when static destructors run, and std::terminate then aborts a rank whose work is done ("terminate
+    # called without an active exception", SIGABRT; seen once in a loaded full run). The results are on disk.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---------------------------------------------------------------------------------------------------- test
