@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from ftkit.recipe.schema import FIELD_BY_KEY
+
 # Each DeepSpeed-only key, and what to use under train.backend fsdp2 instead (the refusal's second half).
 FSDP2_EQUIVALENT = {
     "zero.stage": "use fsdp.reshard_after_forward (true: ZeRO-3's memory, false: about ZeRO-2's)",
@@ -37,15 +39,20 @@ FSDP_KEYS = (
 
 def backend_problems(values: Mapping[str, Any], explicit: Collection[str]) -> list[tuple[str, str]]:
     """``(recipe key, problem)`` for each key the chosen ``train.backend`` cannot use, each with what to use
-    instead; ``explicit``: the keys the recipe file or command line set (defaults never count)."""
+    instead; ``explicit``: the keys the recipe file or command line set. A key set to its default is left alone (a
+    full recipe, such as ``ftkit import`` writes, lists every key)."""
     out: list[tuple[str, str]] = []
+
+    def changed(key: str) -> bool:  # set to something other than its default (a full recipe lists every key)
+        return key in explicit and values[key] != FIELD_BY_KEY[key].default
+
     if values["train.backend"] == "deepspeed":
         for key in FSDP_KEYS:
-            if key in explicit:
+            if changed(key):
                 out.append((key, "applies to train.backend fsdp2 only (train.backend is deepspeed: see zero.*)"))
         return out
     for key, instead in FSDP2_EQUIVALENT.items():
-        if key in explicit:
+        if changed(key):
             out.append((key, f"DeepSpeed's key; under train.backend fsdp2 {instead}"))
     if values["fsdp.offload_params"] and values["cluster.accelerator"] == "cpu":
         out.append(("fsdp.offload_params", "needs cuda: on cpu ranks the parameters are in host memory already"))
@@ -57,7 +64,7 @@ def backend_problems(values: Mapping[str, Any], explicit: Collection[str]) -> li
                 "slurm (without cluster.engine: accelerate)",
             )
         )
-    if "checkpoint.local_dir" in explicit and values["checkpoint.local_dir"] is not None:
+    if "checkpoint.local_dir" in explicit and values["checkpoint.local_dir"] not in (None, "auto"):
         out.append(
             (
                 "checkpoint.local_dir",

@@ -88,6 +88,11 @@ def test_fsdp_keys_under_deepspeed_and_cpu_offload_are_refused(write_recipe) -> 
         load_recipe(str(write_recipe()), [*FSDP2, "cluster.accelerator=cpu", "fsdp.offload_params=true"])
     assert "fsdp.offload_params: needs cuda" in str(e.value)
     assert load_recipe(str(write_recipe()), [*FSDP2, "cluster.engine=torchrun"]).cluster.engine == "torchrun"
+    # a full recipe lists every key: one set to its default is no conflict (ftkit import writes such recipes)
+    load_recipe(str(write_recipe()), ["fsdp.reshard_after_forward=true", "fsdp.state_dict_type=sharded"])
+    load_recipe(
+        str(write_recipe()), [*FSDP2, "zero.stage=2", "zero.offload_optimizer=none", "checkpoint.local_dir=auto"]
+    )
 
 
 def test_the_fsdp2_candidates_are_planned_on_zeros_model_of_the_same_sharding(write_recipe) -> None:
