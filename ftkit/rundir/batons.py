@@ -27,6 +27,7 @@ import os
 from pathlib import Path
 
 from ftkit.cluster.procs import proc_start_time
+from ftkit.rundir.layout import atomic_write
 from ftkit.rundir.owner import boot_id
 
 RECORD_SUFFIX = ".json"
@@ -50,7 +51,6 @@ def record(records: Path, lock: str | os.PathLike[str]) -> Path | None:
         st = os.stat(lock)
         if not here:
             return None
-        records.mkdir(parents=True, exist_ok=True)
         path = records / f"{pid}-{st.st_ino}{RECORD_SUFFIX}"
         data = {
             "lock": os.path.abspath(lock),
@@ -61,9 +61,7 @@ def record(records: Path, lock: str | os.PathLike[str]) -> Path | None:
             "start": proc_start_time(pid),
             "machine": here,
         }
-        tmp = path.with_name(path.name + f".tmp{pid}")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(data), fsync=False)  # gone with the baton: not worth a disk flush
     except OSError:
         return None
     return path
