@@ -181,7 +181,7 @@ def plan_memory(plan: Plan) -> MemoryReport:
     if stage in ("auto", 3) and opt in ("auto", "none") and (par_open or par == "none"):
         allowed += zeropp_candidates(w.gpus_per_node, w.num_nodes)  # across nodes only
     if r.train.backend == "fsdp2":
-        auto, allowed = False, [fsdp2_candidate(r.fsdp.reshard_after_forward, r.fsdp.offload_params)]
+        auto, allowed = False, [plan_candidate(plan)]
     elif not auto:
         allowed = [Candidate(int(stage), opt, par)]
     elif not allowed:

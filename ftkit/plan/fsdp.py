@@ -1,7 +1,6 @@
 """The FSDP2 half of a plan (``train.backend: fsdp2``): every field of accelerate.yaml's ``fsdp_config`` with its
-value and why (``ftkit explain`` lists them, the renderer writes them), and the memory and step-time estimate of the
-one FSDP2 candidate the ``fsdp`` section describes (:class:`ftkit.plan.memory.Fsdp2`, on ZeRO's model of the same
-sharding)."""
+value and why (``ftkit explain`` lists them, the renderer writes them), and the ZeRO stage and offloads whose memory
+the ``fsdp`` section's candidate has (:class:`ftkit.plan.memory.Fsdp2`; the planner estimates it like any other)."""
 
 from __future__ import annotations
 

@@ -19,11 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from ftkit.recipe.load import Recipe
-
 if TYPE_CHECKING:  # pragma: no cover
     from ftkit.plan.plan import Plan
+    from ftkit.recipe.load import Recipe
 
 SUB_GROUP_SIZE = int(1e9)
 # fp16's dynamic loss scaling: (knob, value, why) for each train.fp16_* field left at auto

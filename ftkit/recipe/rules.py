@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from ftkit.recipe.schema import FIELD_BY_KEY
+from ftkit.recipe.schema import FIELD_BY_KEY, SECTION_BY_NAME
 
 # Each DeepSpeed-only key, and what to use under train.backend fsdp2 instead (the refusal's second half).
 FSDP2_EQUIVALENT = {
@@ -28,13 +28,7 @@ FSDP2_EQUIVALENT = {
     "zero.max_live_parameters": "FSDP2 keeps one wrapped layer gathered at a time: remove it",
     "zero.max_reuse_distance": "FSDP2 has no such setting: remove it",
 }
-FSDP_KEYS = (
-    "fsdp.reshard_after_forward",
-    "fsdp.offload_params",
-    "fsdp.transformer_layer_cls",
-    "fsdp.state_dict_type",
-    "fsdp.cpu_ram_efficient_loading",
-)
+FSDP_KEYS = tuple(f"fsdp.{name}" for name in SECTION_BY_NAME["fsdp"].names)
 
 
 def backend_problems(values: Mapping[str, Any], explicit: Collection[str]) -> list[tuple[str, str]]:
@@ -43,7 +37,7 @@ def backend_problems(values: Mapping[str, Any], explicit: Collection[str]) -> li
     full recipe, such as ``ftkit import`` writes, lists every key)."""
     out: list[tuple[str, str]] = []
 
-    def changed(key: str) -> bool:  # set to something other than its default (a full recipe lists every key)
+    def changed(key: str) -> bool:
         return key in explicit and values[key] != FIELD_BY_KEY[key].default
 
     if values["train.backend"] == "deepspeed":

@@ -21,7 +21,8 @@ from ftkit.plan.plan import Plan
 
 
 def accelerate_dict(plan: Plan, ds_config_path: str | None, machine_rank: int = 0) -> dict[str, Any]:
-    if plan.recipe.train.backend == "fsdp2":
+    fsdp2 = plan.recipe.train.backend == "fsdp2"
+    if fsdp2:
         sharding: dict[str, Any] = {
             "distributed_type": "FSDP",
             "downcast_bf16": "no",
@@ -41,7 +42,7 @@ def accelerate_dict(plan: Plan, ds_config_path: str | None, machine_rank: int = 
         "main_process_ip": plan.master_addr,
         "main_process_port": plan.master_port,
         "main_training_function": "main",
-        **({"mixed_precision": plan.knobs["mixed_precision"].value} if "fsdp_config" in sharding else {}),
+        **({"mixed_precision": plan.knobs["mixed_precision"].value} if fsdp2 else {}),
         "num_machines": plan.num_nodes,
         "num_processes": plan.world_size,
         "rdzv_backend": "static",

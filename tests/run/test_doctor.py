@@ -302,9 +302,11 @@ def test_the_launchs_preflight_removes_the_lock_a_killed_rank_of_the_run_left(tm
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
     lock = tmp_path / "ext" / "deepspeed_shm_comm" / "lock"
     rank = holding_rank(records, lock)
-    assert read_until(rank, "held")[-1] == "held"
-    rank.send_signal(signal.SIGKILL)
-    rank.wait(timeout=30)
+    try:
+        assert read_until(rank, "held")[-1] == "held"
+    finally:
+        rank.send_signal(signal.SIGKILL)
+        rank.wait(timeout=30)
     assert lock.exists()
     report = cheap_checks(plan, [], env=env)
     assert f"host localhost: removed {lock}: a build lock a killed rank of this run left" in report.checks

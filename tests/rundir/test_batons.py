@@ -23,10 +23,12 @@ def _killed(proc: subprocess.Popen) -> None:
 def test_a_lock_a_killed_rank_left_is_removed_by_the_next_ranks_start_up(tmp_path: Path) -> None:
     records, lock = tmp_path / "run" / "ftkit" / "batons", tmp_path / "ext" / "cpu_adam" / "lock"
     first = holding_rank(records, lock)
-    assert read_until(first, "held")[-1] == "held"
-    (rec,) = records.iterdir()
-    assert json.loads(rec.read_text())["lock"] == str(lock)
-    _killed(first)
+    try:
+        assert read_until(first, "held")[-1] == "held"
+        (rec,) = records.iterdir()
+        assert json.loads(rec.read_text())["lock"] == str(lock)
+    finally:
+        _killed(first)
     assert lock.exists()  # torch removes it only in a `finally` the SIGKILL never ran
 
     second = holding_rank(records, lock)
