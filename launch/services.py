@@ -46,15 +46,7 @@ from ftkit.checkpoint.commit import manifest_part, write_commit
 from ftkit.checkpoint.directory import record_save_begun, rotate
 from ftkit.checkpoint.tiers import for_node
 from ftkit.errors import ExitCode, FtkitError
-from ftkit.launch.callback import (
-    COMPUTE_EWMA,
-    Trackers,
-    apply_resume_overrides,
-    atomic_mlflow_run_info,
-    callback_class,
-    guard_trackers,
-    install_train_guard,
-)
+from ftkit.launch.callback import COMPUTE_EWMA, apply_resume_overrides, callback_class, install_train_guard
 from ftkit.launch.rank import (
     Fault,
     RankContext,
@@ -67,6 +59,7 @@ from ftkit.launch.rank import (
     skip_final_collection,
 )
 from ftkit.launch.tier import local_tier
+from ftkit.launch.trackers import Trackers, atomic_mlflow_run_info, guard_trackers
 from ftkit.launch.watchdog import SupervisorWatchdog, remove_own_shm
 from ftkit.rundir.env import ATTEMPT_ENV, FAULT_ENV, RESUME_ENV, RUN_DIR_ENV
 from ftkit.rundir.layout import STOP_FILE, RunDir, append_jsonl, atomic_write, tensorboard_dir

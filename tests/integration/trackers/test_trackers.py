@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from ftkit.launch.trackers import wandb_records
 from tests.helpers.paths import SCRIPTS
 from tests.helpers.runs import assert_no_process_left, mp_lock, named, write_recipe
-from tests.helpers.trackers import wandb_records
 
 pytestmark = pytest.mark.slow
 STEPS, SAVE = 4, 2
@@ -71,7 +71,7 @@ def _check(r: subprocess.CompletedProcess, run: Path, tmp_path: Path) -> None:
     assert len(dirs) == 2, dirs
     run_ids, steps, summaries = set(), [], {}
     for d in dirs:
-        for rec in wandb_records(glob.glob(f"{d}/run-*.wandb")[0]):
+        for rec in wandb_records(Path(glob.glob(f"{d}/run-*.wandb")[0])):
             kind = rec.WhichOneof("record_type")
             if kind == "run":
                 run_ids.add(rec.run.run_id)
