@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftkit.cluster.procs import proc_start_time
 from ftkit.errors import FtkitError
@@ -31,6 +31,9 @@ from ftkit.rundir.batons import release_dead
 from ftkit.rundir.env import ENV_ALLOW, NODE_ENV, SECRET
 from ftkit.rundir.layout import STOP_FILE, RunDir, atomic_write
 from ftkit.rundir.spec import RunSpec
+
+if TYPE_CHECKING:
+    from ftkit.rundir.records import ErrorRecord, Heartbeat, PidRecord
 
 
 def _env_int(*names: str, default: int = 0) -> int:
@@ -71,10 +74,12 @@ class RankContext:
         self.started_at_step: int | None = None  # the global step training began at in this attempt (resume proof)
         self.committed: int | None = None  # the newest step committed in this attempt (heartbeats carry it)
 
-    def heartbeat(self, phase: str, step: int | None = None, **extra: Any) -> None:
+    def heartbeat(self, phase: str, step: int | None = None, committed: int | None = None) -> None:
+        """Rewrite this rank's heartbeat. COMMITTED: a step this rank just saw committed (every later beat carries
+        the newest)."""
         if phase == "train":
             resume_full_collections()
-        rec = {
+        rec: Heartbeat = {
             "rank": self.rank,
             "attempt": self.attempt,
             "phase": phase,
@@ -90,10 +95,9 @@ class RankContext:
             "trainer": self.trainer_built,
             "loop": self.loop_api,
             "started_at_step": self.started_at_step,
-            **extra,
         }
-        if isinstance(extra.get("committed"), int):
-            self.committed = extra["committed"]
+        if committed is not None:
+            self.committed = committed
         rec["committed"] = self.committed  # the newest step this rank saw committed (any tier): in every heartbeat
         atomic_write(self.rd.heartbeat(self.rank), json.dumps(rec), fsync=False)
 
@@ -109,7 +113,7 @@ class RankContext:
             for k, v in sorted(os.environ.items())
             if any(fnmatch.fnmatchcase(k, pat) for pat in ENV_ALLOW) and not SECRET.search(k) and k != "PATH"
         }
-        rec = {
+        rec: PidRecord = {
             "rank": self.rank,
             "local_rank": self.local_rank,
             "node_rank": self.node_rank,
@@ -131,15 +135,24 @@ class RankContext:
         }
         atomic_write(self.rd.pid_file(self.attempt, self.rank), json.dumps(rec), fsync=False)
 
-    def record_error(self, err: FtkitError, **extra: Any) -> None:
-        rec = {
+    def record_error(
+        self, err: FtkitError, step: int | None = None, repeats: bool = False, traceback: list[str] | None = None
+    ) -> None:
+        """Report a user error to the supervisor. STEP: the step it happened after; REPEATS: a restart would meet
+        it again; TRACEBACK: the script's own last lines."""
+        rec: ErrorRecord = {
             "rank": self.rank,
             "host": self.host,
             "kind": type(err).__name__,
             "lines": err.lines(),
             "exit_code": err.exit_code,
-            **extra,
         }
+        if step is not None:
+            rec["step"] = step
+        if repeats:
+            rec["repeats"] = repeats
+        if traceback is not None:
+            rec["traceback"] = traceback
         atomic_write(self.rd.error_file(self.attempt, self.rank), json.dumps(rec))
 
 

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ftkit.cluster.hosts import is_local
 from ftkit.cluster.procs import (
@@ -48,6 +48,9 @@ from ftkit.cluster.procs import (
 from ftkit.errors import ExitCode, Problem, RunBusy, UserError, os_error
 from ftkit.rundir.layout import RunDir, atomic_write
 from ftkit.rundir.owner import HEARTBEAT_S, Owner, read_owner
+
+if TYPE_CHECKING:
+    from ftkit.rundir.records import PidRecord
 
 ORPHAN_POLL_S = 1.0  # how often a relaunch looks whether a dead supervisor's ranks have stopped
 WAIT_SLACK_S = 30.0  # on top of the ranks' own bound: their watchdog's poll, the engine agents' teardown
@@ -70,7 +73,7 @@ class Leftovers:
     """What of a run's newest attempt still runs: rank pid records (remote ones included: they cannot be checked
     without ssh, and teardown handles them) and the engine launcher groups ftkit spawned on this machine."""
 
-    records: list[dict[str, Any]] = field(default_factory=list)
+    records: list[PidRecord] = field(default_factory=list)
     groups: list[int] = field(default_factory=list)
 
     def __bool__(self) -> bool:
@@ -103,7 +106,7 @@ def leftovers(rd: RunDir, ssh_args: list[str] | None = None) -> Leftovers:
     out = Leftovers()
     if attempt < 0:
         return out
-    remote: dict[str, list[dict[str, Any]]] = {}
+    remote: dict[str, list[PidRecord]] = {}
     for rec in rd.records("pids", attempt):
         try:
             if is_local(str(rec["host"])):
@@ -144,7 +147,7 @@ class Ownership:
     _fd: int | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
-    taken_over: list[dict[str, Any]] = field(default_factory=list)
+    taken_over: list[PidRecord] = field(default_factory=list)
 
     @property
     def owner_path(self) -> Path:

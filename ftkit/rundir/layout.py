@@ -24,7 +24,10 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, cast, overload
+
+if TYPE_CHECKING:
+    from ftkit.rundir.records import AgentRecord, ErrorRecord, Heartbeat, PidRecord
 
 NEARLY_FULL = 16 * 1024 * 1024  # free bytes below which a failed write is taken for a full disk
 STOP_FILE = "stop.json"  # in RUN/ftkit/: the supervisor's save-and-stop request to every rank of an attempt
@@ -100,7 +103,7 @@ class RunDir:
     def read_spec(self) -> dict[str, Any]:
         return json.loads(self.spec.read_text())
 
-    def heartbeats(self) -> list[dict[str, Any]]:
+    def heartbeats(self) -> list[Heartbeat]:
         """Every rank's latest heartbeat (``ftkit/heartbeat/rank-R.json``), read once per supervisor poll.
 
         A file whose (inode, size, mtime, ctime) did not change since this RunDir's previous call is not read
@@ -109,9 +112,9 @@ class RunDir:
         timestamps are only compared with themselves, never with a clock: the supervisor times changes on its
         own monotonic clock, as file times from other hosts (or an NFS server) cannot be trusted.
         """
-        cache: dict[str, tuple[tuple[int, ...], dict[str, Any]]] = getattr(self, "_heartbeat_cache", {})
-        seen: dict[str, tuple[tuple[int, ...], dict[str, Any]]] = {}
-        out: list[dict[str, Any]] = []
+        cache: dict[str, tuple[tuple[int, ...], Heartbeat]] = getattr(self, "_heartbeat_cache", {})
+        seen: dict[str, tuple[tuple[int, ...], Heartbeat]] = {}
+        out: list[Heartbeat] = []
         try:
             with os.scandir(self.heartbeat_dir) as it:
                 entries = sorted(
@@ -127,22 +130,34 @@ class RunDir:
                 rec = hit[1] if hit is not None and hit[0] == key else json.loads(_read_bytes(e.path))
             except (OSError, ValueError):
                 continue  # being replaced right now; the next poll reads it
-            seen[e.name] = (key, rec)
-            out.append(dict(rec))  # a copy: a caller changing it must not change the cache
+            if not isinstance(rec, dict):
+                continue
+            beat = cast("Heartbeat", rec)
+            seen[e.name] = (key, beat)
+            out.append(cast("Heartbeat", dict(beat)))  # a copy: a caller changing it must not change the cache
         self._heartbeat_cache = seen
         return out
 
-    def records(self, kind: str, attempt: int) -> list[dict[str, Any]]:
+    @overload
+    def records(self, kind: Literal["pids"], attempt: int) -> list[PidRecord]: ...
+    @overload
+    def records(self, kind: Literal["errors"], attempt: int) -> list[ErrorRecord]: ...
+    @overload
+    def records(self, kind: Literal["agents"], attempt: int) -> list[AgentRecord]: ...
+
+    def records(self, kind: str, attempt: int) -> list[Any]:
         """The pid or error records of one attempt (kind: 'pids' or 'errors'), or its nodes' checkpoint agents
-        ('agents': ``agent-<host>.json``, :mod:`ftkit.launch.tier`)."""
+        ('agents': ``agent-<host>.json``, :mod:`ftkit.launch.tier`); a file that is not a JSON object is skipped."""
         out = []
         d = self.attempt_dir(attempt) / kind
         if d.is_dir():
             for p in sorted(d.glob("agent-*.json" if kind == "agents" else "rank-*.json")):
                 try:
-                    out.append(json.loads(p.read_text()))
+                    rec = json.loads(p.read_text())
                 except (OSError, ValueError):
                     continue
+                if isinstance(rec, dict):
+                    out.append(rec)
         return out
 
 

@@ -26,7 +26,7 @@ import json
 import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftkit.cluster.buildlocks import loading_hint
 from ftkit.cluster.procs import exit_meaning
@@ -34,6 +34,9 @@ from ftkit.rundir.layout import RunDir
 from ftkit.supervise.fidelity import FidelityCheck
 from ftkit.supervise.progress import MetricsTail, Progress
 from ftkit.supervise.stragglers import StragglerReport, StragglerWatch, hosts_by_rank
+
+if TYPE_CHECKING:
+    from ftkit.rundir.records import Heartbeat
 
 
 class Observer:
@@ -67,7 +70,7 @@ class Observer:
         self.fidelity = fidelity
         self._hosts = {}
 
-    def poll(self, attempt: int, heartbeats: list[dict[str, Any]], now: float, phases: Mapping[int, Any]) -> str | None:
+    def poll(self, attempt: int, heartbeats: list[Heartbeat], now: float, phases: Mapping[int, Any]) -> str | None:
         """One look; returns why the run must stop (recomputed steps disagree with the logged ones), or None."""
         mismatch = self._metrics(attempt)
         self._args_changes(attempt)
@@ -209,5 +212,5 @@ def root_cause(log: Path) -> str:
     return f"; root cause: rank {m.group(1)} {exit_meaning(int(m.group(2)))}"
 
 
-def heartbeats_of(hbs: Iterable[dict[str, Any]], attempt: int) -> list[dict[str, Any]]:
+def heartbeats_of(hbs: Iterable[Heartbeat], attempt: int) -> list[Heartbeat]:
     return [hb for hb in hbs if hb.get("attempt") == attempt]

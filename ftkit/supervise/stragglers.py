@@ -31,9 +31,12 @@ import os
 import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftkit.rundir.layout import RunDir
+
+if TYPE_CHECKING:
+    from ftkit.rundir.records import Heartbeat
 
 SLOW_FACTOR = 1.5  # a host this many times slower than the other hosts' median is a straggler
 MIN_STEPS = 10  # steps every rank of a host must have measured before it is judged
@@ -117,7 +120,7 @@ def _int(x: Any) -> int | None:
 
 
 def score(
-    heartbeats: Iterable[dict[str, Any]],
+    heartbeats: Iterable[Heartbeat],
     hosts_by_rank: dict[int, str] | None = None,
     *,
     attempt: int | None = None,
@@ -215,9 +218,7 @@ class StragglerWatch:
         self.report: StragglerReport | None = None
         self._announced: set[tuple[int | None, str]] = set()
 
-    def check(
-        self, heartbeats: Iterable[dict[str, Any]], hosts: dict[int, str] | None, attempt: int | None
-    ) -> list[str]:
+    def check(self, heartbeats: Iterable[Heartbeat], hosts: dict[int, str] | None, attempt: int | None) -> list[str]:
         self.report = score(heartbeats, hosts, attempt=attempt, slow_factor=self.slow_factor)
         out = []
         for h in self.report.stragglers:

@@ -56,6 +56,7 @@ from ftkit.supervise.tiers import Agents, TierChoice, choose_tier, discard_stale
 
 if TYPE_CHECKING:
     from ftkit.plan.plan import Plan
+    from ftkit.rundir.records import ErrorRecord, Heartbeat
 
 # A closed terminal (SIGHUP) is handled like SIGTERM; SIGUSR1 is Slurm's advance notice (--signal=B:USR1@T).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
@@ -156,7 +157,7 @@ class Supervisor:
         self._exclude: list[str] = []  # stragglers a graceful stop is leaving out (resilience.exclude_stragglers)
         self._unwatched = False  # this attempt's script built no Trainer and calls no ftkit.hf.step(): not restarted
         self._resumed_from: tuple[int | None, str] | None = None  # (step, checkpoint name) this attempt resumed from
-        self._beats: list[dict[str, Any]] = []  # the newest poll's heartbeats of the running attempt
+        self._beats: list[Heartbeat] = []  # the newest poll's heartbeats of the running attempt
         self._peer_step: int | None = None  # the step the survivors assembled from peer copies for this attempt
         self.reports: Any = (
             None  # refreshes RUN/report.html after each attempt (ftkit.report.ReportRefresher; the launch sets it)
@@ -294,7 +295,7 @@ class Supervisor:
                 return Failure(found[0], found[1], step=self._step(attempt))
             time.sleep(self.poll_s)
 
-    def _error_failure(self, errors: list[dict[str, Any]], attempt: int) -> Failure:
+    def _error_failure(self, errors: list[ErrorRecord], attempt: int) -> Failure:
         lines = [str(line) for e in errors for line in (e.get("lines") or [])]
         lines = sorted(set(lines), key=lines.index)
         if any(e.get("exit_code") == ExitCode.NO_SPACE for e in errors):
@@ -655,7 +656,7 @@ class Supervisor:
 
     # ------------------------------------------------------------------------------------------------ graceful stop
 
-    def _stopping(self, attempt: int, beats: list[dict[str, Any]]) -> Failure | None:
+    def _stopping(self, attempt: int, beats: list[Heartbeat]) -> Failure | None:
         """Called every poll once a stop is requested: ask the ranks (once), then bound the wait. Only when no rank
         has begun training (still starting or loading: no step can have completed) does it stop at once."""
         name = signal.Signals(self.stop_requested).name if self.stop_requested else "straggler"
@@ -723,7 +724,7 @@ UNWATCHED = (
 UNWATCHED_END = "it built no HF Trainer and called no ftkit.hf.step(), so ftkit could not watch it or commit a model"
 
 
-def not_resumed(beats: list[dict[str, Any]], resumed_from: tuple[int | None, str] | None) -> str | None:
+def not_resumed(beats: list[Heartbeat], resumed_from: tuple[int | None, str] | None) -> str | None:
     """One line when a rank of an attempt ftkit resumed from checkpoint K began training before step K (its
     heartbeat's ``started_at_step``, or a step it trained): it retrains from scratch and would pass for a resume."""
     if resumed_from is None:
@@ -745,7 +746,7 @@ def not_resumed(beats: list[dict[str, Any]], resumed_from: tuple[int | None, str
     return None
 
 
-def unwatchable(beats: list[dict[str, Any]], world_size: int) -> bool:
+def unwatchable(beats: list[Heartbeat], world_size: int) -> bool:
     """Every rank runs under the import hook, and none built an HF Trainer or called ftkit.hf.step(): a script
     ftkit can see start but never step (a plain PyTorch or Accelerate loop). Such a rank is healthy, not hung."""
     return len(beats) >= world_size and all(
