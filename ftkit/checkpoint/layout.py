@@ -1,12 +1,13 @@
-"""What a checkpoint directory holds, by name: HF Trainer + DeepSpeed's files, which rank writes which, the commit
-record's name and format, DeepSpeed's ``latest`` tag, and the structural check of a checkpoint without a record.
-Standard library only (the supervisor on the head node and every rank import it)."""
+"""What a checkpoint directory holds, by name: HF Trainer + DeepSpeed's (or FSDP2's DCP) files, which rank writes
+which, the commit record's name and format, DeepSpeed's ``latest`` tag, and the structural check of a checkpoint
+without a record. Standard library only (the supervisor on the head node and every rank import it)."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,15 @@ _ACCELERATE_RNG_RE = re.compile(r"^random_states_(\d+)\.pkl$")  # Accelerator.sa
 
 
 _OFFLOAD_RANK_RE = re.compile(r"^rank(\d+)$")  # global_stepN/offloaded_tensors/rank00/ (NVMe offload)
+
+
+_DCP_RANK_RE = re.compile(r"^__(\d+)_\d+\.distcp$")  # torch.distributed.checkpoint: each rank's own files
+
+
+DCP_METADATA = ".metadata"  # written by DCP's coordinator (rank 0) once every rank's files are written
+
+
+_DCP_DIR_RE = re.compile(r"^(pytorch_model_fsdp|optimizer)_\d+$")  # HF Trainer's FSDP sharded state dicts
 
 
 _TAG_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -108,19 +118,45 @@ def per_rank(rel: str) -> int | None:
         return int(m.group(1))
     if m := _ZERO_RANK_RE.search(name):
         return int(m.group(1))
+    if len(parts) > 1 and (m := _DCP_RANK_RE.match(name)):
+        return int(m.group(1))
     for i, comp in enumerate(parts[:-2]):
         if comp == "offloaded_tensors" and (m := _OFFLOAD_RANK_RE.match(parts[i + 1])):
             return int(m.group(1))
     return None
 
 
+_WEIGHTS_RE = re.compile(r"\.(safetensors|bin|pt|pth|ckpt|gguf)$")  # tensors, in the formats models are saved in
+
+
+def model_weights(directory: str | os.PathLike[str]) -> list[str]:
+    """The weight files a saved model directory holds (``model.safetensors`` and its shards, ``pytorch_model.bin``,
+    ``adapter_model.safetensors``, a custom loop's ``model.pt``, ...; not HF's ``training_args.bin``); [] when
+    none: a save that wrote only the tokenizer and config."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(n for n in names if _WEIGHTS_RE.search(n) and n != "training_args.bin")
+
+
+def reshards(files: Iterable[str]) -> bool:
+    """Whether a checkpoint of these files (relative paths) loads on any world size: FSDP2's DCP state dicts do
+    (torch.distributed.checkpoint reshards on load); DeepSpeed's ZeRO shards need the same world size (or a universal
+    conversion)."""
+    return any(
+        "/" in rel and rel.split("/", 1)[1] == DCP_METADATA and _DCP_DIR_RE.match(rel.split("/", 1)[0]) for rel in files
+    )
+
+
 def files_owned_by_rank(ckpt_dir: str | os.PathLike[str], rank: int, world_size: int) -> list[str]:
     """The files ``rank`` checksums: the ones it wrote, so the cost is spread like the save itself.
 
-    ``zero_pp_rank_{r}_...`` (ZeRO shards), ``rng_state_{r}.pth`` and NVMe ``offloaded_tensors/rank{r}/``
-    belong to rank r; everything else (model weights, ``latest``, ``mp_rank_00_model_states.pt``, scheduler,
-    ``trainer_state.json``, ...) to rank 0. A file naming a rank >= ``world_size`` belongs to nobody: it is a
-    leftover from a run with more ranks, and :func:`write_commit` then refuses because it is not covered.
+    ``zero_pp_rank_{r}_...`` (ZeRO shards), ``__{r}_N.distcp`` (FSDP2's DCP shards), ``rng_state_{r}.pth`` and NVMe
+    ``offloaded_tensors/rank{r}/`` belong to rank r; everything else (model weights, ``latest``,
+    ``mp_rank_00_model_states.pt``, DCP's ``.metadata``, scheduler, ``trainer_state.json``, ...) to rank 0. A file
+    naming a rank >= ``world_size`` belongs to nobody: it is a leftover from a run with more ranks, and
+    :func:`write_commit` then refuses because it is not covered.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world size {world_size}")
@@ -169,6 +205,7 @@ class _Structure:
     tag: str | None = None
     world_size: int | None = None  # inferred from DeepSpeed's optimizer shards, when there are any
     stage3: bool | None = None  # zero_pp_rank_*_model_states.pt exist only at stage 3
+    reshards: bool = False  # DCP (FSDP2's sharded state dicts): loads on any world size, no conversion
 
 
 def _read_tag(ckpt: Path) -> tuple[str | None, str | None]:
@@ -221,6 +258,24 @@ def _structure(ckpt: Path, *, stage: int | None, expect_step: int | None) -> _St
     has_single_rng = "rng_state.pth" in top
     tag_dirs = sorted(p.name for p in ckpt.glob("global_step*") if p.is_dir())
 
+    dcp_dirs = sorted({rel.split("/", 1)[0] for rel in files if "/" in rel and _DCP_DIR_RE.match(rel.split("/")[0])})
+    if dcp_dirs:
+        st.reshards = True
+        ranks: set[int] = set()
+        for d in dcp_dirs:
+            names = [rel[len(d) + 1 :] for rel in files if rel.startswith(d + "/")]
+            if DCP_METADATA not in names:
+                st.problem = f"{d}/{DCP_METADATA} missing (the sharded save did not finish)"
+                return st
+            shard_ranks = sorted({int(m.group(1)) for n in names if (m := _DCP_RANK_RE.match(n))})
+            if shard_ranks != list(range(len(shard_ranks))) or (ranks and set(shard_ranks) != ranks):
+                st.problem = f"{d}/ has shards of ranks {shard_ranks}, expected 0..{max(len(ranks), 1) - 1}"
+                return st
+            ranks = set(shard_ranks)
+        st.problem = _rng_problem(
+            rng_ranks, has_single_rng, len(ranks), f"{dcp_dirs[0]}/ has shards of {len(ranks)} ranks"
+        )
+        return st
     if (ckpt / LATEST).exists():
         tag, problem = _read_tag(ckpt)
         if problem or tag is None:

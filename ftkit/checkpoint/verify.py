@@ -27,6 +27,7 @@ from ftkit.checkpoint.layout import (
     _read_tag,
     _structure,
     read_commit,
+    reshards,
 )
 
 
@@ -130,6 +131,8 @@ def _verify(
             return verdict(False, False, VerdictKind.NO_COMMIT, f"no commit record: the save did not finish ({why})")
         if structure.problem:
             return verdict(False, False, VerdictKind.STRUCTURE, structure.problem)
+        if structure.reshards:
+            world_size = stage = None  # DCP loads on any world size and either FSDP2 resharding choice
         if world_size is not None and structure.world_size is not None and structure.world_size != world_size:
             return verdict(
                 False,
@@ -216,6 +219,8 @@ def _verify_committed(
                     False, True, VerdictKind.TORN, f"{rel} checksum {actual_sum} != commit record {expected}", step=step
                 )
 
+    if reshards(entries):
+        world_size = stage = None  # DCP loads on any world size and either FSDP2 resharding choice
     if world_size is not None and rec_world != world_size:
         return verdict(
             False,

@@ -16,7 +16,7 @@ is read from the directory and its commit record:
                (``universal=True``): its files were written after the commit, so only the ZeRO shards are covered by the
                record.
 ``hf``         no DeepSpeed shards: the model files HF Trainer wrote (``final/``, or a run without DeepSpeed).
-``fsdp``       a ``torch.distributed.checkpoint`` directory (FSDP2): refused until ftkit has that backend.
+``fsdp``       a ``torch.distributed.checkpoint`` directory (FSDP2): refused (the run's ``final/`` is HF files).
 
 A LoRA run is recognised by ``adapter_config.json`` in the source (HF Trainer saves the adapter there).
 """
@@ -180,8 +180,8 @@ def _layout(
         # The place for FSDP2: read the DCP shards per tensor (torch.distributed.checkpoint's metadata has the
         # chunks) into weights.Entry readers, like the ZeRO readers do.
         raise ExportRefused(
-            f"{name}: an FSDP2 (torch.distributed.checkpoint) checkpoint: ftkit export reads those once ftkit's FSDP2 "
-            "backend lands"
+            f"{name}: an FSDP2 (torch.distributed.checkpoint) checkpoint: ftkit export does not read those yet; "
+            "export the run's final/ (an FSDP2 run writes it as HF files)"
         )
     adapter = _read_json(path / ADAPTER_CONFIG) if (path / ADAPTER_CONFIG).is_file() else None
     stage = record.get("stage")

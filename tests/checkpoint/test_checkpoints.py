@@ -19,9 +19,9 @@ from ftkit.checkpoint import directory as ck
 from ftkit.checkpoint.checksums import DEFAULT_SPEC, SampleSpec, blake2b_checksum, full_checksum, sampled_checksum
 from ftkit.checkpoint.commit import CommitError, manifest_part, write_commit
 from ftkit.checkpoint.directory import list_checkpoints, list_set_aside, rotate, select_resume, set_aside_newer
-from ftkit.checkpoint.layout import COMMIT_FILE, SAVES_DIR, files_owned_by_rank
+from ftkit.checkpoint.layout import COMMIT_FILE, SAVES_DIR, files_owned_by_rank, model_weights, reshards
 from ftkit.checkpoint.verify import VerdictKind, verify
-from tests.helpers.ckpt import MiB, commit, flip_byte, make_ckpt
+from tests.helpers.ckpt import MiB, commit, flip_byte, make_ckpt, make_dcp_ckpt
 
 # ---------------------------------------------------------------------------------------------- commit
 
@@ -428,6 +428,57 @@ def test_world_size_and_stage_mismatch_are_distinct_kinds(tmp_path: Path) -> Non
     make_ckpt(tmp_path, 30, world_size=2)
     v = verify(tmp_path / "checkpoint-30", require_commit=False, world_size=3)
     assert v.kind == VerdictKind.WORLD_SIZE_MISMATCH and "saved by 2 ranks" in v.reason
+
+
+def test_fsdp2_dcp_shards_belong_to_their_rank_and_verify_on_any_world_size(tmp_path: Path) -> None:
+    """FSDP2's DCP checkpoints: each rank checksums its own ``__R_0.distcp`` (rank 0 the ``.metadata``); committed,
+    they verify on another world size and either FSDP2 resharding choice (DCP reshards on load: no conversion)."""
+    ckpt = make_dcp_ckpt(tmp_path, 8)
+    assert files_owned_by_rank(ckpt, 1, 2) == [
+        "optimizer_0/__1_0.distcp",
+        "pytorch_model_fsdp_0/__1_0.distcp",
+        "rng_state_1.pth",
+    ]
+    assert "pytorch_model_fsdp_0/.metadata" in files_owned_by_rank(ckpt, 0, 2)
+    commit(ckpt, stage=3)
+    assert reshards(json.loads((ckpt / COMMIT_FILE).read_text())["files"])
+    for world_size, stage in ((1, 3), (4, 2), (2, 3)):
+        v = verify(ckpt, world_size=world_size, stage=stage)
+        assert v.ok and v.kind == VerdictKind.OK, (world_size, stage, v.reason)
+    sel = select_resume(tmp_path, world_size=1, stage=3)
+    assert sel.chosen == ckpt and not sel.incompatible
+    # a ZeRO checkpoint still needs its own world size
+    assert not reshards(json.loads(commit(make_ckpt(tmp_path, 4)).read_text())["files"])
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (lambda c: (c / "optimizer_0/.metadata").unlink(), "optimizer_0/.metadata missing"),
+        (lambda c: (c / "pytorch_model_fsdp_0/__1_0.distcp").unlink(), "pytorch_model_fsdp_0/ has shards of ranks [0]"),
+        (lambda c: (c / "rng_state_1.pth").unlink(), "rng_state_1.pth missing"),
+    ],
+)
+def test_a_torn_dcp_checkpoint_fails_the_structural_check(tmp_path: Path, damage, reason: str) -> None:
+    ckpt = make_dcp_ckpt(tmp_path, 8)
+    assert verify(ckpt, require_commit=False, world_size=1).ok  # uncommitted, whole: loadable on any world size
+    damage(ckpt)
+    v = verify(ckpt, require_commit=False)
+    assert not v.ok and reason in v.reason, v.reason
+    with pytest.raises(CommitError, match="structur|missing|shards"):
+        commit(ckpt, stage=3)
+
+
+def test_model_weights_are_what_from_pretrained_or_a_custom_loop_reads(tmp_path: Path) -> None:
+    """A final model directory without weights (HF's save_model under FSDP's sharded state dict writes only the
+    config and tokenizer) is told apart from one with them."""
+    for name in ("config.json", "tokenizer.json", "training_args.bin"):
+        (tmp_path / name).write_text("{}")
+    assert model_weights(tmp_path) == []
+    for name in ("model-00001-of-00002.safetensors", "adapter_model.safetensors", "model.pt"):
+        (tmp_path / name).write_bytes(b"x")
+        assert name in model_weights(tmp_path)
+    assert model_weights(tmp_path / "missing") == []
 
 
 def test_set_aside_newer_moves_rejected_checkpoints(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from ftkit.errors import ExitCode
 from ftkit.rundir.spec import DataSpec, RunSpec
-from tests.helpers.ckpt import commit, flip_byte, make_ckpt, staging_left, tree
+from tests.helpers.ckpt import commit, flip_byte, make_ckpt, make_dcp_ckpt, staging_left, tree
 from tests.helpers.runs import ftkit
 
 HEAVY = ("torch", "deepspeed", "transformers", "accelerate", "peft", "safetensors")
@@ -103,15 +103,11 @@ def test_latest_with_nothing_committed_names_the_reason(synthetic: Path, tmp_pat
 
 def test_fsdp_checkpoint_is_refused_in_one_line(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    ckpt = run / "checkpoint-3"
-    (ckpt / "pytorch_model_fsdp_0").mkdir(parents=True)
-    (ckpt / "pytorch_model_fsdp_0" / "__0_0.distcp").write_bytes(b"x" * 64)
-    (ckpt / "pytorch_model_fsdp_0" / ".metadata").write_bytes(b"m" * 16)
-    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 3}))
+    ckpt = make_dcp_ckpt(run, 3, world_size=1)
     commit(ckpt, world_size=1, stage=None)
     _spec(run)
     r = run_cli(str(run), "--checkpoint", "3", "-o", str(tmp_path / "o"))
-    assert r.returncode == ExitCode.NO_CHECKPOINT and "FSDP2" in r.stderr, r.stderr
+    assert r.returncode == ExitCode.NO_CHECKPOINT and "FSDP2" in r.stderr and "export the run's final/" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
 

@@ -1,5 +1,5 @@
-"""Synthetic checkpoints: trees laid out as HF Trainer + DeepSpeed write them (small deterministic payloads, no
-torch), ftkit's commit record over them, damage, and a snapshot of a directory to prove it untouched."""
+"""Synthetic checkpoints: trees laid out as HF Trainer + DeepSpeed (or FSDP2) write them (small deterministic
+payloads, no torch), ftkit's commit record over them, damage, and a snapshot of a directory to prove it untouched."""
 
 from __future__ import annotations
 
@@ -54,6 +54,22 @@ def make_ckpt(
             put(f"rng_state_{r}.pth", 90, 10 + r)
     put("scheduler.pt", 64, 20)
     put("training_args.bin", 64, 21)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": []}))
+    return ckpt
+
+
+def make_dcp_ckpt(out: Path, step: int, *, world_size: int = 2) -> Path:
+    """A checkpoint-<step>/ laid out like HF Trainer writes it under FSDP2's sharded state dict: a DCP directory each
+    for the model and the optimizer (one ``__R_0.distcp`` per rank, ``.metadata`` from rank 0), RNG per rank."""
+    ckpt = out / f"checkpoint-{step}"
+    for d in ("pytorch_model_fsdp_0", "optimizer_0"):
+        (ckpt / d).mkdir(parents=True)
+        (ckpt / d / ".metadata").write_bytes(bytes(range(64)) * 4)
+        for r in range(world_size):
+            (ckpt / d / f"__{r}_0.distcp").write_bytes(bytes((i + r + step) % 251 for i in range(700 + r)))
+    for r in range(world_size):
+        (ckpt / (f"rng_state_{r}.pth" if world_size > 1 else "rng_state.pth")).write_bytes(b"r" * (90 + r))
+    (ckpt / "scheduler.pt").write_bytes(b"s" * 64)
     (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": []}))
     return ckpt
 
