@@ -123,6 +123,11 @@ class SaveWroteNothing(ScriptFailed):
     every save would do the same, so a restart cannot help (exit 14 at once, whatever the step)."""
 
 
+class FsdpNotOn(ScriptFailed):
+    """``train.backend: fsdp2`` but the model's parameters are not DTensors: Accelerate ran plain data parallel.
+    Every restart would do the same (exit 14 at once)."""
+
+
 class ExportMismatch(FtkitError):
     """ftkit export: the written model does not give the checkpoint's logits (nothing was put in place)."""
 

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 from ftkit.checkpoint.commit import manifest_part, write_commit
 from ftkit.checkpoint.directory import record_save_begun, rotate
-from ftkit.errors import ExitCode, SaveWroteNothing
+from ftkit.errors import ExitCode, FsdpNotOn, SaveWroteNothing
+from ftkit.launch.rank import Fault, fsdp2_proof
 from ftkit.rundir.layout import append_jsonl
 from ftkit.rundir.spec import RANK_APPLIED
 
 if TYPE_CHECKING:
-    from ftkit.launch.rank import Fault
     from ftkit.launch.services import _Rank
 
 COMPUTE_EWMA = 0.2  # weight of the newest step in the per-rank compute-time average
@@ -62,6 +62,8 @@ def callback_class() -> Any:
             if self.r.resume and overrides:  # after the checkpoint's optimizer and scheduler state were loaded
                 for line in apply_resume_overrides(overrides, kw.get("optimizer"), kw.get("lr_scheduler")):
                     print(f"ftkit: resume override {line}", flush=True)
+            if self.spec.backend == "fsdp2":
+                self._prove_fsdp2(kw.get("model"), state.global_step)
             self._hook_forward(kw.get("model"))
             self.ctx.started_at_step = state.global_step  # in every heartbeat from now on: the resume proof
             self.ctx.heartbeat("train", state.global_step)
@@ -201,6 +203,21 @@ def callback_class() -> Any:
                         "the local tier keeps it",
                         flush=True,
                     )
+
+        def _prove_fsdp2(self, model: Any, step: int) -> None:
+            """FSDP2 really on in this rank (its parameters are DTensors), recorded in every heartbeat; else the
+            rank stops at once (a restart would run plain data parallel again)."""
+            try:
+                self.ctx.sharding = fsdp2_proof(model)
+            except FsdpNotOn as e:
+                self.ctx.record_error(e, step=step, repeats=True)
+                print(f"ftkit: error: {e}", file=sys.stderr, flush=True)
+                raise SystemExit(ExitCode.SCRIPT_FAILED) from None
+            print(
+                f"ftkit: FSDP2 is on: {self.ctx.sharding['dtensor_params']} of {self.ctx.sharding['params']} "
+                "parameters are DTensors",
+                flush=True,
+            )
 
         def _save_wrote_nothing(self, ckpt: Path) -> None:
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ftkit.cluster.procs import proc_start_time
-from ftkit.errors import FtkitError
+from ftkit.errors import FsdpNotOn, FtkitError
 from ftkit.rundir.batons import forget as forget_baton
 from ftkit.rundir.batons import record as record_baton
 from ftkit.rundir.batons import release_dead
@@ -73,6 +73,7 @@ class RankContext:
         self.loop_api = False
         self.started_at_step: int | None = None  # the global step training began at in this attempt (resume proof)
         self.committed: int | None = None  # the newest step committed in this attempt (heartbeats carry it)
+        self.sharding: dict[str, int] | None = None  # FSDP2: DTensor parameters of all (ftkit.launch.rank.fsdp2_proof)
 
     def heartbeat(self, phase: str, step: int | None = None, committed: int | None = None) -> None:
         """Rewrite this rank's heartbeat. COMMITTED: a step this rank just saw committed (every later beat carries
@@ -96,6 +97,8 @@ class RankContext:
             "loop": self.loop_api,
             "started_at_step": self.started_at_step,
         }
+        if self.sharding is not None:
+            rec["sharding"] = self.sharding
         if committed is not None:
             self.committed = committed
         rec["committed"] = self.committed  # the newest step this rank saw committed (any tier): in every heartbeat
@@ -321,18 +324,21 @@ def skip_final_collection() -> None:
     gc.freeze()
 
 
-def install_startup(accelerator: str, batons: Path) -> None:
+def install_startup(accelerator: str, batons: Path, backend: str = "deepspeed") -> None:
     """What every rank needs before any model is built, whatever its entry (the built-in one, the import hook or a
     script calling ftkit.hf): once TrainingArguments exist, DeepSpeed sees the real process group (ZeRO-3's
-    partitioned ``from_pretrained`` reads its world size); on CPU ranks, so does Accelerate. Before any op loads,
-    the build locks a killed rank of this run left on this machine are removed, and the ones this rank takes are
-    recorded in ``batons`` (:mod:`ftkit.rundir.batons`)."""
+    partitioned ``from_pretrained`` reads its world size); on CPU ranks, so does Accelerate, and under FSDP2
+    Accelerate really shards (:func:`_fsdp_on_cpu_ranks`). Before any op loads, the build locks a killed rank of this
+    run left on this machine are removed, and the ones this rank takes are recorded in ``batons``
+    (:mod:`ftkit.rundir.batons`)."""
     for lock in release_dead(batons):
         print(f"ftkit: removed {lock}: a build lock a killed rank of this run left on this host", flush=True)
     on_import("torch.utils.file_baton", functools.partial(_record_batons, batons))
     on_import("transformers.training_args", _share_after_training_args)
     if accelerator == "cpu":
         on_import("accelerate.state", _cpu_ranks_are_one_job)
+        if backend == "fsdp2":
+            on_import("accelerate.state", _fsdp_on_cpu_ranks)
 
 
 def _record_batons(records: Path, mod: Any) -> None:
@@ -381,6 +387,50 @@ def _cpu_ranks_are_one_job(mod: Any) -> None:
 
     __init__._ftkit_cpu = True  # type: ignore[attr-defined]
     cls.__init__ = __init__
+
+
+def _fsdp_on_cpu_ranks(mod: Any) -> None:
+    """Accelerate (1.15) turns FSDP on only for GPU-like distributed types: asked for FSDP on CPU processes (the
+    environment ``accelerate launch`` sets from an FSDP config, or an explicit plugin) it runs plain DDP over gloo and
+    says nothing. On CPU ranks of an FSDP2 run, a MULTI_CPU state given an FSDP plugin becomes FSDP with that plugin,
+    as the GPU path would make it; :func:`fsdp2_proof` then checks in every rank that the parameters are DTensors."""
+    import functools
+
+    cls = mod.AcceleratorState
+    if getattr(cls.__init__, "_ftkit_fsdp", False):
+        return
+    original = cls.__init__
+    distributed_type = mod.DistributedType
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        plugin = kwargs.get("fsdp_plugin")
+        if plugin is None or self.distributed_type != distributed_type.MULTI_CPU:
+            return
+        self.distributed_type = distributed_type.FSDP
+        if self._mixed_precision != "no":
+            plugin.set_mixed_precision(self._mixed_precision)
+        self.fsdp_plugin = plugin
+        mod.PartialState._shared_state["distributed_type"] = distributed_type.FSDP
+
+    __init__._ftkit_fsdp = True  # type: ignore[attr-defined]
+    cls.__init__ = __init__
+
+
+def fsdp2_proof(model: Any) -> dict[str, int]:
+    """How many of the model's parameters FSDP2 holds as DTensors (sharded), of how many: every one under FSDP2,
+    none under DDP. Raises :class:`FsdpNotOn` when any is a plain tensor."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters()) if model is not None else []
+    proof = {"dtensor_params": sum(isinstance(p, DTensor) for p in params), "params": len(params)}
+    if not params or proof["dtensor_params"] != proof["params"]:
+        raise FsdpNotOn(
+            f"train.backend fsdp2: {proof['dtensor_params']} of {proof['params']} parameters are DTensors; FSDP2 is "
+            f"not on (the model is {type(model).__name__}: Accelerate fell back to plain data parallel)"
+        )
+    return proof
 
 
 def _share_after_training_args(mod: Any) -> None:

@@ -44,8 +44,9 @@ from typing import Any
 
 from ftkit.checkpoint.commit import manifest_part, write_commit
 from ftkit.checkpoint.directory import record_save_begun, rotate
+from ftkit.checkpoint.layout import model_weights
 from ftkit.checkpoint.tiers import for_node
-from ftkit.errors import ExitCode, FtkitError
+from ftkit.errors import ExitCode, FtkitError, SaveWroteNothing
 from ftkit.launch.callback import COMPUTE_EWMA, apply_resume_overrides, callback_class, install_train_guard
 from ftkit.launch.rank import (
     Fault,
@@ -149,7 +150,7 @@ def start(
         r.ctx.record_pid(watchdog=watched)
         r.ctx.heartbeat("starting")
         atexit.register(_at_exit, r)
-        install_startup(r.spec.accelerator, r.ctx.rd.batons)
+        install_startup(r.spec.accelerator, r.ctx.rd.batons, r.spec.backend)
         if r.tier is not None:
             r.tier.start(r.ctx)
             on_import("transformers.trainer", r.tier.patch_trainer)
@@ -411,9 +412,25 @@ def save_trained(trainer: Any, output_dir: str | None = None, save: Callable[...
     elif asked != final.resolve():
         print(f"ftkit: save_model({str(asked)!r}) -> {str(final)!r} (the run's final model)", flush=True)
     ctx.heartbeat("saving", trainer.state.global_step)
-    save(trainer, str(final))
+    save_model(trainer, str(final), save)
     commit_final(trainer.state.global_step)
     return str(final)
+
+
+def save_model(trainer: Any, output_dir: str, save: Callable[..., Any] | None = None) -> None:
+    """``trainer.save_model(output_dir)`` (or SAVE), except under FSDP with a sharded state dict, where HF's
+    save_model writes no weights at all (they live only in checkpoints' DCP shards): the full state dict is gathered
+    (every rank takes part) and the main process writes it as ``from_pretrained`` loads it (LoRA: the adapter)."""
+    plugin = getattr(getattr(trainer, "accelerator", None), "state", None)
+    plugin = getattr(plugin, "fsdp_plugin", None)
+    if getattr(trainer, "is_fsdp_enabled", False) and plugin is not None:
+        if "FULL_STATE_DICT" not in str(plugin.state_dict_type):
+            state = trainer.accelerator.get_state_dict(trainer.model)
+            if trainer.args.should_save:
+                trainer._save(output_dir, state_dict=state)
+            trainer.accelerator.wait_for_everyone()
+            return
+    (save or type(trainer).save_model)(trainer, output_dir)
 
 
 def commit_final(step: int) -> None:
@@ -424,6 +441,14 @@ def commit_final(step: int) -> None:
     ctx, spec = r.ctx, r.spec
     if ctx.rank == 0:
         final = ctx.rd.final
+        if not model_weights(final):
+            e = SaveWroteNothing(
+                f"rank 0: the final save wrote no model weights in {final} (does the script's Trainer override "
+                "save_model?): a final model without weights is never committed"
+            )
+            ctx.record_error(e, step=step, repeats=True)
+            print(f"ftkit: error: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(ExitCode.SCRIPT_FAILED)
         write_commit(
             final,
             [manifest_part(final, 0, 1, checksum=spec.checksum)],

@@ -123,7 +123,7 @@ def train(ctx: RankContext, resume: str | None) -> int | None:
         return hf.stopped_at()  # a graceful stop: the step is committed; no final model from half a run
     ctx.heartbeat("saving", trainer.state.global_step)
     final = ctx.rd.final
-    trainer.save_model(str(final))  # stage 3: gathers 16-bit weights; LoRA: the adapter only
+    hf.save_model(trainer, str(final))  # stage 3 and FSDP2: gathers the weights; LoRA: the adapter only
     _probe(trainer, rows[0], ctx)
     if ctx.rank == 0:
         tokenizer.save_pretrained(str(final))

@@ -107,15 +107,16 @@ def ssh_args_of(plan: Plan) -> list[str]:
 
 
 def require_launchable(recipe: Recipe) -> None:
-    """What ``ftkit launch`` and ``ftkit submit`` cannot run yet, refused before anything starts: FSDP2 ranks
-    (``ftkit render`` and ``ftkit plan`` cover them; the rank side and its checkpoints are not built)."""
-    if recipe.train.backend == "fsdp2":
+    """What ``ftkit launch`` and ``ftkit submit`` cannot run yet, refused before anything starts: FSDP2 ranks under
+    an engine other than Accelerate's (only ``accelerate launch`` turns accelerate.yaml into the ranks' FSDP plugin;
+    torchrun and srun would need its environment spelled out)."""
+    engine = recipe.cluster.engine
+    if recipe.train.backend == "fsdp2" and engine != "accelerate":
         raise RecipeError(
             recipe.problem(
-                "train.backend",
-                "fsdp2: ftkit renders, checks and plans it, but does not launch FSDP2 ranks yet; run "
-                "`ftkit render` and start the job with `accelerate launch --config_file <its accelerate.yaml> "
-                "<your script>`, or use train.backend deepspeed",
+                "cluster.engine",
+                f"{engine} under train.backend fsdp2: ftkit launches FSDP2 ranks with accelerate only; set "
+                "cluster.engine accelerate (the default under fsdp2)",
             )
         )
 

@@ -36,6 +36,8 @@ def prepare_run(
         cfg["checkpoint"] = {"load_universal": True}
         files["ds_config.json"] = json.dumps(cfg, indent=2) + "\n"
     write_files(rd.meta, files)
+    if "ds_config.json" not in files:  # FSDP2: a ds_config.json an earlier DeepSpeed launch wrote is not this run's
+        rd.ds_config.unlink(missing_ok=True)
     if resume_overrides is None and rd.spec.is_file():
         try:
             resume_overrides = json.loads(rd.spec.read_text()).get("resume_overrides")

@@ -51,7 +51,9 @@ STATED_WHEN_EXPLICIT = {
 
 
 def training_arguments(plan: Plan, output_dir: str, ds_config_path: str) -> dict[str, Any]:
-    """Keyword arguments for ``transformers.TrainingArguments``, from the same plan as ds_config.json."""
+    """Keyword arguments for ``transformers.TrainingArguments``, from the same plan as ds_config.json (under
+    ``train.backend: fsdp2`` none, ``deepspeed`` None: Accelerate's FSDP plugin comes from accelerate.yaml's
+    environment)."""
     r = plan.recipe
     precision = r.train.precision
     args: dict[str, Any] = {
@@ -96,6 +98,8 @@ def training_arguments(plan: Plan, output_dir: str, ds_config_path: str) -> dict
         args["max_steps"] = r.train.max_steps
     else:
         args["num_train_epochs"] = r.train.epochs
+    if r.train.backend == "fsdp2":  # stated, so a wrapped script's own --deepspeed does not switch FSDP2 off
+        args["deepspeed"] = None
     if r.cluster.accelerator == "cpu":
         args["use_cpu"] = True
         args["ddp_backend"] = "gloo"

@@ -29,6 +29,7 @@ class Heartbeat(TypedDict, total=False):
     loop: bool  # the script reports its steps through ftkit.hf.step (its own loop, no HF Trainer)
     started_at_step: int | None
     committed: int | None  # the newest step this rank saw committed (any tier)
+    sharding: dict[str, int]  # FSDP2: {"dtensor_params": n, "params": n}, from the model the Trainer trains
 
 
 class PidRecord(TypedDict, total=False):

@@ -70,6 +70,11 @@ class RunSpec:
         return str(self.resilience("checksum", "full"))
 
     @property
+    def backend(self) -> str:
+        """train.backend: deepspeed or fsdp2."""
+        return str((self.recipe.get("train") or {}).get("backend") or "deepspeed")
+
+    @property
     def precision(self) -> str:
         return str((self.recipe.get("train") or {}).get("precision") or "fp32")
 

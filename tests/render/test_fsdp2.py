@@ -122,13 +122,18 @@ def test_the_fsdp2_candidates_are_planned_on_zeros_model_of_the_same_sharding(wr
     assert "local checkpoint tier: off (train.backend fsdp2" in out.output
 
 
-def test_launch_and_submit_refuse_fsdp2_before_anything_starts(write_recipe, tmp_path: Path) -> None:
+def test_launch_and_submit_refuse_fsdp2_under_an_engine_other_than_accelerate(write_recipe, tmp_path: Path) -> None:
+    """Only ``accelerate launch`` turns accelerate.yaml into the ranks' FSDP plugin: torchrun and srun would start
+    plain data parallel ranks, so they are refused before anything starts."""
     recipe = write_recipe()
     runner = CliRunner()
-    for args in (["launch", str(recipe), *FSDP2], ["submit", str(recipe), *FSDP2, "--dry-run"]):
+    for args in (
+        ["launch", str(recipe), *FSDP2, "cluster.engine=torchrun"],
+        ["submit", str(recipe), *FSDP2, "cluster.engine=slurm", "--dry-run"],
+    ):
         out = runner.invoke(cli, args)
         assert out.exit_code == 2, out.output
-        assert "train.backend: fsdp2: ftkit renders, checks and plans it, but does not launch FSDP2 ranks" in out.output
+        assert "under train.backend fsdp2: ftkit launches FSDP2 ranks with accelerate only" in out.output
     assert not (tmp_path / "run").exists()
 
 
