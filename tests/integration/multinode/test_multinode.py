@@ -112,6 +112,48 @@ def test_every_process_on_a_host_killed_recovers(tmp_path, fixtures, netns2):
     assert_no_process_left(run_dir)
 
 
+@pytest.mark.timeout(600)
+def test_fsdp2_host_lost_shrinks_to_one_rank_resuming_the_dcp_checkpoint(tmp_path, fixtures, netns2):
+    """FSDP2 under accelerate launch on two hosts; the second host is lost for good (every process killed, no
+    sshd): with min_nodes 1 the job continues on one rank from the newest DCP checkpoint, which reshards on load
+    (no conversion), the global batch kept by gradient accumulation."""
+    recipe = _recipe(
+        tmp_path,
+        fixtures,
+        netns2,
+        train__max_steps=16,
+        train__save_steps=4,
+        train__backend="fsdp2",
+        zero=None,
+        cluster__min_nodes=1,
+    )
+    run_dir = tmp_path / "run"
+    with mp_lock():
+        proc = start_ftkit("launch", str(recipe), env=ENV, log=tmp_path / "launch.log")
+        try:
+            wait_for(lambda: heartbeat_step(run_dir, 1) >= 6, 300, "rank 1 to reach step 6")
+            netns2.kill_node(1)  # the whole host, sshd included, and it stays down
+            code = proc.wait(timeout=400)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            netns2.start_sshd(1)  # for the module's next tests
+    log = (tmp_path / "launch.log").read_text()
+    assert code == 0, log[-4000:] + "\n" + log_tails(run_dir)
+    ev = events(run_dir)
+    shrink = next(e for e in ev if e["event"] == "shrink")
+    assert shrink["hosts"] == [["node0", 1]] and shrink["gradient_accumulation_steps"] == 16 // (4 * 1), shrink
+    assert not [e for e in ev if e["event"] == "converted"], "a DCP checkpoint needs no conversion"
+    chosen = [e for e in ev if e["event"] == "checkpoint_chosen"]
+    assert chosen and chosen[-1]["step"] in (4, 8), chosen
+    assert sorted(losses(run_dir)) == list(range(1, 17))
+    last = max(int(a.name) for a in (run_dir / "ftkit/attempts").glob("*"))
+    beat = json.loads((run_dir / "ftkit/heartbeat/rank-0.json").read_text())
+    assert beat["attempt"] == last and beat["sharding"]["dtensor_params"] == beat["sharding"]["params"] > 0, beat
+    assert json.loads((run_dir / "ftkit/spec.json").read_text())["world_size"] == 1
+    assert_no_process_left(run_dir)
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("min_nodes", [1, 2])
 def test_partition_detected_by_heartbeat_then_shrink_or_stop(tmp_path, fixtures, netns2, min_nodes):
