@@ -33,6 +33,13 @@ partition per node so the backward gather stays inside the node (+bΨ/G memory);
 all-to-all (0.5Φ intra-node, 0.5Φ/G across nodes). ZeRO++ is not measured here (its kernels need CUDA): those
 volumes follow the ZeRO++ paper.
 
+FSDP2 (``train.backend: fsdp2``, Accelerate 1.15's ``fully_shard`` layout, measured on 2 CPU ranks under HF Trainer
+by tests/integration/plan/test_fsdp2_traffic.py) gathers by unit, not by tensor: each decoder layer, the input
+embedding (untied), the tail (final norm and LM head, with the embedding when tied; never resharded) and the root's
+leftovers. Per micro-step it all-gathers every unit in forward (bΨ) and, resharding after forward, every unit but
+the tail and root again in backward; it reduce-scatters each unit's trainable gradients once per optimizer step
+(Accelerate's no_sync keeps them unsharded across the micro-steps of gradient accumulation).
+
 Time: a collective of logger size M on n ranks moves M·f bus bytes, f = 2(n−1)/n for all-reduce, (n−1)/n for
 reduce-scatter (input size) and (n−1) for all-gather (M is one rank's input; NCCL's busbw convention), at the bus
 bandwidth of the slowest link it crosses (a group spanning nodes is limited by min(intra per GPU, inter per node):
@@ -47,11 +54,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ftkit.plan.memory import PRECISION_BYTES, Candidate, Workload
+from ftkit.plan.memory import PRECISION_BYTES, Candidate, Fsdp2, Workload
 
 if TYPE_CHECKING:
     from ftkit.recipe.sections import ClusterSection
@@ -339,6 +347,8 @@ def traffic(
     bucket = max(1, reduce_bucket_size or w.reduce_bucket())
     b = comm_bytes if comm_bytes is not None else PRECISION_BYTES[w.precision]
     n, g, ga = w.world_size, w.local_ranks, grad_accum
+    if isinstance(c, Fsdp2):
+        return _fsdp2_traffic(c, w, ga, b, lora_tensors)
     scope = "inter" if w.num_nodes > 1 else "intra"
     phi = w.phi
     out: list[Collective] = []
@@ -432,6 +442,92 @@ def traffic(
     out.append(Collective("all_reduce", 8, 1, n, scope, "gradient norm"))
     host = _host_bytes(c, w, ga)
     return Traffic(tuple(out), host_bytes=host)
+
+
+_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks|block)\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Fsdp2Units:
+    """The parameters of each FSDP2 unit Accelerate wraps (elements, unpadded)."""
+
+    layers: tuple[int, ...]  # each decoder layer: resharded after forward when the recipe says so
+    embedding: int  # the input embedding's own unit (0 when tied: it joins the tail)
+    tail: int  # final norm and LM head (and the tied embedding): kept gathered from forward to backward
+    root: int  # anything else: the root unit, kept gathered too
+
+    @property
+    def resharded(self) -> list[int]:
+        return [x for x in (*self.layers, self.embedding) if x]
+
+    @property
+    def kept(self) -> list[int]:
+        return [x for x in (self.tail, self.root) if x]
+
+
+def fsdp2_units(w: Workload) -> Fsdp2Units:
+    """FSDP2's units from the model's tensors by name (a decoder layer is ``...layers.N.``): Accelerate's
+    ``fsdp2_prepare_model`` wraps each layer, the untied input embedding, then the tail, then the root."""
+    layers: dict[int, int] = {}
+    embedding = tail = root = 0
+    tensors = w.shape.tensors
+    for t in tensors:
+        m = _LAYER_RE.search(t.name)
+        if m:
+            layers[int(m.group(1))] = layers.get(int(m.group(1)), 0) + t.numel
+        elif t.kind == "embedding" and not w.shape.tied_embeddings and "embed_tokens" in t.name:
+            embedding += t.numel
+        elif t.kind in ("embedding", "norm") or t.name.startswith("lm_head") or "embed" in t.name:
+            tail += t.numel
+        else:
+            root += t.numel
+    if not tensors:  # no per-tensor shape: the layers' share of the parameters, the rest in the tail
+        per = w.shape.total_params // max(1, w.shape.num_layers + 1)
+        return Fsdp2Units(tuple([per] * w.shape.num_layers), 0, w.shape.total_params - per * w.shape.num_layers, 0)
+    return Fsdp2Units(tuple(layers[i] for i in sorted(layers)), embedding, tail, root)
+
+
+def _fsdp2_traffic(c: Fsdp2, w: Workload, ga: int, b: int, lora_tensors: list[int] | None) -> Traffic:
+    """FSDP2's collectives per optimizer step on one rank (module docstring): per-unit all-gathers every
+    micro-step, per-unit reduce-scatters once per step; logger bytes as for ZeRO-3 (a gather's per-rank input)."""
+    n = w.world_size
+    if n == 1:
+        return Traffic((), host_bytes=_host_bytes(c, w, ga))
+    scope = "inter" if w.num_nodes > 1 else "intra"
+    u = fsdp2_units(w)
+    units = [*u.resharded, *u.kept]
+    out = [
+        Collective(
+            "all_gather_into_tensor",
+            b * sum(_ceil_div(x, n) for x in units) * ga,
+            len(units) * ga,
+            n,
+            scope,
+            "parameters, forward (per FSDP2 unit)",
+            "forward+backward",
+        )
+    ]
+    if c.stage == 3:  # resharded after forward: gathered again for backward
+        out.append(
+            Collective(
+                "all_gather_into_tensor",
+                b * sum(_ceil_div(x, n) for x in u.resharded) * ga,
+                len(u.resharded) * ga,
+                n,
+                scope,
+                "parameters, backward (per FSDP2 unit)",
+                "forward+backward",
+            )
+        )
+    if w.lora_params is not None:  # the adapters, in the units of the layers they belong to
+        trainable = lora_tensors if lora_tensors is not None else [w.phi]
+        calls = len(u.layers) or 1
+    else:
+        trainable, calls = units, len(units)
+    rs = sum(n * _ceil_div(x, n) for x in trainable)
+    out.append(Collective("reduce_scatter_tensor", b * rs, calls, n, scope, "gradients (per FSDP2 unit)", "backward"))
+    out.append(Collective("all_reduce", 8, 1, n, scope, "gradient norm"))
+    return Traffic(tuple(out), host_bytes=_host_bytes(c, w, ga))
 
 
 def _host_bytes(c: Candidate, w: Workload, ga: int = 1) -> int:
@@ -565,7 +661,11 @@ def predict(
     per_micro_exposed = max(0.0, fb_comm + bwd_comm - micro, bwd_comm - backward)
     per_micro_exposed += OVERLAP_COST * min(fb_comm + bwd_comm, micro)
     exposed += per_micro_exposed * grad_accum if grad_calls > 1 or fb_comm else per_micro_exposed
-    fetches = sum(col.calls for col in t.collectives if c.stage == 3 and col.what.startswith("parameters"))
+    fetches = sum(
+        col.calls
+        for col in t.collectives
+        if (c.stage == 3 or isinstance(c, Fsdp2)) and col.what.startswith("parameters")
+    )
     exposed += fetches * (STAGE3_FETCH_OVERHEAD_CPU_S if gpu == "cpu" else STAGE3_FETCH_OVERHEAD_S)
     host = t.host_bytes / (PCIE_GBS * 1e9)
     if c.offload_optimizer != "none":

@@ -124,11 +124,10 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Fsdp2(Candidate):
-    """PyTorch FSDP2 (``train.backend: fsdp2``), planned on ZeRO's model of the same sharding: resharding after
-    forward holds ZeRO-3's memory and moves its traffic (all-gather in forward and again in backward, reduce-scatter
-    of gradients); without it the gathered parameters stay from forward to backward (ZeRO-2's peak, one all-gather
-    less); parameter offload keeps parameters, gradients and optimizer states in host memory (ZeRO-3 with both
-    offloads)."""
+    """PyTorch FSDP2 (``train.backend: fsdp2``). Memory on ZeRO's model of the same sharding: resharding after
+    forward holds ZeRO-3's memory; without it the gathered parameters stay from forward to backward (ZeRO-2's peak);
+    parameter offload keeps parameters, gradients and optimizer states in host memory (ZeRO-3 with both offloads).
+    Traffic is FSDP2's own, by unit (measured: :func:`ftkit.plan.comm.fsdp2_units`)."""
 
     @property
     def label(self) -> str:
