@@ -46,11 +46,12 @@ Exit codes: 0 the plan fits, 10 nothing fits (or the recipe's own choice does no
 def command(recipe: str, overrides: tuple[str, ...], as_json: bool) -> None:
     """Print every ZeRO stage/offload candidate's memory per GPU (by component) and host RAM per node, whether
     it fits cluster.gpu_memory_gb with headroom, and the one the run uses (zero.stage: auto picks the fastest
-    that fits)."""
+    that fits; train.backend fsdp2 shows FSDP2's candidates, auto both backends')."""
     plan = load_and_plan(recipe, overrides, strict=False)
     rep = full_table(plan)
     data = rep.as_dict()
     data["plan"] = {
+        "backend": plan.recipe.train.backend,
         "stage": plan.stage,
         "offload_optimizer": plan.offload_optimizer,
         "offload_params": plan.offload_params,
@@ -78,7 +79,8 @@ def command(recipe: str, overrides: tuple[str, ...], as_json: bool) -> None:
         f"; limit {rep.gpu_memory_gb:g} GiB/GPU and {rep.host_memory_gb:g} GiB host RAM/node, "
         f"{HEADROOM:.0%} headroom"
     )
-    sel = plan.memory.selected if plan.memory is not None else None
+    chooser = plan.backend_report or plan.memory  # train.backend auto: the choice across both backends
+    sel = chooser.selected if chooser is not None else None
     keys = list(dict.fromkeys(k for e in rep.choice.estimates for k in e.components))
     columns = [(k, SHORT.get(k, k[:8])) for k in keys]
     width = max(56, *(len(e.candidate.label) + 1 for e in rep.choice.estimates))

@@ -164,6 +164,7 @@ def plan_memory(plan: Plan) -> MemoryReport:
         stage3_prefetch_bucket_size=_size(r.zero.prefetch_bucket_size),
         stage3_max_live_parameters=Workload.stage3_max_live_parameters if live is None else live,
         pin_memory=r.cluster.accelerator != "cpu",
+        grad_accum=plan.grad_accum,
     )
     gpu, host = float(r.cluster.gpu_memory_gb), float(r.cluster.host_memory_gb)
     stage, opt, par = r.zero.stage, r.zero.offload_optimizer, r.zero.offload_params
@@ -180,7 +181,10 @@ def plan_memory(plan: Plan) -> MemoryReport:
     ]
     if stage in ("auto", 3) and opt in ("auto", "none") and (par_open or par == "none"):
         allowed += zeropp_candidates(w.gpus_per_node, w.num_nodes)  # across nodes only
-    if r.train.backend == "fsdp2":
+    if r.train.backend == "auto":  # both backends' candidates, each narrowed by its own section
+        auto = True
+        allowed += [c for c in auto_fsdp2_candidates(r) if c.label not in {a.label for a in allowed}]
+    elif r.train.backend == "fsdp2":
         auto, allowed = False, [plan_candidate(plan)]
     elif not auto:
         allowed = [Candidate(int(stage), opt, par)]
@@ -335,15 +339,32 @@ def speed_reason(choice: Choice, preds: dict[str, Prediction], ctx: dict[str, An
     return head
 
 
+def auto_fsdp2_candidates(r: Recipe) -> list[Candidate]:
+    """``train.backend: auto``: the FSDP2 candidates the ``fsdp`` section leaves open (a key the recipe sets is
+    fixed; parameter offload only where there is device memory to save: cuda)."""
+    f = r.fsdp
+    reshard = [f.reshard_after_forward] if "fsdp.reshard_after_forward" in r.explicit else [False, True]
+    offload = [f.offload_params] if "fsdp.offload_params" in r.explicit else [False, r.cluster.accelerator != "cpu"]
+    out: dict[str, Candidate] = {}
+    for o in dict.fromkeys(offload):
+        for rs in reshard:
+            c = fsdp2_candidate(rs, o)
+            out.setdefault(c.label, c)
+    return list(out.values())
+
+
 def full_table(plan: Plan) -> MemoryReport:
-    """Every candidate (not only those the recipe allows), each judged on its own, for ``ftkit plan``'s table."""
-    rep = plan.memory if plan.memory is not None else plan_memory(plan)
+    """Every candidate (not only those the recipe allows), each judged on its own, for ``ftkit plan``'s table
+    (``train.backend: auto``: both backends')."""
+    rep = plan.backend_report or plan.memory or plan_memory(plan)
     w = rep.workload
     cands: list[Candidate]
-    if plan.recipe.train.backend == "fsdp2":
-        cands = fsdp2_candidates(include_offload=plan.recipe.cluster.accelerator != "cpu")
+    fsdp2 = fsdp2_candidates(include_offload=plan.recipe.cluster.accelerator != "cpu")
+    if plan.recipe.train.backend == "fsdp2" and plan.backend_report is None:
+        cands = fsdp2
     else:
         cands = [*candidates(include_stage0=True), *zeropp_candidates(w.gpus_per_node, w.num_nodes)]
+        cands += fsdp2 if plan.backend_report is not None else []
     judged = tuple(
         judge(e, rep.gpu_memory_gb, rep.host_memory_gb, HEADROOM) for e in with_zeropp(estimate_all(w, cands), w)
     )

@@ -194,6 +194,7 @@ class Workload:
     overlap_comm: bool | None = None  # None: docs/design.md, Rendering rules (true at stage 3, false at 1/2)
     pin_memory: bool = True  # offloaded states in page-locked host memory
     load_bytes_per_param: int | None = None  # bytes per weight while loading; None: k (loaded in training dtype)
+    grad_accum: int = 1  # micro-steps per optimizer step (FSDP2 holds unsharded gradients across them)
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISION_BYTES:
@@ -353,8 +354,10 @@ def estimate(c: Candidate, w: Workload) -> Estimate:
     else:
         comp["weights"] = k * part_psi if c.offload_params == "none" else 0
 
-    # gradients (k-bit): full at stage 0/1, the partition at 2/3; with optimizer offload they go to the host
-    if c.stage <= 1:
+    # gradients (k-bit): full at stage 0/1, the partition at 2/3; with optimizer offload they go to the host. FSDP2
+    # under gradient accumulation keeps them unsharded until the step (Accelerate's no_sync: one reduce-scatter per
+    # optimizer step, tests/integration/plan/test_fsdp2_traffic.py)
+    if c.stage <= 1 or (isinstance(c, Fsdp2) and w.grad_accum > 1):
         comp["gradients"] = k * phi
     else:
         comp["gradients"] = k * part_phi if opt_on_gpu else 0

@@ -9,6 +9,7 @@ Every knob the configs carry is decided here (the rules in :mod:`ftkit.plan.knob
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,7 @@ from ftkit.plan.candidates import plan_memory
 from ftkit.plan.comm import ZeroPP
 from ftkit.plan.fsdp import resolve_fsdp
 from ftkit.plan.knobs import decide_config_knobs, decide_zero_knobs
-from ftkit.plan.memory import PRECISION_BYTES, Candidate
+from ftkit.plan.memory import PRECISION_BYTES, Candidate, Fsdp2
 from ftkit.plan.tiers import LocalTier, measured_costs, plan_local_tier
 from ftkit.recipe.load import CLI, DEFAULT, Recipe
 
@@ -63,6 +64,8 @@ class Plan:
     unknown: list[str] = field(default_factory=list)
     local_tier: LocalTier | None = None  # the node-local checkpoint tier (ftkit.plan.tiers), None: off
     local_tier_off: str = ""  # why it is off
+    # train.backend auto: the memory and step-time plan across both backends that chose this plan's backend
+    backend_report: MemoryReport | None = None
 
     @property
     def world_size(self) -> int:
@@ -276,6 +279,8 @@ def build_plan(
             f"model: {unknown_why}: memory and step time not estimated; bucket sizes are DeepSpeed's defaults"
         )
         with_memory = False
+    if recipe.train.backend == "auto":
+        return _resolve_backend(plan, with_memory, strict, unknown_model_ok)
     if recipe.train.backend == "fsdp2":
         resolve_fsdp(plan, _src)
         _resolve_local_tier(plan)
@@ -292,6 +297,59 @@ def build_plan(
     decide_config_knobs(plan)
     _resolve_local_tier(plan)
     return plan
+
+
+def _resolve_backend(plan: Plan, with_memory: bool, strict: bool, unknown_model_ok: bool) -> Plan:
+    """``train.backend: auto``: the fastest candidate that fits across ZeRO and FSDP2 (one memory and step-time
+    model, :func:`ftkit.plan.candidates.plan_memory`) picks the backend; the plan is then built for that backend
+    with that candidate's settings, so everything downstream (configs, spec, ranks) sees a concrete backend. A tie
+    goes to DeepSpeed (listed first)."""
+    r = plan.recipe
+    if not with_memory or plan.unknown:
+        raise RecipeError(
+            r.problem(
+                "train.backend",
+                "auto needs the model's config to compare the backends: set train.backend deepspeed or fsdp2",
+            )
+        )
+    report = plan_memory(plan)
+    chosen = report.choice.chosen or (None if strict else report.selected)
+    if chosen is None:
+        raise RecipeError(
+            r.problem(
+                "train.backend", f"auto: nothing fits on either backend ({report.choice_reason}); run `ftkit plan`"
+            )
+        )
+    cand = chosen.candidate
+    values = dict(r.values)
+    if isinstance(cand, Fsdp2):
+        values.update(
+            {
+                "train.backend": "fsdp2",
+                "fsdp.reshard_after_forward": cand.stage == 3,
+                "fsdp.offload_params": cand.offload_params != "none",
+            }
+        )
+    else:
+        values["train.backend"] = "deepspeed"
+    concrete = dataclasses.replace(r, values=values)
+    out = build_plan(
+        concrete,
+        hosts=plan.hosts,
+        devices=plan.devices,
+        with_memory=with_memory,
+        strict=strict,
+        unknown_model_ok=unknown_model_ok,
+    )
+    why = f"auto: {report.choice_reason}"
+    out.note("backend", values["train.backend"], why)
+    if isinstance(cand, Fsdp2):
+        out.note("fsdp_reshard_after_forward", cand.stage == 3, why)
+        out.note("fsdp_offload_params", cand.offload_params != "none", why)
+    else:
+        out.note("zero_optimization.stage", out.stage, why)
+    out.backend_report = report
+    return out
 
 
 def _resolve_local_tier(plan: Plan) -> None:

@@ -118,8 +118,8 @@ def plan_local_tier(
     c = recipe.checkpoint
     if c.local_dir is None:
         return None, "checkpoint.local_dir: null (every save goes to the run directory)"
-    if recipe.train.backend == "fsdp2":
-        return None, "train.backend fsdp2: the node-local tier knows DeepSpeed's checkpoints only"
+    if recipe.train.backend != "deepspeed":
+        return None, f"train.backend {recipe.train.backend}: the node-local tier knows DeepSpeed's checkpoints only"
     if total_params is None or trainable_params is None:
         if c.local_dir == "auto":
             return None, "auto: the model's size is unknown, so the tier's memory cannot be planned"

@@ -625,7 +625,7 @@ def _cross_checks(r: Recipe, add: Callable[..., None]) -> None:
         return CLI if r.sources.get(key) == CLI else None
 
     v = r.values
-    if v["train.backend"] == "deepspeed":
+    if v["train.backend"] != "fsdp2":
         for key, problem in offload_problems(v["zero.stage"], v["zero.offload_optimizer"], v["zero.offload_params"]):
             add(key, problem, src(key))
     uses_nvme = "nvme" in (v["zero.offload_optimizer"], v["zero.offload_params"])
@@ -660,12 +660,16 @@ def _cross_checks(r: Recipe, add: Callable[..., None]) -> None:
             f"{v['cluster.min_nodes']} is more than cluster.num_nodes {v['cluster.num_nodes']}",
             src("cluster.min_nodes"),
         )
-    fsdp2 = v["train.backend"] == "fsdp2"
+    fsdp2 = v["train.backend"] in ("fsdp2", "auto")  # auto may choose fsdp2: both run under accelerate
     for key, problem in backend_problems(v, r.explicit):
         add(key, problem, src(key))
     if v["cluster.engine"] == "auto" or (fsdp2 and "cluster.engine" not in r.explicit):
         # resolved once, here, so every reader sees the engine that will run; FSDP2 runs under accelerate
         v["cluster.engine"] = "slurm" if os.environ.get("SLURM_JOB_ID") else ("accelerate" if fsdp2 else "deepspeed")
+    if v["train.backend"] == "auto":  # the ZeRO side is as open as the recipe leaves it
+        for key in ("zero.stage", "zero.offload_optimizer"):
+            if key not in r.explicit:
+                v[key] = "auto"
     if v["cluster.engine"] == "slurm" and v["cluster.hostfile"] is not None:
         add(
             "cluster.hostfile",

@@ -45,12 +45,22 @@ def backend_problems(values: Mapping[str, Any], explicit: Collection[str]) -> li
             if changed(key):
                 out.append((key, "applies to train.backend fsdp2 only (train.backend is deepspeed: see zero.*)"))
         return out
+    auto = values["train.backend"] == "auto"  # zero.* narrow the ZeRO candidates, fsdp.* the FSDP2 ones
     for key, instead in FSDP2_EQUIVALENT.items():
-        if changed(key):
+        if changed(key) and not auto:
             out.append((key, f"DeepSpeed's key; under train.backend fsdp2 {instead}"))
     if values["fsdp.offload_params"] and values["cluster.accelerator"] == "cpu":
         out.append(("fsdp.offload_params", "needs cuda: on cpu ranks the parameters are in host memory already"))
-    if values["cluster.engine"] == "deepspeed" and "cluster.engine" in explicit:
+    if auto and values["cluster.engine"] not in ("accelerate", "auto") and "cluster.engine" in explicit:
+        out.append(
+            (
+                "cluster.engine",
+                f"train.backend auto may choose fsdp2, which ftkit launches under accelerate only (not "
+                f"{values['cluster.engine']}): set cluster.engine accelerate (the default under auto), or choose "
+                "train.backend",
+            )
+        )
+    elif values["cluster.engine"] == "deepspeed" and "cluster.engine" in explicit:
         out.append(
             (
                 "cluster.engine",
@@ -63,7 +73,7 @@ def backend_problems(values: Mapping[str, Any], explicit: Collection[str]) -> li
             (
                 "checkpoint.local_dir",
                 "the node-local checkpoint tier knows DeepSpeed's checkpoints only: set it to null under "
-                "train.backend fsdp2",
+                f"train.backend {values['train.backend']}",
             )
         )
     if values["checkpoint.peer_copies"]:

@@ -167,8 +167,10 @@ SECTIONS: tuple[Section, ...] = (
                 "deepspeed",
                 "How the ranks shard the model: deepspeed (ZeRO, the zero section; ds_config.json and a DEEPSPEED "
                 "accelerate.yaml) or fsdp2 (PyTorch FSDP2 through Accelerate, the fsdp section; an FSDP "
-                "accelerate.yaml with fsdp_version 2, no ds_config.json).",
-                choices=("deepspeed", "fsdp2"),
+                "accelerate.yaml with fsdp_version 2, no ds_config.json); auto: the fastest candidate that fits "
+                "across both, per ftkit plan (zero.* and fsdp.* the recipe sets narrow each side; runs under "
+                "accelerate).",
+                choices=("deepspeed", "fsdp2", "auto"),
             ),
             _f(
                 "precision",

@@ -205,3 +205,67 @@ def test_minimal_recipe_still_renders_deepspeed(write_recipe, tmp_path: Path) ->
     files = render_files(load_and_plan(str(write_recipe()), []), tmp_path)
     assert list(files) == [DS_FILE, ACCELERATE_FILE]
     assert yaml.safe_load(files[ACCELERATE_FILE])["distributed_type"] == "DEEPSPEED"
+
+
+# ------------------------------------------------------------------------------------------------ train.backend auto
+
+
+def _auto(write_recipe, model_dir: Path, *overrides: str):
+    (model_dir / "config.json").write_text((MODEL_CONFIGS / "Llama-3.2-1B.json").read_text())
+    return load_and_plan(str(write_recipe()), ["train.backend=auto", *overrides])
+
+
+def test_auto_picks_fsdp2_without_gradient_accumulation_and_zero1_with_it(write_recipe, model_dir, tmp_path) -> None:
+    """Llama-3.2-1B on 8 GPUs. One micro-step per optimizer step: FSDP2 without resharding moves the least (one
+    all-gather of the parameters and one reduce-scatter of the gradients, against ZeRO-1's all-reduce and the
+    gather of the updated partition). Eight micro-steps: FSDP2 gathers the parameters again every micro-step, ZeRO-1
+    reduces once per step, so ZeRO-1 wins. Each plan is then built for its backend: the configs follow."""
+    fsdp = _auto(write_recipe, model_dir, "train.global_batch_size=16")
+    assert fsdp.recipe.train.backend == "fsdp2" and fsdp.grad_accum == 1
+    why = fsdp.knobs["backend"].why
+    assert why.startswith("auto: FSDP2 (no reshard after forward) is the fastest predicted that fits"), why
+    assert fsdp.knobs["fsdp_reshard_after_forward"].value is False
+    files = render_files(fsdp, tmp_path / "a")
+    assert list(files) == [ACCELERATE_FILE]
+    assert yaml.safe_load(files[ACCELERATE_FILE])["fsdp_config"]["fsdp_reshard_after_forward"] is False
+    assert fsdp.recipe.cluster.engine == "accelerate"
+
+    zero = _auto(write_recipe, model_dir, "train.global_batch_size=128")
+    assert zero.recipe.train.backend == "deepspeed" and zero.grad_accum == 8 and zero.stage == 1
+    why = zero.knobs["backend"].why
+    assert why.startswith("auto: ZeRO-1 is the fastest predicted that fits"), why
+    assert "next, FSDP2 (no reshard after forward):" in why and "slower" in why
+    files = render_files(zero, tmp_path / "b")
+    assert json.loads(files[DS_FILE])["zero_optimization"]["stage"] == 1
+    assert yaml.safe_load(files[ACCELERATE_FILE])["distributed_type"] == "DEEPSPEED"
+
+
+def test_ftkit_plan_under_auto_shows_both_backends_and_the_choice(write_recipe, model_dir) -> None:
+    (model_dir / "config.json").write_text((MODEL_CONFIGS / "Llama-3.2-1B.json").read_text())
+    out = CliRunner().invoke(cli, ["plan", str(write_recipe()), "train.backend=auto"])
+    assert out.exit_code == 0, out.output
+    rows = [line.split("  ")[0] for line in out.output.splitlines()]
+    assert {"ZeRO-1", "ZeRO-3", "FSDP2", "FSDP2 (no reshard after forward)"} <= set(rows), rows
+    chosen = [line for line in out.output.splitlines() if line.endswith("<- this run")]
+    assert len(chosen) == 1 and chosen[0].startswith("FSDP2 (no reshard after forward)"), chosen
+    assert "this run: FSDP2 (no reshard after forward) (auto): auto: FSDP2" in out.output
+    data = json.loads(CliRunner().invoke(cli, ["plan", str(write_recipe()), "train.backend=auto", "--json"]).output)
+    assert data["plan"]["backend"] == "fsdp2"
+
+
+def test_auto_keeps_what_the_recipe_fixes_and_refuses_what_fsdp2_cannot_run(write_recipe, model_dir) -> None:
+    """zero.* and fsdp.* narrow their own side; an engine or a local tier FSDP2 cannot use is refused at once."""
+    pinned = _auto(write_recipe, model_dir, "zero.stage=3", "fsdp.reshard_after_forward=true")
+    labels = {e.candidate.label for e in pinned.backend_report.choice.estimates}
+    # the stage and the resharding fixed, the offloads left open (ZeRO++ needs several nodes)
+    assert labels == {"ZeRO-3", "ZeRO-3 + optimizer offload (cpu)", "FSDP2", "FSDP2 + offload (cpu)"}, labels
+    assert pinned.recipe.train.backend == "fsdp2"  # per unit, not per tensor: fewer fetches than ZeRO-3's
+    for override, message in (
+        ("cluster.engine=torchrun", "train.backend auto may choose fsdp2, which ftkit launches under accelerate only"),
+        (
+            "checkpoint.local_dir=/scratch",
+            "knows DeepSpeed's checkpoints only: set it to null under train.backend auto",
+        ),
+    ):
+        with pytest.raises(RecipeError, match=message.replace(".", r"\.")):
+            load_recipe(str(write_recipe()), ["train.backend=auto", override])
