@@ -79,13 +79,19 @@ def _assert_same(got: dict[int, float], expected: dict[int, float], steps: range
     assert not diffs, f"losses differ (step: got, expected): {diffs}"
 
 
-def _final_matches_probe(run: Path) -> None:
-    """The committed final model loads with from_pretrained and gives the trained model's logits (probe.json)."""
+def _final_matches_probe(run: Path, base: Path | None = None) -> None:
+    """The committed final model loads with from_pretrained (LoRA: the adapter on BASE, with PEFT) and gives the
+    trained model's logits (probe.json)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     probe = json.loads((run / "ftkit" / "probe.json").read_text())
-    model = AutoModelForCausalLM.from_pretrained(str(run / "final")).eval()
+    if base is None:
+        model = AutoModelForCausalLM.from_pretrained(str(run / "final")).eval()
+    else:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base)), str(run / "final")).eval()
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(probe["input_ids"])).logits
     assert (logits - torch.tensor(probe["logits"])).abs().max().item() < 1e-5
@@ -142,7 +148,7 @@ def test_lora_survives_a_killed_rank(fx, tmp_path):
     _assert_same(losses(run), losses(clean), range(1, 9))
     _assert_fsdp2(run, range(2))
     _assert_dcp_committed(run / "checkpoint-8")
-    assert (run / "final" / "adapter_model.safetensors").is_file()
+    _final_matches_probe(run, base=fx["model"])  # the gathered adapter, not the base model's weights
 
 
 def test_an_unmodified_trl_script_survives_a_killed_rank_and_its_deepspeed_flag_is_overridden(fx, tmp_path):
