@@ -22,6 +22,7 @@ from typing import Any
 from ftkit.checkpoint.verify import verify
 from ftkit.cluster.procs import is_alive
 from ftkit.rundir.layout import RunDir
+from tests.helpers.paths import SCRIPTS
 
 LOCK = "/tmp/ftkit-mp.lock"
 
@@ -82,6 +83,11 @@ def make_fixtures(root: Path, kind: str = "text") -> dict[str, Path]:
     )
     line = next(x for x in reversed(out.stdout.splitlines()) if x.startswith("{"))  # libraries may print first
     return {k: Path(v) for k, v in json.loads(line).items()}
+
+
+def script_command(name: str, fixtures: dict[str, Path], *extra: str) -> list[str]:
+    """``python tests/scripts/NAME --model M --data D EXTRA...``: an unmodified user script on the fixtures."""
+    return ["python", str(SCRIPTS / name), "--model", str(fixtures["model"]), "--data", str(fixtures["data"]), *extra]
 
 
 def free_port() -> int:

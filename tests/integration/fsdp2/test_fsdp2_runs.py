@@ -18,8 +18,15 @@ from typing import Any
 import pytest
 
 from ftkit.checkpoint.layout import read_commit
-from tests.helpers.paths import SCRIPTS
-from tests.helpers.runs import assert_no_process_left, committed_ok, losses, mp_lock, named, write_recipe
+from tests.helpers.runs import (
+    assert_no_process_left,
+    committed_ok,
+    losses,
+    mp_lock,
+    named,
+    script_command,
+    write_recipe,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -155,20 +162,8 @@ def test_an_unmodified_trl_script_survives_a_killed_rank_and_its_deepspeed_flag_
     """TRL's SFTTrainer in a script that never imports ftkit, passing its own --deepspeed: the recipe says fsdp2,
     so the flag is overridden (listed), FSDP2 is on, and a killed rank costs one restart and no loss."""
     (tmp_path / "their_ds.json").write_text(json.dumps({"train_batch_size": 14, "zero_optimization": {"stage": 3}}))
-    script = [
-        "python",
-        str(SCRIPTS / "trl_sft.py"),
-        "--model",
-        str(fx["model"]),
-        "--data",
-        str(fx["data"]),
-        "--deepspeed",
-        str(tmp_path / "their_ds.json"),
-        "--logging_steps",
-        "1",
-        "--report_to",
-        "none",
-    ]
+    their = ["--deepspeed", str(tmp_path / "their_ds.json"), "--logging_steps", "1", "--report_to", "none"]
+    script = script_command("trl_sft.py", fx, *their)
     short = {**FSDP2, "train__max_steps": 8}
     clean = _launch(tmp_path / "clean", fx, *script, **short)
     run = _launch(tmp_path / "kill", fx, *script, kill=True, **short)

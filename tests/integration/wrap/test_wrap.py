@@ -21,7 +21,7 @@ import pytest
 from ftkit.errors import ExitCode
 from tests.helpers.paths import REPO, SCRIPTS
 from tests.helpers.readme import readme_example
-from tests.helpers.runs import assert_no_process_left, losses, mp_lock, named, write_recipe
+from tests.helpers.runs import assert_no_process_left, losses, mp_lock, named, script_command, write_recipe
 
 STEPS = 8
 RUN_S = 300
@@ -49,7 +49,7 @@ def launch(recipe: Path, *args: str, env: dict[str, str] | None = None, cwd: Pat
 
 
 def hf_script(fx: dict[str, Path], *extra: str) -> list[str]:
-    return ["python", str(SCRIPTS / "hf_trainer.py"), "--model", str(fx["model"]), "--data", str(fx["data"]), *extra]
+    return script_command("hf_trainer.py", fx, *extra)
 
 
 def assert_recovered(r: subprocess.CompletedProcess, run: Path, expected: dict[int, float]) -> None:
@@ -93,13 +93,9 @@ def hf_baseline(fx: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
 def test_unmodified_trl_script_gets_the_recipe_and_survives_a_killed_rank(fx, tmp_path):
     """TRL's SFTTrainer in a script that never imports ftkit: the recipe's values win over the script's arguments
     (each change listed once, in the output and in events.jsonl); a SIGKILLed rank costs one restart and no loss."""
-    cmd = [
-        "python",
-        str(SCRIPTS / "trl_sft.py"),
-        "--model",
-        str(fx["model"]),
-        "--data",
-        str(fx["data"]),
+    cmd = script_command(
+        "trl_sft.py",
+        fx,
         "--output_dir",
         str(tmp_path / "elsewhere"),
         "--per_device_train_batch_size",
@@ -112,7 +108,7 @@ def test_unmodified_trl_script_gets_the_recipe_and_survives_a_killed_rank(fx, tm
         "1",
         "--report_to",
         "none",
-    ]
+    )
     (tmp_path / "their_ds.json").write_text(json.dumps({"train_batch_size": 14, "zero_optimization": {"stage": 3}}))
     clean_dir, kill_dir = tmp_path / "clean", tmp_path / "kill"
     clean_dir.mkdir()
