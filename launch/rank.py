@@ -150,8 +150,7 @@ class RankContext:
             "lines": err.lines(),
             "exit_code": err.exit_code,
         }
-        if step is not None:
-            rec["step"] = step
+        rec["step"] = step  # None: before the first step (or not known)
         if repeats:
             rec["repeats"] = repeats
         if traceback is not None:

@@ -413,7 +413,7 @@ def save_trained(trainer: Any, output_dir: str | None = None, save: Callable[...
         print(f"ftkit: save_model({str(asked)!r}) -> {str(final)!r} (the run's final model)", flush=True)
     ctx.heartbeat("saving", trainer.state.global_step)
     save_model(trainer, str(final), save)
-    commit_final(trainer.state.global_step)
+    commit_final(trainer.state.global_step, weights=True)
     return str(final)
 
 
@@ -433,15 +433,17 @@ def save_model(trainer: Any, output_dir: str, save: Callable[..., Any] | None = 
     (save or type(trainer).save_model)(trainer, output_dir)
 
 
-def commit_final(step: int) -> None:
+def commit_final(step: int, weights: bool = False) -> None:
     """After every rank saved ``RUN/final`` (``save_model``): rank 0 writes its commit record, the sign the run
-    finished; every rank says so in its heartbeat."""
+    finished; every rank says so in its heartbeat. ``weights``: the final came from a Trainer's save, so it must
+    hold weight files (HF's save_model under FSDP's sharded state dict, for one, writes none); a loop's own
+    ``final()`` commits whatever the script wrote."""
 
     r = _state()
     ctx, spec = r.ctx, r.spec
     if ctx.rank == 0:
         final = ctx.rd.final
-        if not model_weights(final):
+        if weights and not model_weights(final):
             e = SaveWroteNothing(
                 f"rank 0: the final save wrote no model weights in {final} (does the script's Trainer override "
                 "save_model?): a final model without weights is never committed"

@@ -127,7 +127,7 @@ def train(ctx: RankContext, resume: str | None) -> int | None:
     _probe(trainer, rows[0], ctx)
     if ctx.rank == 0:
         tokenizer.save_pretrained(str(final))
-    hf.commit_final(trainer.state.global_step)
+    hf.commit_final(trainer.state.global_step, weights=True)
     return None
 
 

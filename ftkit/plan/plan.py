@@ -313,14 +313,15 @@ def _resolve_backend(plan: Plan, with_memory: bool, strict: bool, unknown_model_
             )
         )
     report = plan_memory(plan)
-    chosen = report.choice.chosen or (None if strict else report.selected)
-    if chosen is None:
+    if report.choice.chosen is None and strict:
         raise RecipeError(
             r.problem(
                 "train.backend", f"auto: nothing fits on either backend ({report.choice_reason}); run `ftkit plan`"
             )
         )
-    cand = chosen.candidate
+    # ftkit plan (not strict) with nothing that fits: the ZeRO side's own fallback, so the table and the suggestions
+    # still print (exit 10)
+    cand = report.choice.chosen.candidate if report.choice.chosen is not None else None
     values = dict(r.values)
     if isinstance(cand, Fsdp2):
         values.update(

@@ -64,8 +64,8 @@ def backend_problems(values: Mapping[str, Any], explicit: Collection[str]) -> li
         out.append(
             (
                 "cluster.engine",
-                "the deepspeed runner starts DeepSpeed ranks; train.backend fsdp2 runs under accelerate, torchrun or "
-                "slurm (without cluster.engine: accelerate)",
+                "the deepspeed runner starts DeepSpeed ranks; ftkit launches train.backend fsdp2 under accelerate "
+                "(the default without cluster.engine)",
             )
         )
     if "checkpoint.local_dir" in explicit and values["checkpoint.local_dir"] not in (None, "auto"):

@@ -39,7 +39,9 @@ print(json.dumps({"type": accelerator.distributed_type.value, **out}))
 """
 
 
-def _prepare(start: str, model: Path, tmp_path: Path) -> dict:
+def _prepare(start: str, model: Path, tmp_path: Path) -> subprocess.Popen:
+    """One process of a 1-rank job preparing a model with Accelerate: started, not waited for (the two starts of
+    the test import the libraries side by side)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
     env.update(
         {
@@ -58,9 +60,13 @@ def _prepare(start: str, model: Path, tmp_path: Path) -> dict:
         }
     )
     argv = [sys.executable, "-c", _PREPARE, start, str(model), str(tmp_path / "batons")]
-    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _result(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.mark.heavy
@@ -68,10 +74,10 @@ def test_accelerate_falls_back_to_ddp_on_cpu_and_the_rank_start_up_turns_fsdp2_o
     from ftkit.launch.fixtures import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "model")  # 2 decoder layers: 21 parameter tensors
-    plain = _prepare("plain", model_dir, tmp_path)
+    procs = [_prepare("plain", model_dir, tmp_path), _prepare("ftkit", model_dir, tmp_path)]
+    plain, ftkit = (_result(p) for p in procs)
     assert plain["type"] == "MULTI_CPU" and "0 of 21 parameters are DTensors" in plain["error"], plain
     assert "Accelerate fell back to plain data parallel" in plain["error"]
-    ftkit = _prepare("ftkit", model_dir, tmp_path)
     assert ftkit == {"type": "FSDP", "proof": {"dtensor_params": 21, "params": 21}}, ftkit
 
 

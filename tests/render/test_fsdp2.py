@@ -69,7 +69,7 @@ def test_fsdp2_renders_one_fsdp_accelerate_yaml_and_no_ds_config(write_recipe, t
         ("zero.offload_params=cpu", "zero.offload_params: DeepSpeed's key; under train.backend fsdp2 use fsdp.offload"),
         ("zero.nvme_path=/nvme", "FSDP2 has no NVMe offload: remove it"),
         ("zero.reduce_bucket_size=1000", "FSDP2 reduce-scatters per wrapped layer: remove it"),
-        ("cluster.engine=deepspeed", "train.backend fsdp2 runs under accelerate, torchrun or slurm"),
+        ("cluster.engine=deepspeed", "ftkit launches train.backend fsdp2 under accelerate"),
         ("checkpoint.local_dir=/dev/shm/x", "the node-local checkpoint tier knows DeepSpeed's checkpoints only"),
         ("checkpoint.peer_copies=1", "checkpoint.peer_copies: copies the node-local tier, which fsdp2 does not use"),
     ],
@@ -269,3 +269,15 @@ def test_auto_keeps_what_the_recipe_fixes_and_refuses_what_fsdp2_cannot_run(writ
     ):
         with pytest.raises(RecipeError, match=message.replace(".", r"\.")):
             load_recipe(str(write_recipe()), ["train.backend=auto", override])
+
+
+def test_auto_when_nothing_fits_on_either_backend(write_recipe, model_dir) -> None:
+    """``ftkit plan`` still prints both backends' table with what would fit (exit 10); a launch's plan refuses in
+    one line naming train.backend."""
+    (model_dir / "config.json").write_text((MODEL_CONFIGS / "Meta-Llama-3-70B.json").read_text())
+    tiny = ["train.backend=auto", "cluster.gpus_per_node=1", "cluster.gpu_memory_gb=8", "cluster.host_memory_gb=16"]
+    out = CliRunner().invoke(cli, ["plan", str(write_recipe()), *tiny, "train.global_batch_size=2"])
+    assert out.exit_code == 10, out.output
+    assert "FSDP2" in out.output and "ZeRO-1" in out.output and "nothing fits" in out.output
+    with pytest.raises(RecipeError, match="train.backend.*auto: nothing fits on either backend"):
+        load_and_plan(str(write_recipe()), [*tiny, "train.global_batch_size=2"])

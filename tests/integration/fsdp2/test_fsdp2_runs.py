@@ -117,6 +117,8 @@ def test_builtin_entry_survives_a_killed_rank_with_dcp_checkpoints_and_a_loadabl
     _assert_same(losses(run), losses(base), range(1, STEPS + 1))
     _assert_fsdp2(run, range(2))
     _assert_dcp_committed(run / f"checkpoint-{STEPS}")
+    # rotation keeps save_total_limit (2) committed DCP checkpoints, as it does ZeRO's
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-16", f"checkpoint-{STEPS}"]
     assert not (run / "ftkit" / "ds_config.json").exists()
     # HF's save_model writes no weights under a sharded state dict: ftkit gathers them, and the final loads
     _final_matches_probe(run)
