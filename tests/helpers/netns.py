@@ -99,6 +99,26 @@ def pid_alive(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
 
 
+def release_stale_pyenv_lock() -> bool:
+    """Remove pyenv's rehash lock when no ``pyenv-rehash`` runs. Every ssh session to a node sources root's
+    ~/.bashrc, whose ``pyenv init`` rehashes under a lock file in the shared home (``shims/.pyenv-shim``); a node
+    killed while one of its shells held it leaves it behind, and every later session on every node then waits for
+    it (60 s), far past ssh's timeouts: a loaded full run lost its last netns tests that way. Returns whether a
+    lock was removed."""
+    lock = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv") / "shims" / ".pyenv-shim"
+    if not lock.exists():
+        return False
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and b"pyenv-rehash" in (entry / "cmdline").read_bytes():
+                return False  # a live rehash holds it
+        except OSError:
+            continue
+    with contextlib.suppress(FileNotFoundError):
+        lock.unlink()
+    return True
+
+
 def _kill(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
@@ -351,6 +371,7 @@ class NetnsCluster:
         left = _wait_gone(pids, timeout)
         if left and sig == signal.SIGKILL:
             raise RuntimeError(f"{n.alias}: pids {left} survived SIGKILL")
+        release_stale_pyenv_lock()
         if not pid_alive(n.sshd_pid or -1):
             self._reap(n)
             n.sshd_pid = None
@@ -788,6 +809,7 @@ def netns_cluster(
     skip_bashrc: bool = False,
 ) -> Iterator[NetnsCluster]:
     """Context manager around :func:`create_cluster`: always tears down, and fails if anything is left over."""
+    release_stale_pyenv_lock()  # one an earlier run's killed node left would stall every session
     cluster = create_cluster(n_nodes, subnet=subnet, port=port, workdir=workdir, skip_bashrc=skip_bashrc)
     failed = False
     try:

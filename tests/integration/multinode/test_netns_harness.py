@@ -148,6 +148,36 @@ def test_kill_node_then_restart_sshd(netns2: NetnsCluster) -> None:
     assert netns2.ssh(1, "echo back", timeout=20).stdout.strip() == "back"
 
 
+@pytest.mark.timeout(120)
+def test_a_node_killed_while_its_shell_holds_pyenvs_rehash_lock_stalls_no_other_session(netns2: NetnsCluster) -> None:
+    """Every session sources root's ~/.bashrc here, and its `pyenv init` rehashes under a lock in the shared home.
+    A full run lost its last netns tests to a node killed while one of its shells held that lock: every later
+    session on every node waited 60 s for it. kill_node now removes the lock its kill left."""
+    import os
+
+    lock = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv") / "shims" / ".pyenv-shim"
+    if not lock.parent.is_dir():
+        pytest.skip("no pyenv shims here: nothing to hold")
+    holder = subprocess.Popen(  # a shell on node1 holding the lock, as pyenv-rehash does with noclobber
+        ["ssh", "-F", str(netns2.ssh_config), "node1", "--", f"set -o noclobber; : > {lock} && sleep 120"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not lock.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lock.exists(), "node1's shell did not take the lock"
+        netns2.kill_node(1)
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    assert not lock.exists()
+    t0 = time.monotonic()
+    assert netns2.ssh(0, "true", timeout=30).returncode == 0
+    assert time.monotonic() - t0 < 10, "a session on node0 waited on the lock"
+
+
 @pytest.mark.timeout(90)
 def test_teardown_leaves_nothing(tmp_path: Path) -> None:
     require_netns()
