@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ftkit.cluster.procs import is_alive
 from ftkit.rundir.layout import atomic_write, read_jsonl
 
 if TYPE_CHECKING:
@@ -176,7 +177,8 @@ def _end_orphaned_writers(run_id: str, wait_s: float) -> None:
                 if not argv or Path(argv[0].decode(errors="replace")).name != "wandb-core" or b"--pid" not in argv:
                     continue
                 parent = int(argv[argv.index(b"--pid") + 1])
-                if marker in (entry / "environ").read_bytes().split(b"\0") and not _running(parent):
+                # is_alive counts a zombie rank as gone
+                if marker in (entry / "environ").read_bytes().split(b"\0") and not is_alive(parent):
                     orphans.append(int(entry.name))
             except (OSError, ValueError, IndexError):
                 continue
@@ -191,15 +193,6 @@ def _end_orphaned_writers(run_id: str, wait_s: float) -> None:
             time.sleep(0.2)
             return
         time.sleep(0.2)
-
-
-def _running(pid: int) -> bool:
-    """PID exists and is not a zombie (a killed rank its parent has not reaped yet is gone for this purpose)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
 def wandb_records(path: Path) -> Iterator[Any]:
