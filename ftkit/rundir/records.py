@@ -7,7 +7,11 @@ rank that crashed left it half-filled, so readers use ``.get`` and check what th
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import TypeAlias, TypedDict
+
+JSONScalar: TypeAlias = str | int | float | bool | None
+JSON: TypeAlias = JSONScalar | list["JSON"] | dict[str, "JSON"]  # what json.loads returns, for free-form data
+JSONObject: TypeAlias = dict[str, JSON]  # a JSON object whose keys are not fixed (the recipe, a user's config)
 
 
 class Heartbeat(TypedDict, total=False):
@@ -75,3 +79,99 @@ class AgentRecord(TypedDict, total=False):
     start_time: int | None
     attempt: int
     agent_of_rank: int
+
+
+class FileEntry(TypedDict):
+    """One file of a checkpoint's manifest: its size, checksum and the rank that wrote it."""
+
+    size: int
+    checksum: str  # "xxh3:<hex>", or "sampled:<hex>" (checkpoint.checksums)
+    rank: int
+
+
+class CommitRecord(TypedDict, total=False):
+    """``CHECKPOINT/ftkit-commit.json``: the proof a checkpoint is complete (:func:`ftkit.checkpoint.commit.write_commit`)."""
+
+    format: str
+    version: int
+    ftkit_version: str
+    step: int
+    created: float
+    created_utc: str
+    world_size: int
+    stage: int | None  # the ZeRO stage (None: not a DeepSpeed run)
+    recipe_hash: str
+    tag: str | None  # DeepSpeed's checkpoint tag (global_stepN)
+    checksum: dict[str, JSON]  # {"mode": "full", "name": ...} or {"mode": "sampled", ...the sample spec}
+    kind: str  # checkpoint, model, state, node
+    files: dict[str, FileEntry]
+    extra: dict[str, JSON]  # attempt, fingerprint, tier facts
+
+
+class Event(TypedDict, total=False):
+    """One line of ``ftkit/events.jsonl``: what the supervisor decided and why (``Events.__call__``). ``time``,
+    ``event`` and ``attempt`` are on every line; the rest depends on the event."""
+
+    time: float
+    event: str  # launch, failure, restart, checkpoint_chosen, shrink, finished, ...
+    attempt: int
+    message: str
+    step: int | None
+    kind: str
+    reason: str
+    checkpoint: str | None
+    hosts: list[str]
+    ranks: list[int]
+    node: str
+    host: str
+    pid: int
+    start_time: int | None
+    remote: bool
+    argv: list[str]
+    engine: str
+    resume: str | None
+    tier: str | None
+    world_size: int
+    from_world_size: int
+    to_world_size: int
+    global_batch_size: int
+    gradient_accumulation_steps: int
+    exit_code: int | None
+    exit_meaning: str | None
+    dead_ranks: list[int]
+    restarts: int
+    delay_s: float
+    signal: str
+    timeout_s: float
+    dst: str
+    universal: bool
+    discarded: list[str]
+    changes: list[JSON]
+    versions: dict[str, JSON]
+    report: dict[str, JSON]
+    metric: str
+    logged: float
+    now: float
+    relative: float
+    stop: bool
+
+
+class MetricsRecord(TypedDict, total=False):
+    """One line of ``ftkit/metrics.jsonl`` (rank 0): a logged step (``loss``, ``lr``, ...; a script's own metrics
+    from ``ftkit.hf.step`` too), an eval, a checkpoint commit (``event: "commit"``) or a checkpoint agent's event."""
+
+    step: int
+    attempt: int
+    time: float
+    loss: float
+    lr: float | None
+    grad_norm: float | None
+    tokens_seen: int | None
+    eval_loss: float
+    event: str  # commit, or an agent's event (durable, peer_copy, ...)
+    commit_s: float
+    save_s: float
+    rotated: list[str]
+    stop: bool | None
+    host: str
+    tier: str
