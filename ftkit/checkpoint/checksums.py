@@ -14,12 +14,16 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import xxhash
+
+from ftkit.rundir.records import ChecksumInfo
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 CHECKSUM_MODES = ("full", "sampled")  # resilience.checksum
 XXH3 = "xxh3_128"  # the full checksum ftkit writes
@@ -42,11 +46,16 @@ class SampleSpec:
     blocks: int = 16
     block_bytes: int = 64 * 1024
 
-    def to_json(self) -> dict[str, Any]:
-        return {"name": "ftkit-sampled-blake2b-v1", **self.__dict__}
+    def to_json(self) -> ChecksumInfo:
+        return ChecksumInfo(
+            name="ftkit-sampled-blake2b-v1",
+            small_file_bytes=self.small_file_bytes,
+            blocks=self.blocks,
+            block_bytes=self.block_bytes,
+        )
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> SampleSpec:
+    def from_json(cls, data: ChecksumInfo) -> SampleSpec:
         spec = cls(int(data["small_file_bytes"]), int(data["blocks"]), int(data["block_bytes"]))
         if spec.blocks < 0 or spec.block_bytes <= 0 or spec.small_file_bytes < spec.block_bytes:
             raise ValueError(f"invalid sampling parameters {data!r}")
@@ -56,7 +65,14 @@ class SampleSpec:
 DEFAULT_SPEC = SampleSpec()
 
 
-def _hash_file(path: str | os.PathLike[str], h: Any, *, use_mmap: bool = False) -> str:
+class _Hash(Protocol):
+    """hashlib's and xxhash's hash objects alike."""
+
+    def update(self, data: ReadableBuffer, /) -> None: ...
+    def hexdigest(self) -> str: ...
+
+
+def _hash_file(path: str | os.PathLike[str], h: _Hash, *, use_mmap: bool = False) -> str:
     """Feed every byte of ``path`` to ``h``; returns its hex digest.
 
     ``use_mmap`` hashes the page cache in place instead of copying it into a buffer first: about twice as fast

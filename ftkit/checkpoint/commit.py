@@ -11,7 +11,6 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 from ftkit import __version__
 from ftkit.checkpoint.checksums import (
@@ -41,6 +40,7 @@ from ftkit.checkpoint.layout import (
 )
 from ftkit.errors import ExitCode, FtkitError
 from ftkit.rundir.layout import atomic_write
+from ftkit.rundir.records import CommitExtra, CommitRecord, FileEntry
 
 
 class CommitError(FtkitError):
@@ -58,7 +58,7 @@ def manifest_part(
     fsync: bool = True,
     spec: SampleSpec = DEFAULT_SPEC,
     files: list[str] | None = None,
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, FileEntry]:
     """``{relative path: {size, checksum, rank}}`` for the files this rank wrote (``files``: these instead of
     the ones :func:`files_owned_by_rank` assigns it, e.g. one node's part of a local checkpoint).
 
@@ -72,7 +72,7 @@ def manifest_part(
         raise ValueError(f"checksum must be one of {', '.join(CHECKSUM_MODES)}, got {checksum!r}")
     ckpt = Path(ckpt_dir)
 
-    def one(rel: str) -> tuple[str, dict[str, Any]]:
+    def one(rel: str) -> tuple[str, FileEntry]:
         path = ckpt / rel
         if fsync:
             _fsync_path(path)
@@ -107,13 +107,13 @@ def _check_accelerate_processes(name: str, present: Iterable[str], world_size: i
 
 def write_commit(
     ckpt_dir: str | os.PathLike[str],
-    parts: Iterable[Mapping[str, Mapping[str, Any]]],
+    parts: Iterable[Mapping[str, FileEntry]],
     *,
     step: int,
     world_size: int,
     stage: int | None,
     recipe_hash: str,
-    extra: Mapping[str, Any] | None = None,
+    extra: CommitExtra | None = None,
     spec: SampleSpec = DEFAULT_SPEC,
     kind: str = "checkpoint",
 ) -> Path:
@@ -138,10 +138,14 @@ def write_commit(
     if not ckpt.is_dir():
         raise CommitError(f"{name}: not a directory")
 
-    merged: dict[str, dict[str, Any]] = {}
+    merged: dict[str, FileEntry] = {}
     for part in parts:
         for rel, entry in part.items():
-            clean = {"size": int(entry["size"]), "checksum": str(entry["checksum"]), "rank": int(entry["rank"])}
+            clean: FileEntry = {
+                "size": int(entry["size"]),
+                "checksum": str(entry["checksum"]),
+                "rank": int(entry["rank"]),
+            }
             if rel in merged and merged[rel] != clean:
                 raise CommitError(f"{name}: ranks {merged[rel]['rank']} and {clean['rank']} disagree about {rel}")
             merged[rel] = clean
@@ -184,7 +188,7 @@ def write_commit(
         raise CommitError(f"{name}: RNG files do not match world size {world_size} ({odd[0]} missing or extra)")
 
     now = time.time()
-    record: dict[str, Any] = {
+    record: CommitRecord = {
         "format": COMMIT_FORMAT,
         "version": COMMIT_VERSION,
         "ftkit_version": __version__,
@@ -202,7 +206,7 @@ def write_commit(
         ),
         "kind": kind,
         "files": dict(sorted(merged.items())),
-        "extra": dict(extra or {}),
+        "extra": CommitExtra(**(extra or {})),
     }
     _fsync_tree_dirs(ckpt)  # the data files' directory entries must be durable before the record is
     atomic_write(ckpt / COMMIT_FILE, json.dumps(record, indent=1, sort_keys=False).encode() + b"\n", sync_dir=True)

@@ -10,7 +10,9 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import cast
+
+from ftkit.rundir.records import CommitRecord
 
 COMMIT_FILE = "ftkit_commit.json"
 
@@ -186,7 +188,7 @@ def _checkpoint_step(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def read_commit(ckpt_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+def read_commit(ckpt_dir: str | os.PathLike[str]) -> CommitRecord | None:
     """The commit record as a dict, or None when there is none. Raises ValueError when it does not parse."""
     path = Path(ckpt_dir) / COMMIT_FILE
     try:
@@ -196,7 +198,7 @@ def read_commit(ckpt_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     record = json.loads(raw)
     if not isinstance(record, dict):
         raise ValueError("not a JSON object")
-    return record
+    return cast("CommitRecord", record)
 
 
 @dataclass

@@ -32,7 +32,7 @@ import shutil
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypedDict, cast
 
 import xxhash
 
@@ -49,7 +49,8 @@ from ftkit.checkpoint.layout import (
     read_commit,
 )
 from ftkit.checkpoint.verify import Verdict, verify
-from ftkit.rundir.layout import atomic_write, read_jsonl
+from ftkit.rundir.layout import atomic_write, read_metrics
+from ftkit.rundir.records import CommitExtra, CommitRecord, FileEntry, MetricsRecord
 
 SETS_DIR = "ftkit/local"  # RUN/ftkit/local/checkpoint-N.json: every node committed its part of step N
 CLAIMS_DIR = f"{SETS_DIR}/peer-claims"  # RUN/ftkit/local/peer-claims/<holder>/<sender>.json: the step being sent
@@ -89,13 +90,26 @@ def files_on_node(ckpt: str | os.PathLike[str], rank: int, first_rank_of_node: i
 # ------------------------------------------------------------------------------------------------ set records
 
 
-def write_set_record(run_dir: str | os.PathLike[str], step: int, **data: Any) -> None:
+class SetRecord(TypedDict, total=False):
+    """``RUN/ftkit/local/checkpoint-N.json``: every node committed its part of step N on its local tier."""
+
+    step: int
+    attempt: int
+    nodes: list[str]
+    world_size: int
+    stop: bool | None
+
+
+def write_set_record(
+    run_dir: str | os.PathLike[str], step: int, *, attempt: int, nodes: list[str], world_size: int, stop: bool | None
+) -> None:
     """Rank 0, once every node committed its part of ``step`` (after a barrier)."""
     path = Path(run_dir) / SETS_DIR / f"checkpoint-{step}.json"
-    atomic_write(path, json.dumps({"step": step, **data}), sync_dir=True)
+    record = SetRecord(step=step, attempt=attempt, nodes=nodes, world_size=world_size, stop=stop)
+    atomic_write(path, json.dumps(record), sync_dir=True)
 
 
-def set_records(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+def set_records(run_dir: str | os.PathLike[str]) -> list[SetRecord]:
     """Every set record, newest step first."""
     out = []
     d = Path(run_dir) / SETS_DIR
@@ -105,7 +119,7 @@ def set_records(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
         except (OSError, ValueError):
             continue
         if isinstance(rec, dict) and isinstance(rec.get("step"), int):
-            out.append(rec)
+            out.append(cast("SetRecord", rec))
     return sorted(out, key=lambda r: -r["step"])
 
 
@@ -139,7 +153,7 @@ def newest_durable(run_dir: str | os.PathLike[str]) -> int | None:
     return None
 
 
-def local_checkpoints(directory: Path) -> list[tuple[int, Path, dict[str, Any]]]:
+def local_checkpoints(directory: Path) -> list[tuple[int, Path, CommitRecord]]:
     """``(step, path, record)`` of the committed checkpoints in one node's tier directory, newest first."""
     out = []
     for step, path in list_checkpoints(directory):
@@ -272,14 +286,14 @@ class CopyError(Exception):
 def copy_part(
     src: Path,
     dst: Path,
-    files: Mapping[str, Mapping[str, Any]],
-    record: Mapping[str, Any] | None = None,
+    files: Mapping[str, FileEntry],
+    record: CommitRecord | None = None,
     after_file: Callable[[str], None] | None = None,
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, FileEntry]:
     """Copy ``files`` (relative path -> the node record's entry) from ``src`` to ``dst``, hashing every byte as it
     is copied and comparing with the entry; each file is fsynced. Returns the entries (for the part record).
     ``after_file`` is called with each file copied (the agent's test-only pause)."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, FileEntry] = {}
     for rel, entry in sorted(files.items()):
         s, d = src / rel, dst / rel
         d.parent.mkdir(parents=True, exist_ok=True)
@@ -298,13 +312,13 @@ def copy_part(
         digest = f"{algo}:{h.hexdigest()}" if h is not None else _other(d, expected, record)
         if size != int(entry["size"]) or digest != expected:
             raise CopyError(f"{rel}: {size} bytes, {digest} read from {s}; the node's record says {entry}")
-        out[rel] = {"size": size, "checksum": expected, "rank": int(entry.get("rank", 0))}
+        out[rel] = FileEntry(size=size, checksum=expected, rank=int(entry.get("rank", 0)))
         if after_file is not None:
             after_file(rel)
     return out
 
 
-def _other(path: Path, expected: str, record: Mapping[str, Any] | None) -> str:
+def _other(path: Path, expected: str, record: CommitRecord | None) -> str:
     """A checksum of another algorithm (sampled, blake2b): recomputed from the copy with the record's parameters."""
     spec = DEFAULT_SPEC
     if record is not None and expected.startswith(SAMPLED + ":"):
@@ -333,13 +347,13 @@ class NodePart:
     host: str
     step: int
     path: Path
-    record: dict[str, Any]
+    record: CommitRecord
 
     @property
     def nodes(self) -> list[str]:
         return list((self.record.get("extra") or {}).get("nodes") or [self.host])
 
-    def files(self, with_shared: bool) -> dict[str, dict[str, Any]]:
+    def files(self, with_shared: bool) -> dict[str, FileEntry]:
         return {
             rel: entry
             for rel, entry in (self.record.get("files") or {}).items()
@@ -349,7 +363,7 @@ class NodePart:
 
 def copy_to_durable(
     run_dir: Path, part: NodePart, after_file: Callable[[str], None] | None = None
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, FileEntry]:
     """This node's part of ``part.step`` into the staging directory (the first node also copies the shared files),
     then its part record. Returns what was copied."""
     first = part.nodes[0] == part.host
@@ -362,7 +376,7 @@ def copy_to_durable(
     return copied
 
 
-def publish(run_dir: Path, step: int, record: Mapping[str, Any]) -> Path | None:
+def publish(run_dir: Path, step: int, record: CommitRecord) -> Path | None:
     """When every node's part of ``step`` is in the staging directory: the commit record over the whole set, then
     the rename to ``checkpoint-<step>``. None while parts are missing, or when another agent published first."""
     nodes = list((record.get("extra") or {}).get("nodes") or [])
@@ -381,7 +395,10 @@ def publish(run_dir: Path, step: int, record: Mapping[str, Any]) -> Path | None:
     except FileExistsError:
         return None
     staging = _staging(run_dir, step)
-    extra = {k: v for k, v in (record.get("extra") or {}).items() if k not in ("node", "ranks")}
+    extra = CommitExtra(**(record.get("extra") or {}))
+    extra["tier"] = "durable"
+    extra.pop("node", None)
+    extra.pop("ranks", None)
     try:
         write_commit(
             staging,
@@ -390,7 +407,7 @@ def publish(run_dir: Path, step: int, record: Mapping[str, Any]) -> Path | None:
             world_size=int(record["world_size"]),
             stage=record.get("stage"),
             recipe_hash=str(record.get("recipe_hash", "")),
-            extra={**extra, "tier": "durable"},
+            extra=extra,
         )
     except CommitError:
         shutil.rmtree(parts_dir / "publishing", ignore_errors=True)
@@ -443,6 +460,6 @@ def assemble(run_dir: Path, parts: Iterable[NodePart]) -> Path | None:
     return publish(run_dir, parts[0].step, record)
 
 
-def durable_progress(run_dir: Path) -> list[dict[str, Any]]:
+def durable_progress(run_dir: Path) -> list[MetricsRecord]:
     """The commit records of the run's metrics.jsonl that the agents wrote (durable copies), oldest first."""
-    return [m for m in read_jsonl(Path(run_dir) / "metrics.jsonl") if m.get("event") == "durable"]
+    return [m for m in read_metrics(Path(run_dir) / "metrics.jsonl") if m.get("event") == "durable"]

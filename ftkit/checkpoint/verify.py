@@ -9,7 +9,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ftkit.checkpoint.checksums import (
     ALGORITHMS,
@@ -29,6 +28,7 @@ from ftkit.checkpoint.layout import (
     read_commit,
     reshards,
 )
+from ftkit.rundir.records import CommitRecord
 
 
 class VerdictKind:
@@ -60,7 +60,7 @@ class Verdict:
     step: int | None
     kind: str = VerdictKind.OK
     path: Path | None = None
-    record: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+    record: CommitRecord | None = field(default=None, repr=False, compare=False)
 
     @property
     def incompatible(self) -> bool:
@@ -91,8 +91,15 @@ def verify(
     name = ckpt.name
     dir_step = _checkpoint_step(ckpt)
 
-    def verdict(ok: bool, committed: bool, kind: str, reason: str, step: int | None = dir_step, **kw: Any) -> Verdict:
-        return Verdict(ok, committed, f"{name}: {reason}", step, kind, ckpt, **kw)
+    def verdict(
+        ok: bool,
+        committed: bool,
+        kind: str,
+        reason: str,
+        step: int | None = dir_step,
+        record: CommitRecord | None = None,
+    ) -> Verdict:
+        return Verdict(ok, committed, f"{name}: {reason}", step, kind, ckpt, record)
 
     try:
         return _verify(ckpt, checksums, require_commit, world_size, stage, verdict)
@@ -157,7 +164,7 @@ def _verify(
 
 def _verify_committed(
     ckpt: Path,
-    record: dict[str, Any],
+    record: CommitRecord,
     checksums: bool,
     world_size: int | None,
     stage: int | None,

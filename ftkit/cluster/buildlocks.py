@@ -28,7 +28,6 @@ import sys
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
 
 LOADING_HINT_AFTER_S = 60.0  # a rank still "loading" this long while a stale lock exists gets a hint
 CONFIRM_S = 0.5  # an unheld lock is looked at again after this long before it is called stale
@@ -133,7 +132,7 @@ def stale_build_locks(env: Mapping[str, str] | None = None) -> list[Path]:
 
 
 def loading_hint(
-    heartbeats: Iterable[Mapping[str, Any]],
+    heartbeats: Iterable[Mapping[str, object]],
     now: float,
     *,
     since: Mapping[int, tuple[str, float]] | None = None,
@@ -160,8 +159,8 @@ def loading_hint(
         entered = None
         if since is not None and isinstance(rank, int) and rank in since and since[rank][0] == phase:
             entered = since[rank][1]
-        elif since is None and isinstance(hb.get("time"), (int, float)):
-            entered = float(hb["time"])
+        elif since is None and isinstance(t := hb.get("time"), (int, float)):
+            entered = float(t)
         if entered is not None and now - entered >= after_s:
             waiting.append(rank if isinstance(rank, int) else -1)
     if not waiting:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 from ftkit.cluster.fanout import run_on_hosts
 from ftkit.cluster.hosts import LOCAL_HOSTS as LOCAL_HOSTS
@@ -92,7 +92,7 @@ class TeardownResult:
     def clean(self) -> bool:
         return not self.left and not self.unreachable
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, list[str] | bool]:
         return {
             "signalled": self.signalled,
             "killed": self.killed,
@@ -315,7 +315,25 @@ def teardown(
     return res
 
 
-def targets_from_records(records: Iterable[Mapping[str, Any]]) -> list[Target]:
+class ProcessRecord(TypedDict, total=False):
+    """What teardown reads of a process record on disk (a rank's pid record, a checkpoint agent's record)."""
+
+    host: str  # the node's name in the hostfile
+    pid: int
+    start_time: int | None  # guards against pid reuse
+
+
+class RankProcess(ProcessRecord, total=False):
+    """A rank's pid record (``ftkit.rundir.records.PidRecord``), as far as teardown reads it."""
+
+    rank: int
+    ppid: int  # the per-node agent (launcher)
+    ppid_start_time: int | None
+    master_addr: str | None  # DeepSpeed's CPU collectives name their /dev/shm buffers after these
+    master_port: str | None
+
+
+def targets_from_records(records: Iterable[RankProcess]) -> list[Target]:
     """Rank pid records -> teardown targets (the rank itself; its parent too when that is a per-node agent)."""
     out = []
     for r in records:
@@ -326,7 +344,7 @@ def targets_from_records(records: Iterable[Mapping[str, Any]]) -> list[Target]:
     return out
 
 
-def agent_targets(records: Iterable[Mapping[str, Any]]) -> list[Target]:
+def agent_targets(records: Iterable[ProcessRecord]) -> list[Target]:
     """Checkpoint agent records (ftkit.launch.tier) -> teardown targets: a copy in flight is stopped too."""
     return [
         Target(r["host"], int(r["pid"]), r.get("start_time"), what=f"checkpoint agent on {r['host']}") for r in records
@@ -337,7 +355,7 @@ SHM_DIR = "/dev/shm"
 SHM_PREFIX = "deepspeed_allreduce_buffer_"  # DeepSpeed's CPU shared-memory collectives: ~70 MB per rank per run
 
 
-def _shm_keys(records: Iterable[Mapping[str, Any]]) -> dict[str, set[str]]:
+def _shm_keys(records: Iterable[RankProcess]) -> dict[str, set[str]]:
     """host -> the run's part of its /dev/shm buffer names, ``_{master_addr}_{master_port}_`` (literal text)."""
     out: dict[str, set[str]] = {}
     for r in records:
@@ -351,7 +369,7 @@ def _glob_literal(text: str) -> str:
     return "".join(f"[{c}]" if c in "*?[]" else c for c in text)
 
 
-def shm_patterns(records: Iterable[Mapping[str, Any]]) -> dict[str, set[str]]:
+def shm_patterns(records: Iterable[RankProcess]) -> dict[str, set[str]]:
     """host -> glob patterns of the run's /dev/shm buffers (named ``..._{master_addr}_{master_port}_{rank}``)."""
     return {host: {f"{SHM_PREFIX}*{_glob_literal(k)}*" for k in keys} for host, keys in _shm_keys(records).items()}
 
@@ -363,7 +381,7 @@ def remove_shm_script(keys: Iterable[str]) -> str:
 
 
 def remove_shm(
-    records: Iterable[Mapping[str, Any]], ssh_args: list[str], timeout: float = 10.0, transport: Transport | None = None
+    records: Iterable[RankProcess], ssh_args: list[str], timeout: float = 10.0, transport: Transport | None = None
 ) -> list[str]:
     """Delete the run's shared-memory buffers on every host once its ranks are gone. DeepSpeed never removes
     them, so without this every attempt leaks ~70 MB of RAM per rank (hundreds of runs filled a 24 GB machine).

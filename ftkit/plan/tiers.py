@@ -20,9 +20,10 @@ import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from ftkit.rundir.layout import RunDir, read_jsonl
+from ftkit.rundir.layout import RunDir, read_metrics
+from ftkit.rundir.spec import LocalTierSpec
 
 if TYPE_CHECKING:
     from ftkit.plan.plan import Plan
@@ -49,7 +50,7 @@ class LocalTier:
         """Host memory (or disk) the tier holds at most on a node: ``keep`` + one being copied + a peer's part."""
         return self.bytes_per_node * (self.keep + 1 + self.peer_copies) / GiB
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> LocalTierSpec:
         return {
             "dir": self.dir,
             "steps": self.steps,
@@ -155,7 +156,7 @@ def measured_costs(run_dir: Path) -> tuple[float | None, float | None]:
     """(median seconds the ranks blocked per local save, median seconds per optimizer step) from earlier attempts'
     metrics.jsonl; None where nothing was measured."""
     try:
-        rows = read_jsonl(RunDir(run_dir).metrics)
+        rows = read_metrics(RunDir(run_dir).metrics)
     except OSError:
         return None, None
     saves = [float(m["save_s"]) for m in rows if m.get("tier") == "local" and isinstance(m.get("save_s"), (int, float))]

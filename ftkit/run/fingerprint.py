@@ -92,15 +92,18 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ftkit import __version__
 from ftkit.cluster.pkgversions import versions as installed_versions
 from ftkit.errors import Problem, UserError
 from ftkit.model.config import config_source
 from ftkit.recipe.schema import FIELD_BY_KEY
+from ftkit.rundir.records import JSON, Fingerprint
 
 if TYPE_CHECKING:
+    import xxhash
+
     from ftkit.plan.plan import Plan
 
 FORMAT = 1
@@ -268,13 +271,13 @@ def policy(key: str) -> tuple[str, str]:
 # Computing
 
 
-def _xxh3() -> Any:
+def _xxh3() -> xxhash.xxh3_128:
     import xxhash  # imported here: ranks read this module's tables without needing the hash library
 
     return xxhash.xxh3_128()
 
 
-def _update_file(h: Any, path: Path) -> int:
+def _update_file(h: xxhash.xxh3_128, path: Path) -> int:
     """Feed the whole file into ``h``; return its size in bytes."""
     buf = bytearray(CHUNK)
     view = memoryview(buf)
@@ -295,8 +298,8 @@ def hash_file(path: str | os.PathLike[str]) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
-def _data_part(path: str | None) -> dict[str, Any]:
-    out: dict[str, Any] = {"path": path}
+def _data_part(path: str | None) -> dict[str, JSON]:
+    out: dict[str, JSON] = {"path": path}
     if not path:
         return out
     p = Path(path)
@@ -326,10 +329,10 @@ def _files_hash(directory: Path, names: Iterable[str]) -> str | None:
     return h.hexdigest() if any_file else None
 
 
-def _model_part(path: str | None, config_file: str = "", revision: str | None = None) -> dict[str, Any]:
+def _model_part(path: str | None, config_file: str = "", revision: str | None = None) -> dict[str, JSON]:
     """``config_file``: the config.json the plan read (the hub cache's for a hub id, or model.config); the weights
     are looked for beside it (a hub snapshot directory) or in the model directory."""
-    out: dict[str, Any] = {"path": path}
+    out: dict[str, JSON] = {"path": path}
     if revision is not None:
         out["revision"] = revision
     local = Path(path) if path and Path(path).is_dir() else None  # the model directory, when it is one here
@@ -369,8 +372,8 @@ def _actual_config_file(plan: Plan) -> str:
     return file
 
 
-def _tokenizer_part(path: str | None) -> dict[str, Any]:
-    out: dict[str, Any] = {"path": path}
+def _tokenizer_part(path: str | None) -> dict[str, JSON]:
+    out: dict[str, JSON] = {"path": path}
     if path and Path(path).is_dir():
         try:
             out["xxh3_128"] = _files_hash(Path(path), TOKENIZER_FILES)
@@ -384,20 +387,22 @@ def versions() -> dict[str, str | None]:
     return {"ftkit": __version__, **{n: None if found[n] == "missing" else found[n] for n in LIBRARIES}}
 
 
-def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=str))
+def _jsonable(value: object) -> JSON:
+    """``value`` as it reads back from a JSON file (tuples as lists, other objects as their str)."""
+    out: JSON = json.loads(json.dumps(value, default=str))
+    return out
 
 
-def compute(plan: Plan) -> dict[str, Any]:
+def compute(plan: Plan) -> Fingerprint:
     """The fingerprint of ``plan`` (a :class:`ftkit.plan.plan.Plan`; only ``plan.recipe`` is read). JSON-able."""
     t0 = time.perf_counter()
     r = plan.recipe
     has_peft = bool(getattr(r, "has_peft", False))
     recipe = {k: (v if has_peft or not k.startswith("peft.") else None) for k, v in r.values.items()}
     model_path = r.model.path
-    fp = {
+    fp: Fingerprint = {
         "format": FORMAT,
-        "recipe": _jsonable(recipe),
+        "recipe": {k: _jsonable(v) for k, v in recipe.items()},
         "peft": has_peft,
         "data": _data_part(r.data.train),
         "model": _model_part(model_path, _actual_config_file(plan), r.model.revision),
@@ -417,8 +422,8 @@ class Change:
     """One difference between the checkpoint's fingerprint and the current one."""
 
     key: str  # dotted recipe key (or "peft" for the section as a whole)
-    old: Any
-    new: Any
+    old: JSON
+    new: JSON
     verdict: str  # "safe", "allowed", "refused" or "impossible"
     reason: str
     what: str  # "0.0002 → 0.0001", "content changed (path, 1234 → 1250 bytes)"
@@ -434,7 +439,7 @@ class Change:
             tail = f"refused, cannot be applied to a resumed run: {self.reason}"
         return f"{self.key}: {self.what} ({tail})"
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, JSON]:
         return {"key": self.key, "old": self.old, "new": self.new, "verdict": self.verdict, "reason": self.reason}
 
 
@@ -456,7 +461,7 @@ class ResumeCheck:
         """One human line per change, applied first, then refused."""
         return [c.line() for c in self.applied + self.refused]
 
-    def overrides(self) -> dict[str, Any]:
+    def overrides(self) -> dict[str, JSON]:
         """Allowed (unsafe) recipe changes, dotted key → new value: the spec's ``resume_overrides``."""
         return {c.key: c.new for c in self.applied if c.verdict == "allowed" and c.key in FIELD_BY_KEY}
 
@@ -465,7 +470,7 @@ class ResumeCheck:
             raise ResumeRefused([Problem(c.line()) for c in self.refused])
 
 
-def _fmt(value: Any) -> str:
+def _fmt(value: JSON) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -494,7 +499,7 @@ def _check_allow(allow: Iterable[str]) -> set[str]:
     return names
 
 
-def _content_change(key: str, old: Mapping[str, Any], new: Mapping[str, Any]) -> tuple[str, bool] | None:
+def _content_change(key: str, old: Mapping[str, JSON], new: Mapping[str, JSON]) -> tuple[str, bool] | None:
     """(description, moved_only) when the content part differs; None when equal."""
     if key == "data.train":
         same = old.get("xxh3_128") == new.get("xxh3_128") and old.get("size") == new.get("size")
@@ -536,7 +541,7 @@ def _content_change(key: str, old: Mapping[str, Any], new: Mapping[str, Any]) ->
     return f"tokenizer files changed ({old.get('path')} → {new.get('path')})", False
 
 
-def compare(recorded: Mapping[str, Any] | None, current: Mapping[str, Any], allow: Iterable[str] = ()) -> ResumeCheck:
+def compare(recorded: Fingerprint | None, current: Fingerprint, allow: Iterable[str] = ()) -> ResumeCheck:
     """Compare the checkpoint's fingerprint with the current one; ``allow`` names unsafe keys to apply anyway.
 
     Raises :class:`UserError` when ``allow`` names a key that is not a recipe key. Never raises for differences:
@@ -552,7 +557,7 @@ def compare(recorded: Mapping[str, Any] | None, current: Mapping[str, Any], allo
     if recorded.get("format") != FORMAT:
         check.notes.append(f"fingerprint format {recorded.get('format')} (this ftkit writes {FORMAT}): compared as is")
 
-    def decide(key: str, old: Any, new: Any, what: str, safe_reason: str | None = None) -> None:
+    def decide(key: str, old: JSON, new: JSON, what: str, safe_reason: str | None = None) -> None:
         verdict, reason = policy(key)
         if safe_reason is not None:
             verdict, reason = SAFE, safe_reason
@@ -567,8 +572,8 @@ def compare(recorded: Mapping[str, Any] | None, current: Mapping[str, Any], allo
         else:
             check.refused.append(Change(key, old, new, "refused", reason, what))
 
-    old_r: Mapping[str, Any] = recorded.get("recipe") or {}
-    new_r: Mapping[str, Any] = _jsonable(dict(current.get("recipe") or {}))
+    old_r: Mapping[str, JSON] = recorded.get("recipe") or {}
+    new_r: Mapping[str, JSON] = {k: _jsonable(v) for k, v in (current.get("recipe") or {}).items()}
     if bool(recorded.get("peft")) != bool(current.get("peft")):
         on = {True: "on", False: "off"}
         o, n = bool(recorded.get("peft")), bool(current.get("peft"))
@@ -582,21 +587,21 @@ def compare(recorded: Mapping[str, Any] | None, current: Mapping[str, Any], allo
             continue
         if key not in new_r:
             continue  # a key this ftkit no longer has
-        o, n = old_r[key], new_r[key]
-        if o != n:
-            decide(key, o, n, f"{_fmt(o)} → {_fmt(n)}")
+        was, now = old_r[key], new_r[key]
+        if was != now:
+            decide(key, was, now, f"{_fmt(was)} → {_fmt(now)}")
     parts = {"data.train": "data", "model.path": "model", "model.tokenizer": "tokenizer"}
     for key, part in parts.items():
         old_p, new_p = recorded.get(part), current.get(part)
-        if not isinstance(old_p, Mapping) or not isinstance(new_p, Mapping):
+        if not isinstance(old_p, dict) or not isinstance(new_p, dict):
             continue
         diff = _content_change(key, old_p, new_p)
         if diff is None:
             continue
         what, moved = diff
         decide(key, old_p.get("path"), new_p.get("path"), what, safe_reason="same content" if moved else None)
-    old_v: Mapping[str, Any] = recorded.get("versions") or {}
-    new_v: Mapping[str, Any] = current.get("versions") or {}
+    old_v: Mapping[str, str | None] = recorded.get("versions") or {}
+    new_v: Mapping[str, str | None] = current.get("versions") or {}
     for name in sorted(set(old_v) | set(new_v)):
         if old_v.get(name) != new_v.get(name):
             check.notes.append(

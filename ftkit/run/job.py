@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import FrameType
 
 from ftkit.checkpoint.directory import select_resume
 from ftkit.cluster.slurm import require_allocation, transport_for
@@ -34,7 +34,8 @@ from ftkit.run.prepare import prepare_run
 from ftkit.run.status import format_summary, summarize
 from ftkit.rundir.layout import RunDir
 from ftkit.rundir.owner import read_owner
-from ftkit.supervise.choose import StepLimits, foreign_refusal, select, space_refusal
+from ftkit.rundir.records import JSON, Fingerprint
+from ftkit.supervise.choose import Choice, StepLimits, foreign_refusal, select, space_refusal
 from ftkit.supervise.supervisor import STOP_SIGNALS, Supervisor
 
 
@@ -97,7 +98,7 @@ class Interrupted(FtkitError):
         super().__init__(f"interrupted by {signal.Signals(signum).name} before anything was started")
 
 
-def _raise_interrupted(signum: int, frame: Any) -> None:  # noqa: ARG001
+def _raise_interrupted(signum: int, frame: FrameType | None) -> None:  # noqa: ARG001
     raise Interrupted(signum)
 
 
@@ -307,8 +308,8 @@ def finished_line(where: str) -> str:
 
 
 def _check_changes(
-    fingerprint: dict[str, Any], choice: Any, allow: Iterable[str], echo: Callable[[str], None]
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    fingerprint: Fingerprint, choice: Choice, allow: Iterable[str], echo: Callable[[str], None]
+) -> tuple[dict[str, JSON], list[dict[str, JSON]]]:
     """Compare what shapes training now with what the chosen checkpoint was saved with; refuse (exit 2, nothing
     written) what the user did not allow. Returns the spec's resume_overrides and the changes for events.jsonl."""
 

@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from ftkit.plan.plan import Plan
 from ftkit.render import render_files, write_files
 from ftkit.run.spec import build_spec
 from ftkit.rundir.layout import RunDir, atomic_write
+from ftkit.rundir.records import JSON, Fingerprint
 
 
 def prepare_run(
     plan: Plan,
     *,
     load_universal: bool = False,
-    resume_overrides: dict[str, Any] | None = None,
-    fingerprint: dict[str, Any] | None = None,
+    resume_overrides: dict[str, JSON] | None = None,
+    fingerprint: Fingerprint | None = None,
     command: list[str] | None = None,
 ) -> RunDir:
     """Write ``ftkit/ds_config.json``, ``ftkit/accelerate.yaml`` and ``ftkit/spec.json`` into the run directory.

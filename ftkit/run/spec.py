@@ -6,13 +6,14 @@ same numbers as the rendered DeepSpeed config and HF Trainer's consistency check
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from ftkit import __version__
 from ftkit.model.config import DEFAULT_REVISION, model_is_hub
 from ftkit.plan.plan import Plan
+from ftkit.recipe.sections import PeftSection
 from ftkit.run.fingerprint import compute as compute_fingerprint
-from ftkit.rundir.spec import DataSpec, RunSpec
+from ftkit.rundir.records import JSON, Fingerprint
+from ftkit.rundir.spec import DataSpec, LocalTierSpec, PeftSpec, RunSpec, TrainingArgs
 
 # TrainingArguments a wrapped script always gets from the recipe (the recipe decides what it states: docs/design.md,
 # Wrapping a user's script): the batch triple, precision, seed, save cadence, step limit, output directory, DeepSpeed
@@ -50,13 +51,13 @@ STATED_WHEN_EXPLICIT = {
 }
 
 
-def training_arguments(plan: Plan, output_dir: str, ds_config_path: str) -> dict[str, Any]:
+def training_arguments(plan: Plan, output_dir: str, ds_config_path: str) -> TrainingArgs:
     """Keyword arguments for ``transformers.TrainingArguments``, from the same plan as ds_config.json (under
     ``train.backend: fsdp2`` none, ``deepspeed`` None: Accelerate's FSDP plugin comes from accelerate.yaml's
     environment)."""
     r = plan.recipe
     precision = r.train.precision
-    args: dict[str, Any] = {
+    args: TrainingArgs = {
         "output_dir": output_dir,
         "per_device_train_batch_size": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.grad_accum,
@@ -110,7 +111,7 @@ def training_arguments(plan: Plan, output_dir: str, ds_config_path: str) -> dict
     return args
 
 
-def stated_arguments(plan: Plan, args: dict[str, Any]) -> list[str]:
+def stated_arguments(plan: Plan, args: TrainingArgs) -> list[str]:
     """The names in ``args`` that a wrapped script's own TrainingArguments get from the recipe."""
     explicit: set[str] = getattr(plan.recipe, "explicit", set())
     names = [k for k in ALWAYS_STATED if k in args]
@@ -125,8 +126,8 @@ def build_spec(
     run_dir: Path,
     ds_config_path: Path,
     *,
-    fingerprint: dict[str, Any] | None = None,
-    resume_overrides: dict[str, Any] | None = None,
+    fingerprint: Fingerprint | None = None,
+    resume_overrides: dict[str, JSON] | None = None,
     command: list[str] | None = None,
 ) -> RunSpec:
     """The spec for ``plan``. ``fingerprint`` (computed here when not given: pass it to hash the data only once
@@ -155,7 +156,7 @@ def build_spec(
         tokenizer_revision=(r.model.revision or DEFAULT_REVISION)
         if model_is_hub(r.model) and not r.model.tokenizer
         else None,
-        peft=r.to_dict()["peft"],
+        peft=_peft_spec(r.peft),
         data=DataSpec(
             train=r.data.train,
             max_seq_len=r.data.max_seq_len,
@@ -172,15 +173,22 @@ def build_spec(
     )
 
 
-def local_tier_spec(plan: Plan) -> dict[str, Any] | None:
+def _peft_spec(p: PeftSection | None) -> PeftSpec | None:
+    if p is None:
+        return None
+    return PeftSpec(method=p.method, r=p.r, alpha=p.alpha, dropout=p.dropout, target_modules=list(p.target_modules))
+
+
+def local_tier_spec(plan: Plan) -> LocalTierSpec | None:
     """What the ranks and their agents need of the local tier (ftkit.checkpoint.tiers), None when it is off."""
     tier = plan.local_tier
     if tier is None:
         return None
     r = plan.recipe
-    return {
+    out: LocalTierSpec = {
         **tier.to_json(),
         "durable_steps": r.train.save_steps,  # copies to the run directory: train.save_steps' cadence
         "nodes": [h for h, _ in plan.hosts],
         "ssh_config": r.cluster.ssh_config,
     }
+    return out

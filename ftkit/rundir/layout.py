@@ -23,11 +23,12 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast, overload
+from typing import TYPE_CHECKING, Literal, cast, overload
 
 if TYPE_CHECKING:
-    from ftkit.rundir.records import AgentRecord, ErrorRecord, Heartbeat, PidRecord
+    from ftkit.rundir.records import AgentRecord, ErrorRecord, Event, Heartbeat, JSONObject, MetricsRecord, PidRecord
 
 NEARLY_FULL = 16 * 1024 * 1024  # free bytes below which a failed write is taken for a full disk
 STOP_FILE = "stop.json"  # in RUN/ftkit/: the supervisor's save-and-stop request to every rank of an attempt
@@ -100,8 +101,11 @@ class RunDir:
             nums += [int(p.name.split("-")[1]) for p in logs.glob("attempt-*") if p.name.split("-")[1].isdigit()]
         return max(nums) + 1 if nums else 0
 
-    def read_spec(self) -> dict[str, Any]:
-        return json.loads(self.spec.read_text())
+    def read_spec(self) -> JSONObject:
+        spec = json.loads(self.spec.read_text())
+        if not isinstance(spec, dict):
+            raise ValueError(f"{self.spec}: not a JSON object")
+        return spec
 
     def heartbeats(self) -> list[Heartbeat]:
         """Every rank's latest heartbeat (``ftkit/heartbeat/rank-R.json``), read once per supervisor poll.
@@ -145,10 +149,10 @@ class RunDir:
     @overload
     def records(self, kind: Literal["agents"], attempt: int) -> list[AgentRecord]: ...
 
-    def records(self, kind: str, attempt: int) -> list[Any]:
+    def records(self, kind: str, attempt: int) -> list[PidRecord] | list[ErrorRecord] | list[AgentRecord]:
         """The pid or error records of one attempt (kind: 'pids' or 'errors'), or its nodes' checkpoint agents
         ('agents': ``agent-<host>.json``, :mod:`ftkit.launch.tier`); a file that is not a JSON object is skipped."""
-        out = []
+        out: list[JSONObject] = []
         d = self.attempt_dir(attempt) / kind
         if d.is_dir():
             for p in sorted(d.glob("agent-*.json" if kind == "agents" else "rank-*.json")):
@@ -158,7 +162,7 @@ class RunDir:
                     continue
                 if isinstance(rec, dict):
                     out.append(rec)
-        return out
+        return cast("list[PidRecord]", out)  # the overloads above say which record kind
 
 
 def _read_bytes(path: str) -> bytes:
@@ -241,7 +245,7 @@ def creation_mode() -> int:
     return 0o666 & ~mask
 
 
-def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+def append_jsonl(path: Path, record: Mapping[str, object]) -> None:
     """Append one JSON line; a single write() of a short line is atomic enough for a log read by humans and tools."""
     path.parent.mkdir(parents=True, exist_ok=True)
     line = json.dumps(record, default=str) + "\n"
@@ -256,7 +260,7 @@ def tensorboard_dir(output_dir: str | Path) -> str:
     return str(Path(output_dir) / "tensorboard")
 
 
-def read_jsonl(path: Path, skipped: dict[str, int] | None = None) -> list[dict[str, Any]]:
+def read_jsonl(path: Path, skipped: dict[str, int] | None = None) -> list[JSONObject]:
     """The JSON objects of a .jsonl file (events, metrics), in order; [] when it does not exist. Other lines (one cut
     by a crash, one that is not an object) are skipped and counted in ``skipped[path.name]``. Other OS errors
     propagate (each command says them its own way)."""
@@ -280,3 +284,13 @@ def read_jsonl(path: Path, skipped: dict[str, int] | None = None) -> list[dict[s
     if bad and skipped is not None:
         skipped[path.name] = skipped.get(path.name, 0) + bad
     return out
+
+
+def read_events(path: Path, skipped: dict[str, int] | None = None) -> list[Event]:
+    """``events.jsonl`` as :class:`Event` records (:func:`read_jsonl`)."""
+    return cast("list[Event]", read_jsonl(path, skipped))
+
+
+def read_metrics(path: Path, skipped: dict[str, int] | None = None) -> list[MetricsRecord]:
+    """``metrics.jsonl`` as :class:`MetricsRecord` records (:func:`read_jsonl`)."""
+    return cast("list[MetricsRecord]", read_jsonl(path, skipped))

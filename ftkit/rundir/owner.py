@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from ftkit.cluster.hosts import is_local
 from ftkit.cluster.procs import proc_start_time
@@ -33,6 +33,17 @@ def this_host() -> str:
     return socket.gethostname()
 
 
+class OwnerRecord(TypedDict, total=False):
+    """``RUN/ftkit/owner.json``: the job that owns the run directory."""
+
+    host: str
+    pid: int
+    start_time: int | None
+    boot_id: str
+    time: float
+    argv: list[str]
+
+
 @dataclass(frozen=True)
 class Owner:
     host: str
@@ -48,11 +59,11 @@ class Owner:
         return cls(this_host(), pid, proc_start_time(pid), boot_id(), round(time.time(), 3), tuple(sys.argv))
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Owner:
+    def from_json(cls, data: OwnerRecord) -> Owner:
         return cls(
             str(data["host"]),
             int(data["pid"]),
-            None if data.get("start_time") is None else int(data["start_time"]),
+            None if (start := data.get("start_time")) is None else int(start),
             str(data.get("boot_id", "")),
             float(data.get("time", 0.0)),
             tuple(str(a) for a in data.get("argv", ())),

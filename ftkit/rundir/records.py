@@ -89,8 +89,47 @@ class FileEntry(TypedDict):
     rank: int
 
 
+class Fingerprint(TypedDict, total=False):
+    """What a run's results depend on (:func:`ftkit.run.fingerprint.compute`), recorded in the spec and every
+    commit: a resume compares it with today's to refuse silent changes."""
+
+    format: int
+    recipe: dict[str, JSON]  # dotted recipe key -> value (peft.* null for full fine-tuning)
+    peft: bool
+    data: dict[str, JSON]  # path, size, content hash of the training file
+    model: dict[str, JSON]  # path, config hash, revision
+    tokenizer: dict[str, JSON]
+    versions: dict[str, str | None]  # package -> version (None: not installed)
+    seconds: float  # what computing it cost
+
+
+class ChecksumInfo(TypedDict, total=False):
+    """A commit record's checksum: ``{"mode": "full", "name": "xxh3_128"}``, or the sampled digest's parameters."""
+
+    mode: str  # full, sampled
+    name: str
+    small_file_bytes: int
+    blocks: int
+    block_bytes: int
+
+
+class CommitExtra(TypedDict, total=False):
+    """What a commit record says beyond its files: who saved it and, on the local tier, which nodes hold it."""
+
+    attempt: int
+    fingerprint: Fingerprint  # the run's at the save
+    node: str  # a node's part of a local-tier checkpoint
+    nodes: list[str]  # every node of the set
+    ranks: list[int]  # the ranks whose files the part holds
+    stop: bool | None  # a graceful stop's save
+    tier: str  # durable: published by the agents from the local tier
+    export: dict[str, JSON]  # an exported model: its source checkpoint, step, kind, dtype, verdict
+    final: bool  # the run's final model
+
+
 class CommitRecord(TypedDict, total=False):
-    """``CHECKPOINT/ftkit-commit.json``: the proof a checkpoint is complete (:func:`ftkit.checkpoint.commit.write_commit`)."""
+    """``CHECKPOINT/ftkit-commit.json``: the proof a checkpoint is complete
+    (:func:`ftkit.checkpoint.commit.write_commit`)."""
 
     format: str
     version: int
@@ -102,10 +141,10 @@ class CommitRecord(TypedDict, total=False):
     stage: int | None  # the ZeRO stage (None: not a DeepSpeed run)
     recipe_hash: str
     tag: str | None  # DeepSpeed's checkpoint tag (global_stepN)
-    checksum: dict[str, JSON]  # {"mode": "full", "name": ...} or {"mode": "sampled", ...the sample spec}
+    checksum: ChecksumInfo
     kind: str  # checkpoint, model, state, node
     files: dict[str, FileEntry]
-    extra: dict[str, JSON]  # attempt, fingerprint, tier facts
+    extra: CommitExtra
 
 
 class Event(TypedDict, total=False):

@@ -14,9 +14,79 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypedDict, TypeVar, cast
 
 from ftkit.errors import Problem, UserError
+from ftkit.rundir.records import JSON, Fingerprint, JSONObject
+
+_Scalar = TypeVar("_Scalar", str, float)
+
+
+class PeftSpec(TypedDict):
+    """The recipe's ``peft`` section (LoRA), as the ranks build their adapters from it."""
+
+    method: str
+    r: int
+    alpha: float
+    dropout: float
+    target_modules: list[str]
+
+
+class LocalTierSpec(TypedDict, total=False):
+    """What the ranks and their agents need of the local checkpoint tier (:func:`ftkit.run.spec.local_tier_spec`)."""
+
+    dir: str  # a template: {host} becomes the node's name
+    steps: int  # a local save every this many optimizer steps
+    keep: int
+    peer_copies: int
+    bytes_per_node: int
+    host_gb_per_node: float
+    why: str
+    durable_steps: int  # copies to the run directory: train.save_steps' cadence
+    nodes: list[str]
+    ssh_config: str | None
+
+
+class TrainingArgs(TypedDict, total=False):
+    """The keyword arguments of ``transformers.TrainingArguments`` ftkit states
+    (:func:`ftkit.run.spec.training_arguments`)."""
+
+    output_dir: str
+    per_device_train_batch_size: int
+    per_device_eval_batch_size: int
+    gradient_accumulation_steps: int
+    learning_rate: float
+    lr_scheduler_type: str
+    warmup_steps: int
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_epsilon: float
+    max_grad_norm: float
+    logging_steps: int
+    save_strategy: str
+    save_steps: int
+    save_total_limit: int | None
+    save_on_each_node: bool
+    seed: int
+    data_seed: int
+    bf16: bool
+    fp16: bool
+    deepspeed: str | None
+    gradient_checkpointing: bool
+    report_to: list[str]
+    disable_tqdm: bool
+    dataloader_num_workers: int
+    remove_unused_columns: bool
+    logging_first_step: bool
+    save_only_model: bool
+    include_num_input_tokens_seen: str
+    eval_strategy: str
+    eval_steps: int
+    max_steps: int
+    num_train_epochs: float | None
+    use_cpu: bool
+    ddp_backend: str
 
 
 @dataclass(frozen=True)
@@ -33,10 +103,10 @@ class DataSpec:
 class RunSpec:
     ftkit_version: str
     name: str
-    recipe: dict[str, Any]  # the resolved recipe, nested sections (recipe["train"]["seed"])
+    recipe: JSONObject  # the resolved recipe, nested sections (recipe["train"]["seed"])
     recipe_hash: str
     world_size: int
-    hosts: list[list[Any]]  # [[host, slots], ...] in hostfile order
+    hosts: list[list[str | int]]  # [[host, slots], ...] in hostfile order
     stage: int
     offload_optimizer: str
     offload_params: str
@@ -45,24 +115,30 @@ class RunSpec:
     tokenizer_path: str
     model_revision: str | None  # a hub id's revision (main unless pinned); None for a local directory
     tokenizer_revision: str | None
-    peft: dict[str, Any] | None
+    peft: PeftSpec | None
     data: DataSpec
     save_total_limit: int  # train.save_total_limit: an int of at least 1
-    training_args: dict[str, Any]  # keyword arguments of transformers.TrainingArguments, from the plan
-    fingerprint: dict[str, Any]
-    resume_overrides: dict[str, Any] = field(default_factory=dict)
+    training_args: TrainingArgs  # keyword arguments of transformers.TrainingArguments, from the plan
+    fingerprint: Fingerprint
+    resume_overrides: dict[str, JSON] = field(default_factory=dict)  # dotted recipe key -> allowed new value
     command: list[str] | None = None  # the user's command run on every rank; None: the built-in entry
     # the training_args names the recipe states: applied to a wrapped script's own TrainingArguments (ftkit.hf)
     stated_args: list[str] = field(default_factory=list)
     # the local checkpoint tier (dir template with {host}, steps, keep, peer_copies, durable_steps, nodes, ssh_config);
     # None: every save goes to the run directory
-    local_tier: dict[str, Any] | None = None
+    local_tier: LocalTierSpec | None = None
 
     # -------------------------------------------------------------------------------- recipe values ranks need
 
-    def resilience(self, key: str, default: Any = None) -> Any:
-        value = (self.recipe.get("resilience") or {}).get(key)
-        return default if value is None else value
+    def section(self, name: str) -> JSONObject:
+        """One section of the recipe (``{}`` when absent)."""
+        value = self.recipe.get(name)
+        return value if isinstance(value, dict) else {}
+
+    def resilience(self, key: str, default: _Scalar) -> _Scalar:
+        """``resilience.<key>``, as the type of ``default`` (the default when unset)."""
+        value = self.section("resilience").get(key)
+        return default if value is None else type(default)(cast("str | float", value))
 
     @property
     def checksum(self) -> str:
@@ -72,22 +148,22 @@ class RunSpec:
     @property
     def backend(self) -> str:
         """train.backend: deepspeed or fsdp2."""
-        return str((self.recipe.get("train") or {}).get("backend") or "deepspeed")
+        return str(self.section("train").get("backend") or "deepspeed")
 
     @property
     def precision(self) -> str:
-        return str((self.recipe.get("train") or {}).get("precision") or "fp32")
+        return str(self.section("train").get("precision") or "fp32")
 
     # -------------------------------------------------------------------------------- (de)serialisation
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return dataclasses.asdict(self)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, default=str) + "\n"
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], where: str = "spec.json") -> RunSpec:
+    def from_dict(cls, d: object, where: str = "spec.json") -> RunSpec:
         if not isinstance(d, dict):
             raise UserError(Problem("is not a JSON object; the run directory is damaged", file=where))
         names = {f.name for f in dataclasses.fields(cls)}

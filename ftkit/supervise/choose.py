@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ftkit.checkpoint.directory import Selection, foreign_checkpoints, select_resume
 from ftkit.checkpoint.verify import verify
 from ftkit.errors import ExitCode
 from ftkit.rundir.layout import RunDir
+from ftkit.rundir.records import CommitRecord
 
 
 @dataclass
@@ -29,7 +29,7 @@ class Choice:
     selection: Selection | None
     resume: str | None = None
     step: int | None = None
-    record: dict[str, Any] | None = None
+    record: CommitRecord | None = None
     exit_code: int | None = None
     refusal: str | None = None  # one line: why exit_code
     convert: bool = False  # resume needs a universal conversion of an incompatible checkpoint (after a shrink)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ftkit.checkpoint.directory import Selection, set_aside_newer
 from ftkit.checkpoint.verify import Verdict
 from ftkit.cluster.fanout import run_on_hosts
 from ftkit.cluster.hosts import LOCAL_HOSTS
 from ftkit.errors import ExitCode
+from ftkit.rundir.records import CommitRecord
 from ftkit.supervise.universal import ConversionError, convert_to_universal
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ def convert_newest(
             checkpoint=str(v.path),
         )
         return ExitCode.NO_CHECKPOINT
-    record: dict[str, Any] = v.record or {}
+    record: CommitRecord = v.record or {}
     tag = record.get("tag") or (v.path / "latest").read_text().strip()
     t0 = time.monotonic()
     try:

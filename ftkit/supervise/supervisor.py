@@ -44,7 +44,7 @@ from ftkit.cluster.slurm import transport_for
 from ftkit.command.engines import LaunchCommand, LaunchInputs, build_launch
 from ftkit.errors import ExitCode, UserError
 from ftkit.rundir.layout import NEARLY_FULL, STOP_FILE, RunDir, append_jsonl, atomic_write, read_jsonl
-from ftkit.rundir.spec import RunSpec
+from ftkit.rundir.spec import LocalTierSpec, RunSpec
 from ftkit.supervise.attempt import Spawned, spawn, teardown_attempt
 from ftkit.supervise.choose import Choice, StepLimits, select
 from ftkit.supervise.decide import Action, Decision, FailureKind, Progress, RestartPolicy, Situation, decide
@@ -576,7 +576,7 @@ class Supervisor:
 
     # ------------------------------------------------------------------------------------------------ tiers
 
-    def _tier(self) -> dict[str, Any] | None:
+    def _tier(self) -> LocalTierSpec | None:
         """The run's local checkpoint tier as the spec has it now (a shrink rewrites the spec), None: off."""
         try:
             return RunSpec.read(self.rd.spec).local_tier

@@ -19,7 +19,7 @@ import json
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict, cast
 
 from ftkit.checkpoint.tiers import (
     clear_peer_claims,
@@ -32,11 +32,23 @@ from ftkit.checkpoint.tiers import (
 )
 from ftkit.cluster.fanout import HostResult, run_on_hosts
 from ftkit.rundir.layout import RunDir
+from ftkit.rundir.spec import LocalTierSpec
 
 if TYPE_CHECKING:
     from ftkit.cluster.fanout import Transport
 
 AGENT_TIMEOUT_S = 600.0  # one fan-out of the agents (verify reads every byte of a node's part)
+
+
+class AgentAnswer(TypedDict, total=False):
+    """A checkpoint agent's one-line JSON answer (``python -m ftkit.launch.agent``)."""
+
+    host: str
+    ok: bool
+    reason: str | None
+    discarded: list[str]  # clean --newer-than: the local parts removed
+    cleaned: str | None
+    published: bool
 
 
 @dataclass(frozen=True)
@@ -54,7 +66,7 @@ class Agents:
     def __init__(self, rd: RunDir, python: str, ssh_args: list[str], transport: Transport | None = None):
         self.rd, self.python, self.ssh_args, self.transport = rd, python, ssh_args, transport
 
-    def run(self, hosts: list[str], command: str, **options: Any) -> dict[str, dict[str, Any]]:
+    def run(self, hosts: list[str], command: str, **options: str | int | None) -> dict[str, AgentAnswer]:
         """host -> the agent's JSON answer; a host that did not answer gets ``{"ok": False, "reason": ...}``."""
         q = shlex.quote
 
@@ -68,7 +80,7 @@ class Agents:
         return {h: _answer(r) for h, r in results.items()}
 
 
-def _answer(r: HostResult) -> dict[str, Any]:
+def _answer(r: HostResult) -> AgentAnswer:
     if not r.reachable:
         return {"ok": False, "reason": f"not reachable: {r.out}"}
     for line in reversed(r.out.splitlines()):
@@ -77,13 +89,13 @@ def _answer(r: HostResult) -> dict[str, Any]:
         except ValueError:
             continue
         if isinstance(rec, dict):
-            return rec
+            return cast("AgentAnswer", rec)
     return {"ok": False, "reason": f"the agent answered nothing (exit {r.rc}): {r.out.strip()[-200:]}"}
 
 
 def choose_tier(
     rd: RunDir,
-    tier: dict[str, Any],
+    tier: LocalTierSpec,
     hosts: list[str],
     world_size: int,
     durable_step: int | None,
@@ -153,7 +165,7 @@ def discard_stale(rd: RunDir, hosts: list[str], step: int | None, agents: Agents
 
 
 def end_local_tier(
-    rd: RunDir, tier: dict[str, Any], hosts: list[str], agents: Agents, events: Callable[..., None]
+    rd: RunDir, tier: LocalTierSpec, hosts: list[str], agents: Agents, events: Callable[..., None]
 ) -> None:
     """The end of a launch, whatever its outcome: the newest step every node committed in its local tier and the
     run directory lacks is copied there (a finished run's last step too: a later launch with a raised step limit
