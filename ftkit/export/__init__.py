@@ -25,10 +25,9 @@ import re
 import secrets
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ftkit.checkpoint.checksums import full_checksum
 from ftkit.checkpoint.commit import write_commit
@@ -42,7 +41,8 @@ from ftkit.export.card import read_record
 from ftkit.export.lora import adapter_entries, lora_math, merge_transform
 from ftkit.export.source import ADAPTER_CONFIG, FINAL, ExportRefused, RunFacts, Source, resolve, run_facts
 from ftkit.export.verify import Verdict, prove
-from ftkit.export.weights import OUT_DTYPES, parse_size
+from ftkit.export.weights import OUT_DTYPES, Reader, parse_size
+from ftkit.rundir.records import CommitExtra, FileEntry
 
 __all__ = [
     "ExportResult",
@@ -113,7 +113,7 @@ def export(
     verify: bool = True,
     force: bool = False,
     allow_final: bool = False,
-    commit_extra: Mapping[str, Any] | None = None,
+    commit_extra: CommitExtra | None = None,
     probe: str | os.PathLike[str] | None = None,
     note: Callable[[str], None] = _silent,
 ) -> ExportResult:
@@ -316,7 +316,7 @@ def _write(
     return written.files + ([written.index] if written.index else []), written.tensors, written.bytes
 
 
-def _reader(source: Source) -> Any:
+def _reader(source: Source) -> Reader:
 
     if source.layout == "zero":
         return w.zero_reader(source.path / str(source.tag), int(source.stage or 0))
@@ -388,7 +388,7 @@ def _finish(
     seconds: float,
     peak: int | None,
     verdict: Verdict | None,
-    commit_extra: Mapping[str, Any] | None,
+    commit_extra: CommitExtra | None,
 ) -> None:
     """Model card, export record and the export's own commit record (every file, checksummed)."""
 
@@ -407,7 +407,7 @@ def _finish(
     )
     (staging / card.RECORD).write_text(json.dumps(rec, indent=1, default=str) + "\n")
     (staging / card.CARD).write_text(card.render(rec, str(target)))
-    extra = {
+    extra: CommitExtra = {
         "export": {
             "checkpoint": source.name,
             "step": source.step,
@@ -430,7 +430,7 @@ def _finish(
     )
 
 
-def _manifest(staging: Path) -> dict[str, dict[str, Any]]:
+def _manifest(staging: Path) -> dict[str, FileEntry]:
     """The commit record's part for the export's files: fsync, size and XXH3-128 of each, read in chunks.
 
     Not :func:`ftkit.checkpoint.commit.manifest_part`, which hashes through ``mmap``: that maps the whole shard
@@ -438,7 +438,7 @@ def _manifest(staging: Path) -> dict[str, dict[str, Any]]:
     counted), undoing the streaming.
     """
 
-    out = {}
+    out: dict[str, FileEntry] = {}
     for p in sorted(staging.rglob("*")):
         if p.is_file():
             _fsync_path(p)

@@ -11,19 +11,73 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TypedDict, cast
 
 from ftkit import __version__
 from ftkit.cluster.pkgversions import versions
 from ftkit.errors import Problem, UserError
 from ftkit.export.source import RunFacts, Source
-from ftkit.export.verify import FP32_ATOL, Verdict
+from ftkit.export.verify import FP32_ATOL, Verdict, VerdictRecord
 from ftkit.export.weights import human
+from ftkit.rundir.records import Fingerprint, JSONObject
 
 CARD = "README.md"
 RECORD = "ftkit_export.json"
 RECORD_FORMAT = "ftkit-export"
 RECORD_VERSION = 1
+
+
+class ExportSource(TypedDict):
+    """``ftkit_export.json``'s ``source``: the checkpoint read, and its commit record's facts."""
+
+    run_dir: str
+    checkpoint: str  # checkpoint-N or final
+    step: int | None
+    layout: str
+    stage: int | None
+    tag: str | None
+    universal_tag: str | None
+    read: str
+    verified: str
+    commit: dict[str, object]  # the commit record's step, created_utc, world_size, ..., and its number of files
+
+
+class ExportRun(TypedDict):
+    """``ftkit_export.json``'s ``run``: the run the checkpoint belongs to."""
+
+    name: str
+    model: str
+    model_revision: str | None
+    precision: str
+    recipe_hash: str
+    recipe: JSONObject
+    fingerprint: Fingerprint  # the checkpoint's training fingerprint, less its recipe
+
+
+class ExportInfo(TypedDict):
+    """``ftkit_export.json``'s ``export``: what was written and how."""
+
+    kind: str  # full | merged | adapter
+    dtype: str  # fp32 | bf16 | fp16
+    files: list[str]
+    tensors: int
+    bytes: int
+    max_shard_bytes: int
+    seconds: float
+    peak_rss_bytes: int | None
+    ftkit_version: str
+    versions: dict[str, str]  # package -> version at export
+
+
+class ExportRecord(TypedDict):
+    """``ftkit_export.json``: what was exported from where, how, and the verdict."""
+
+    format: str
+    version: int
+    source: ExportSource
+    run: ExportRun
+    export: ExportInfo
+    verdict: VerdictRecord | None
 
 
 def record(
@@ -39,9 +93,9 @@ def record(
     seconds: float,
     peak_rss_bytes: int | None,
     verdict: Verdict | None,
-) -> dict[str, Any]:
+) -> ExportRecord:
     """``ftkit_export.json``: what was exported from where, how, and the verdict."""
-    commit = {
+    commit: dict[str, object] = {
         k: source.record.get(k)
         for k in (
             "step",
@@ -78,7 +132,7 @@ def record(
             "precision": facts.precision,
             "recipe_hash": facts.recipe_hash,
             "recipe": facts.recipe,
-            "fingerprint": {k: v for k, v in source.fingerprint.items() if k != "recipe"},
+            "fingerprint": cast(Fingerprint, {k: v for k, v in source.fingerprint.items() if k != "recipe"}),
         },
         "export": {
             "kind": kind,
@@ -98,7 +152,7 @@ def record(
     }
 
 
-def read_record(export_dir: Path) -> dict[str, Any]:
+def read_record(export_dir: Path) -> ExportRecord:
 
     path = export_dir / RECORD
     try:
@@ -109,7 +163,7 @@ def read_record(export_dir: Path) -> dict[str, Any]:
         raise UserError(Problem(f"unreadable ({e})", file=str(path))) from None
     if not isinstance(rec, dict) or rec.get("format") != RECORD_FORMAT or not isinstance(rec.get("source"), dict):
         raise UserError(Problem("not an ftkit export record", file=str(path)))
-    return rec
+    return cast(ExportRecord, rec)
 
 
 def _mb(n: int | None) -> str:
@@ -117,11 +171,11 @@ def _mb(n: int | None) -> str:
     return "n/a" if n is None else human(n)
 
 
-def render(rec: dict[str, Any], where: str) -> str:
+def render(rec: ExportRecord, where: str) -> str:
     """README.md for the export at ``where`` (the path users will load it from)."""
     src, run, exp = rec["source"], rec["run"], rec["export"]
     commit = src["commit"]
-    verdict = Verdict.from_json(rec["verdict"]) if rec.get("verdict") else None
+    verdict = Verdict.from_json(v) if (v := rec.get("verdict")) else None
     adapter = exp["kind"] == "adapter"
     fp = run.get("fingerprint") or {}
     tags = ["ftkit", "fine-tuned"] + (["lora"] if exp["kind"] in ("adapter", "merged") else [])

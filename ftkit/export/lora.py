@@ -17,10 +17,14 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ftkit.export.source import ExportRefused
 from ftkit.export.weights import Entry
+from ftkit.rundir.records import JSON, JSONObject
+
+if TYPE_CHECKING:
+    import torch
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -35,9 +39,9 @@ class LoraMath:
     fan_in_fan_out: bool
 
 
-def lora_math(cfg: dict[str, Any]) -> LoraMath:
+def lora_math(cfg: JSONObject) -> LoraMath:
     """The merge's constants from ``adapter_config.json``; refuses what a plain LoRA merge would get wrong."""
-    unsupported = {
+    unsupported: dict[str, JSON] = {
         "use_dora": cfg.get("use_dora"),
         "lora_bias": cfg.get("lora_bias"),
         "modules_to_save": cfg.get("modules_to_save"),
@@ -60,7 +64,7 @@ def lora_math(cfg: dict[str, Any]) -> LoraMath:
     return LoraMath(float(scaling), bool(cfg.get("fan_in_fan_out")))
 
 
-def adapter_entries(entries: list[Entry], *, live_names: bool, held_as: Any = None) -> list[Entry]:
+def adapter_entries(entries: list[Entry], *, live_names: bool, held_as: torch.dtype | None = None) -> list[Entry]:
     """The adapter's tensors under the names PEFT's ``save_pretrained`` writes (``...lora_A.weight``).
 
     ``live_names``: the entries carry the module's own names (DeepSpeed checkpoints: ``...lora_A.default.weight``);
@@ -86,8 +90,8 @@ def adapter_entries(entries: list[Entry], *, live_names: bool, held_as: Any = No
     return out
 
 
-def _held(read: Callable[[], Any], dtype: Any) -> Callable[[], Any]:
-    def rounded() -> Any:
+def _held(read: Callable[[], torch.Tensor], dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    def rounded() -> torch.Tensor:
         t = read()
         return t.to(dtype).to(t.dtype)
 
@@ -96,12 +100,12 @@ def _held(read: Callable[[], Any], dtype: Any) -> Callable[[], Any]:
 
 def merge_transform(
     adapter: list[Entry], base_names: set[str], math_: LoraMath
-) -> tuple[Callable[[Entry, Any], Any], int]:
+) -> tuple[Callable[[Entry, torch.Tensor], torch.Tensor], int]:
     """A transform for :func:`ftkit.export.weights.write_safetensors` that adds each adapter's delta to its base
     weight, and how many base weights it changes. Refuses an adapter whose base weight is not in the base model."""
     import torch
 
-    pairs: dict[str, dict[str, Any]] = {}
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
     for e in adapter:
         m = _SAVED.match(e.name)
         assert m is not None  # adapter_entries checked the names
@@ -113,7 +117,7 @@ def merge_transform(
         if name not in base_names:
             raise ExportRefused(f"{name}: adapted by LoRA but not in the base model's weights")
 
-    def transform(e: Entry, t: Any) -> Any:
+    def transform(e: Entry, t: torch.Tensor) -> torch.Tensor:
         ab = pairs.get(e.name)
         if ab is None:
             return t

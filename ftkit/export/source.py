@@ -28,13 +28,14 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 from ftkit.checkpoint.directory import list_checkpoints, select_resume
 from ftkit.checkpoint.layout import COMMIT_FILE, LATEST
 from ftkit.checkpoint.verify import verify
 from ftkit.errors import NoValidCheckpoint, Problem, UserError
 from ftkit.rundir.layout import RunDir
+from ftkit.rundir.records import CommitRecord, Fingerprint, JSONObject
 from ftkit.rundir.spec import RunSpec
 from ftkit.supervise.universal import LATEST_UNIVERSAL
 
@@ -55,13 +56,13 @@ class Source:
     run_dir: Path
     path: Path  # RUN/checkpoint-N or RUN/final
     step: int | None
-    record: dict[str, Any] = field(repr=False)  # the commit record (verified)
+    record: CommitRecord = field(repr=False)  # the commit record (verified)
     reason: str  # the verification's verdict line, e.g. "checkpoint-8: committed, 23 files verified (...)"
     layout: str  # zero | universal | hf
     stage: int | None  # ZeRO stage from the commit record (None: not a DeepSpeed checkpoint)
     tag: str | None  # DeepSpeed tag directory (global_stepN), for zero and universal (the original shards)
     universal_tag: str | None  # global_stepN_universal, when layout is universal
-    adapter_config: dict[str, Any] | None = field(default=None, repr=False)  # LoRA runs
+    adapter_config: JSONObject | None = field(default=None, repr=False)  # LoRA runs
     skipped: tuple[str, ...] = ()  # newer checkpoints passed over when choosing "latest", with their reasons
 
     @property
@@ -78,7 +79,7 @@ class Source:
         return ws if isinstance(ws, int) else None
 
     @property
-    def fingerprint(self) -> dict[str, Any]:
+    def fingerprint(self) -> Fingerprint:
         fp = (self.record.get("extra") or {}).get("fingerprint")
         return fp if isinstance(fp, dict) else {}
 
@@ -170,7 +171,7 @@ def _layout(
     run: Path,
     path: Path,
     step: int | None,
-    record: dict[str, Any],
+    record: CommitRecord,
     reason: str,
     universal: bool,
     skipped: tuple[str, ...],
@@ -223,7 +224,7 @@ def _hf_weights(path: Path) -> list[str]:
     return [n for n in names if (path / n).is_file()]
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(path: Path) -> JSONObject:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -245,7 +246,7 @@ class RunFacts:
     tokenizer_path: str
     tokenizer_revision: str | None
     precision: str  # fp32 | bf16 | fp16
-    recipe: dict[str, Any] = field(repr=False)
+    recipe: JSONObject = field(repr=False)
     recipe_hash: str
     model_weights: dict[str, int] = field(default_factory=dict, repr=False)  # base files and sizes at training
 
@@ -259,7 +260,9 @@ def run_facts(source: Source) -> RunFacts:
     return RunFacts(
         name=spec.name,
         model_path=str(flat.get("model.path") or spec.model_path),
-        model_revision=flat.get("model.revision", spec.model_revision) if flat else spec.model_revision,
+        model_revision=cast("str | None", flat.get("model.revision", spec.model_revision))
+        if flat
+        else spec.model_revision,
         tokenizer_path=spec.tokenizer_path,
         tokenizer_revision=spec.tokenizer_revision,
         precision=str(flat.get("train.precision") or spec.precision),

@@ -45,15 +45,46 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict, cast
 
 from ftkit.export.source import RunFacts, Source
 from ftkit.export.weights import cpu_only, torch_dtype
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
 
 FP32_ATOL = 1e-5
 PROBE_SEED = 1234
 PROBE_SHAPE = (2, 32)
 PROBE_FILE = "probe.json"
+
+
+class Probe(TypedDict):
+    """``RUN/ftkit/probe.json``: probe tokens and the logits the live trained model computed for them."""
+
+    input_ids: list[list[int]]  # [batch, tokens]
+    logits: list[list[list[float]]]  # [batch, tokens, vocabulary]
+
+
+class CheckRecord(TypedDict):
+    """A :class:`Check` as JSON (``ftkit_export.json``'s ``verdict.checks``)."""
+
+    reference: str
+    max_abs_diff: float
+    tolerance: float | None
+    tokens: int
+
+
+class VerdictRecord(TypedDict, total=False):
+    """A :class:`Verdict` as JSON (``ftkit_export.json``'s ``verdict``)."""
+
+    dtype: str
+    checks: list[CheckRecord]
+    seconds: float
+    peak_rss_bytes: int | None
+    verified_utc: str
+    ok: bool
 
 
 @dataclass
@@ -98,13 +129,13 @@ class Verdict:
             return f"logits check {word}: nothing to compare"
         return f"logits check {word}: {worst.line()}"
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> VerdictRecord:
         d = asdict(self)
         d["ok"] = self.ok
-        return d
+        return cast(VerdictRecord, d)
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Verdict:
+    def from_json(cls, d: VerdictRecord) -> Verdict:
         checks = [Check(**c) for c in d.get("checks") or []]
         return cls(
             d.get("dtype", "fp32"), checks, d.get("seconds", 0.0), d.get("peak_rss_bytes"), d.get("verified_utc", "")
@@ -133,7 +164,7 @@ def quiet() -> Iterator[None]:
         transformers.utils.logging.set_verbosity(level)
 
 
-def probe_batches(vocab_size: int, max_positions: int | None, run_probe: dict[str, Any] | None) -> list[Any]:
+def probe_batches(vocab_size: int, max_positions: int | None, run_probe: Probe | None) -> list[torch.Tensor]:
     """The run's probe tokens first (when there are any), then the fixed random sequences."""
     import torch
 
@@ -146,19 +177,23 @@ def probe_batches(vocab_size: int, max_positions: int | None, run_probe: dict[st
     return batches
 
 
-def _run_probe(run_dir: Path | None) -> dict[str, Any] | None:
+def _run_probe(run_dir: Path | None) -> Probe | None:
     return None if run_dir is None else _read_probe(run_dir / "ftkit" / PROBE_FILE)
 
 
-def _read_probe(path: Path) -> dict[str, Any] | None:
+def _read_probe(path: Path) -> Probe | None:
     try:
         data = json.loads(path.read_text())
-        return data if isinstance(data.get("input_ids"), list) and isinstance(data.get("logits"), list) else None
+        return (
+            cast(Probe, data)
+            if isinstance(data.get("input_ids"), list) and isinstance(data.get("logits"), list)
+            else None
+        )
     except (OSError, ValueError, AttributeError):
         return None
 
 
-def logits_of(model: Any, batches: list[Any]) -> list[Any]:
+def logits_of(model: torch.nn.Module, batches: list[torch.Tensor]) -> list[torch.Tensor]:
     import torch
 
     model.eval()
@@ -166,11 +201,11 @@ def logits_of(model: Any, batches: list[Any]) -> list[Any]:
         return [model(input_ids=b, attention_mask=torch.ones_like(b)).logits.float() for b in batches]
 
 
-def max_diff(a: list[Any], b: list[Any]) -> float:
+def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
 
 
-def round_to(model: Any, dtype: Any, only_lora: bool = False) -> None:
+def round_to(model: torch.nn.Module, dtype: torch.dtype, only_lora: bool = False) -> None:
     """Cast the model's floating-point weights down to ``dtype`` and back, in place (what loading a ``dtype``
     export in float32 does to them)."""
     import torch
@@ -183,7 +218,7 @@ def round_to(model: Any, dtype: Any, only_lora: bool = False) -> None:
                 t.copy_(t.to(dtype).to(torch.float32))
 
 
-def _base_model(facts: RunFacts) -> Any:
+def _base_model(facts: RunFacts) -> PreTrainedModel:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -191,7 +226,7 @@ def _base_model(facts: RunFacts) -> Any:
     return AutoModelForCausalLM.from_pretrained(facts.model_path, dtype=torch.float32, **hub)
 
 
-def _model_from_state(config_dir: str, state: dict[str, Any], what: str) -> Any:
+def _model_from_state(config_dir: str, state: dict[str, torch.Tensor], what: str) -> PreTrainedModel:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -214,7 +249,7 @@ def _config_dir(source: Source, facts: RunFacts) -> str:
 # ------------------------------------------------------------------------------------------------- references
 
 
-def reference_model(source: Source, facts: RunFacts, kind: str) -> tuple[Any, str, Any]:
+def reference_model(source: Source, facts: RunFacts, kind: str) -> tuple[torch.nn.Module, str, torch.dtype]:
     """The checkpoint's training state on the independent path (see the module docstring), its name, and the
     dtype its weights were held in there (a bf16 run's ZeRO-0 module is bf16; everything else fp32)."""
     import torch
@@ -258,7 +293,7 @@ def _has_zero_shards(source: Source) -> bool:
     return source.tag is not None and any((source.path / source.tag).glob("*zero_pp_rank_*_optim_states.pt"))
 
 
-def export_model(export_dir: Path, kind: str, facts: RunFacts) -> Any:
+def export_model(export_dir: Path, kind: str, facts: RunFacts) -> torch.nn.Module:
     import torch
 
     if kind == "adapter":

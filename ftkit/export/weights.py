@@ -44,9 +44,14 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Literal, Protocol, TypedDict, cast
 
 from ftkit.export.source import ExportRefused
+
+if TYPE_CHECKING:
+    import ctypes
+
+    import torch
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -68,7 +73,43 @@ _ST_DTYPES = {
 OUT_DTYPES = ("fp32", "bf16", "fp16")
 
 
-def torch_dtype(name: str) -> Any:
+class _Fragment(Protocol):
+    """DeepSpeed's ``fragment_address``: where one parameter's fragment sits in a rank's flat partition."""
+
+    start: int
+    numel: int
+
+
+class ZeroOptimizerState(TypedDict, total=False):
+    """The ``optimizer_state_dict`` of a DeepSpeed ZeRO optimizer shard (the keys the readers use)."""
+
+    single_partition_of_fp32_groups: list[torch.Tensor]  # ZeRO-1/2: this rank's slice of each group's flat vector
+    param_slice_mappings: list[dict[str, _Fragment]]  # ZeRO-1/2, per group
+    partition_count: int | list[int]
+    fp32_flat_groups: list[torch.Tensor]  # ZeRO-3: this rank's sub-groups
+
+
+class DeepSpeedStates(TypedDict, total=False):
+    """A DeepSpeed ``.pt`` file of a ZeRO checkpoint, model states or optimizer states (the keys the readers use)."""
+
+    module: dict[str, torch.Tensor]  # the module's state dict (ZeRO-3: this rank's empty placeholders)
+    buffer_names: list[str]
+    param_shapes: list[dict[str, torch.Size]]  # trainable parameters, one dict per group, in DeepSpeed's order
+    frozen_param_shapes: dict[str, torch.Size]
+    frozen_param_fragments: dict[str, torch.Tensor]
+    shared_params: dict[str, str]  # alias -> the parameter it shares storage with
+    optimizer_state_dict: ZeroOptimizerState
+
+
+class _StTensor(TypedDict):
+    """One tensor's entry in a safetensors header."""
+
+    dtype: str
+    shape: list[int]
+    data_offsets: list[int]  # [begin, end) in the data section
+
+
+def torch_dtype(name: str) -> torch.dtype:
     """``fp32|bf16|fp16`` (or a torch dtype name) -> torch dtype."""
     import torch
 
@@ -110,8 +151,8 @@ class Entry:
 
     name: str
     shape: tuple[int, ...]
-    dtype: Any  # torch dtype in the source
-    read: Callable[[], Any]  # -> a torch.Tensor the caller owns (never a view into a mapped file)
+    dtype: torch.dtype  # in the source
+    read: Callable[[], torch.Tensor]  # -> a tensor the caller owns (never a view into a mapped file)
 
     @property
     def numel(self) -> int:
@@ -134,7 +175,7 @@ class Mapped:
     def __init__(self, path: Path):
         self.path = Path(path)
         before = set(_file_mappings(self.path))
-        self.obj = load_pt(self.path)
+        self.obj: object = load_pt(self.path)  # what the file pickles (None once closed)
         self._ranges = sorted(set(_file_mappings(self.path)) - before)
         _LIVE_RANGES.extend(self._ranges)
 
@@ -149,7 +190,7 @@ class Mapped:
         self.obj = None
 
 
-def copy_out(dst: Any, src: Any) -> None:
+def copy_out(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst[:] = src`` for 1-D tensors, in :data:`CHUNK_BYTES` pieces; where ``src`` lies in a live file mapping,
     each piece's pages are dropped once copied, so a copy never keeps more than a chunk of the file resident."""
     step = max(1, CHUNK_BYTES // max(1, src.element_size()))
@@ -159,7 +200,7 @@ def copy_out(dst: Any, src: Any) -> None:
         _drop(piece)
 
 
-def _drop(t: Any) -> None:
+def _drop(t: torch.Tensor) -> None:
     lo = t.data_ptr()
     hi = lo + t.numel() * t.element_size()
     for start, end in _LIVE_RANGES:
@@ -176,7 +217,7 @@ def cpu_only() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def load_pt(path: Path) -> Any:
+def load_pt(path: Path) -> object:
     """``torch.load(mmap=True, weights_only=True)`` allowing DeepSpeed's own pickled classes (LossScaler,
     ZeroStageEnum, fragment_address), imported from the installed package; any other class refuses the file."""
     import torch
@@ -217,7 +258,7 @@ def _file_mappings(path: Path) -> list[tuple[int, int]]:
     return out
 
 
-_libc: Any = None
+_libc: ctypes.CDLL | Literal[False] | None = None  # False: no libc to call
 
 
 def _madvise_dontneed(start: int, length: int) -> None:
@@ -241,7 +282,7 @@ class Reader:
         self,
         entries: list[Entry],
         mapped: Iterable[Mapped] = (),
-        files: Iterable[Any] = (),
+        files: Iterable[SafetensorsFile] = (),
         trainable: Iterable[str] | None = None,
     ):
         self.entries = entries
@@ -290,7 +331,12 @@ def _rank_of(path: Path) -> int:
     return int(m.group(1)) if m else -1
 
 
-def _shapes(model_states: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+def _states(m: Mapped) -> DeepSpeedStates:
+    """A DeepSpeed file's content, as what it is (load_pt allowed nothing but DeepSpeed's classes into it)."""
+    return cast(DeepSpeedStates, m.obj)
+
+
+def _shapes(model_states: DeepSpeedStates) -> dict[str, tuple[int, ...]]:
     """Trainable parameters in DeepSpeed's order (``param_shapes`` is a list of one dict per group)."""
     out: dict[str, tuple[int, ...]] = {}
     for group in model_states.get("param_shapes") or []:
@@ -301,7 +347,7 @@ def _shapes(model_states: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 def _buffers_and_frozen(ms: list[Mapped], stage3: bool) -> tuple[list[Entry], list[Entry], set[str]]:
     """Entries for persistent buffers and frozen parameters; names of shared (aliased) parameters to skip."""
-    first = ms[0].obj
+    first = _states(ms[0])
     module = first.get("module") or {}
     buffers = []
     for name in first.get("buffer_names") or []:
@@ -309,16 +355,16 @@ def _buffers_and_frozen(ms: list[Mapped], stage3: bool) -> tuple[list[Entry], li
             t = module[name]
             buffers.append(Entry(name, tuple(t.shape), t.dtype, _copier(t)))
     frozen = []
-    for name, shape in (first.get("frozen_param_shapes") or {}).items():
-        shape = tuple(int(x) for x in shape)
-        frags = [m.obj["frozen_param_fragments"][name] for m in (ms if stage3 else ms[:1])]
+    for name, size in (first.get("frozen_param_shapes") or {}).items():
+        shape = tuple(int(x) for x in size)
+        frags = [_states(m)["frozen_param_fragments"][name] for m in (ms if stage3 else ms[:1])]
         frozen.append(Entry(name, shape, frags[0].dtype, _concat_reader(frags, shape)))
     aliases = set((first.get("shared_params") or {}).keys())
     return buffers, frozen, aliases
 
 
-def _copier(t: Any) -> Callable[[], Any]:
-    def read() -> Any:
+def _copier(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def read() -> torch.Tensor:
         import torch
 
         out = torch.empty(t.shape, dtype=t.dtype)
@@ -328,11 +374,11 @@ def _copier(t: Any) -> Callable[[], Any]:
     return read
 
 
-def _concat_reader(frags: list[Any], shape: tuple[int, ...]) -> Callable[[], Any]:
+def _concat_reader(frags: list[torch.Tensor], shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
     """Frozen parameters: ZeRO-1/2 keep each whole in the model states (one fragment), ZeRO-3 a padded piece per
     rank; the pieces laid end to end, cut to the parameter's size."""
 
-    def read() -> Any:
+    def read() -> torch.Tensor:
         import torch
 
         out = torch.empty(math.prod(shape), dtype=frags[0].dtype)
@@ -354,21 +400,21 @@ def zero_reader(tag_dir: Path, stage: int) -> Reader:
     ms = [Mapped(p) for p in _model_state_files(tag_dir, stage3)]
     optim = [Mapped(p) for p in _optim_files(tag_dir)]
     buffers, frozen, aliases = _buffers_and_frozen(ms, stage3)
-    shapes = _shapes(ms[0].obj)
+    shapes = _shapes(_states(ms[0]))
     if stage3:
         trainable = _zero3_entries(tag_dir, shapes, optim)
     elif optim:
         trainable = _zero12_entries(tag_dir, shapes, optim)
     else:  # ZeRO-0 without a flat fp32 copy: the module's own weights
-        module = ms[0].obj.get("module") or {}
+        module = _states(ms[0]).get("module") or {}
         names = [n for n in module if n not in {e.name for e in buffers}]
         trainable = [Entry(n, tuple(module[n].shape), module[n].dtype, _copier(module[n])) for n in names]
     entries = [e for e in [*trainable, *frozen, *buffers] if e.name not in aliases]
     return Reader(entries, [*ms, *optim], trainable={e.name for e in trainable})
 
 
-def _osd(m: Mapped) -> dict[str, Any]:
-    osd = m.obj.get("optimizer_state_dict")
+def _osd(m: Mapped) -> ZeroOptimizerState:
+    osd = _states(m).get("optimizer_state_dict")
     if not isinstance(osd, dict):
         raise ExportRefused(f"{m.path}: no optimizer_state_dict (not a DeepSpeed ZeRO optimizer shard)")
     return osd
@@ -402,7 +448,7 @@ def _zero12_entries(tag_dir: Path, shapes: dict[str, tuple[int, ...]], optim: li
         if sum(n for _, _, n in pieces) != numel:
             raise ExportRefused(f"{tag_dir.parent.name}: {name}: the ranks' fragments do not add up to {shape}")
 
-        def read() -> Any:
+        def read() -> torch.Tensor:
             import torch
 
             out = torch.empty(numel, dtype=pieces[0][0].dtype)
@@ -447,8 +493,10 @@ def _zero3_entries(tag_dir: Path, shapes: dict[str, tuple[int, ...]], optim: lis
     return entries
 
 
-def _zero3_reader(flats: list[_Virtual], offset: int, per_rank: int, shape: tuple[int, ...]) -> Callable[[], Any]:
-    def read() -> Any:
+def _zero3_reader(
+    flats: list[_Virtual], offset: int, per_rank: int, shape: tuple[int, ...]
+) -> Callable[[], torch.Tensor]:
+    def read() -> torch.Tensor:
         import torch
 
         numel = math.prod(shape)
@@ -468,7 +516,7 @@ def _zero3_reader(flats: list[_Virtual], offset: int, per_rank: int, shape: tupl
 class _Virtual:
     """Several flat tensors read as one vector (ZeRO-3 sub-groups of one rank)."""
 
-    def __init__(self, parts: list[Any]):
+    def __init__(self, parts: list[torch.Tensor]):
         self.parts = parts
         self.dtype = parts[0].dtype
         self.starts = [0]
@@ -476,7 +524,7 @@ class _Virtual:
             self.starts.append(self.starts[-1] + p.numel())
         self.numel = self.starts[-1]
 
-    def copy_into(self, out: Any, start: int, n: int) -> None:
+    def copy_into(self, out: torch.Tensor, start: int, n: int) -> None:
         at = 0
         for i, part in enumerate(self.parts):
             lo, hi = self.starts[i], self.starts[i + 1]
@@ -492,7 +540,7 @@ def universal_reader(ckpt: Path, utag: str) -> Reader:
     udir = ckpt / utag
     states = sorted(udir.glob("*model_states.pt"))
     ms = [Mapped(states[0])] if states else []
-    shapes = _shapes(ms[0].obj) if ms else {}
+    shapes = _shapes(_states(ms[0])) if ms else {}
     names = list(shapes) or sorted(p.name for p in (udir / "zero").iterdir() if (p / "fp32.pt").is_file())
     entries = []
     mapped = list(ms)
@@ -501,7 +549,7 @@ def universal_reader(ckpt: Path, utag: str) -> Reader:
         if not path.is_file():
             raise ExportRefused(f"{ckpt.name}: {utag}/zero/{name}/fp32.pt missing")
         m = Mapped(path)
-        t = m.obj["param"] if isinstance(m.obj, dict) else m.obj
+        t = cast("torch.Tensor", m.obj["param"] if isinstance(m.obj, dict) else m.obj)
         shape = shapes.get(name, tuple(t.shape))
         if math.prod(shape) > t.numel():
             raise ExportRefused(f"{ckpt.name}: {utag}/zero/{name}/fp32.pt holds {t.numel()} elements, needs {shape}")
@@ -515,8 +563,8 @@ def universal_reader(ckpt: Path, utag: str) -> Reader:
     return Reader(entries, mapped, trainable=names)
 
 
-def _slice_reader(t: Any, shape: tuple[int, ...]) -> Callable[[], Any]:
-    def read() -> Any:
+def _slice_reader(t: torch.Tensor, shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
+    def read() -> torch.Tensor:
         import torch
 
         out = torch.empty(math.prod(shape), dtype=t.dtype)
@@ -543,7 +591,7 @@ class SafetensorsFile:
             raise ExportRefused(f"{self.path}: not a readable safetensors file ({e})") from None
         self.data_start = 8 + n
         header.pop("__metadata__", None)
-        self.header: dict[str, dict[str, Any]] = header
+        self.header = cast("dict[str, _StTensor]", header)
 
     def names(self) -> list[str]:
         return sorted(self.header, key=lambda k: self.header[k]["data_offsets"][0])
@@ -551,12 +599,12 @@ class SafetensorsFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.header[name]["shape"])
 
-    def dtype(self, name: str) -> Any:
+    def dtype(self, name: str) -> torch.dtype:
         import torch
 
         return getattr(torch, _ST_DTYPES[self.header[name]["dtype"]])
 
-    def read(self, name: str) -> Any:
+    def read(self, name: str) -> torch.Tensor:
         import torch
 
         info = self.header[name]
@@ -598,7 +646,7 @@ def hf_weight_files(directory: Path, stem: str = "model") -> list[Path]:
 def hf_reader(directory: Path, stem: str = "model") -> Reader:
     """Every tensor of an HF weights directory (safetensors per tensor, ``.bin`` memory-mapped)."""
     entries: list[Entry] = []
-    files: list[Any] = []
+    files: list[SafetensorsFile] = []
     mapped: list[Mapped] = []
     for path in hf_weight_files(directory, stem):
         if path.suffix == ".safetensors":
@@ -608,11 +656,12 @@ def hf_reader(directory: Path, stem: str = "model") -> Reader:
         else:
             m = Mapped(path)
             mapped.append(m)
-            entries += [Entry(n, tuple(t.shape), t.dtype, _copier(t)) for n, t in m.obj.items()]
+            state = cast("dict[str, torch.Tensor]", m.obj)  # pytorch_model.bin: a state dict
+            entries += [Entry(n, tuple(t.shape), t.dtype, _copier(t)) for n, t in state.items()]
     return Reader(entries, mapped, files)
 
 
-def _st_reader(st: SafetensorsFile, name: str) -> Callable[[], Any]:
+def _st_reader(st: SafetensorsFile, name: str) -> Callable[[], torch.Tensor]:
     return lambda: st.read(name)
 
 
@@ -627,7 +676,7 @@ class Written:
     index: str | None
 
 
-def plan_shards(entries: list[Entry], dtype: Any, max_bytes: int) -> list[list[Entry]]:
+def plan_shards(entries: list[Entry], dtype: torch.dtype, max_bytes: int) -> list[list[Entry]]:
     """Split entries, in order, into shards of at most ``max_bytes`` (a larger tensor gets a shard of its own)."""
     shards: list[list[Entry]] = [[]]
     size = 0
@@ -641,15 +690,15 @@ def plan_shards(entries: list[Entry], dtype: Any, max_bytes: int) -> list[list[E
     return [s for s in shards if s]
 
 
-def out_dtype(e: Entry, dtype: Any) -> Any:
+def out_dtype(e: Entry, dtype: torch.dtype) -> torch.dtype:
     return dtype if e.dtype.is_floating_point else e.dtype
 
 
-def out_bytes(e: Entry, dtype: Any) -> int:
+def out_bytes(e: Entry, dtype: torch.dtype) -> int:
     return e.numel * out_dtype(e, dtype).itemsize
 
 
-def _st_name(dtype: Any) -> str:
+def _st_name(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
     for st, tn in _ST_DTYPES.items():
         if tn == name:
@@ -660,9 +709,9 @@ def _st_name(dtype: Any) -> str:
 def write_safetensors(
     path: Path,
     entries: list[Entry],
-    dtype: Any,
+    dtype: torch.dtype,
     *,
-    transform: Callable[[Entry, Any], Any] | None = None,
+    transform: Callable[[Entry, torch.Tensor], torch.Tensor] | None = None,
     after_each: Callable[[], None] | None = None,
 ) -> int:
     """Write ``entries`` into one safetensors file, one tensor at a time; returns the bytes of tensor data.
@@ -674,7 +723,7 @@ def write_safetensors(
     """
     import torch
 
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     at = 0
     for e in entries:
         n = out_bytes(e, dtype)
@@ -703,10 +752,10 @@ def write_safetensors(
 def write_model(
     out_dir: Path,
     entries: list[Entry],
-    dtype: Any,
+    dtype: torch.dtype,
     max_shard_bytes: int,
     *,
-    transform: Callable[[Entry, Any], Any] | None = None,
+    transform: Callable[[Entry, torch.Tensor], torch.Tensor] | None = None,
     after_each: Callable[[], None] | None = None,
 ) -> Written:
     """``model.safetensors`` (one shard) or ``model-0000K-of-0000N.safetensors`` + ``model.safetensors.index.json``,

@@ -11,11 +11,18 @@ from __future__ import annotations
 
 import io
 import re
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 from ftkit.errors import UserError
 from ftkit.report.goodput import CATEGORIES, Attempt, Goodput
 from ftkit.report.timeline import MARKS, PHASES, Timeline
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.container import BarContainer
+    from matplotlib.figure import Figure
+
+T = TypeVar("T")
 
 # Okabe-Ito (colour-blind safe), then greys
 ATTEMPT_COLOURS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000")
@@ -56,7 +63,7 @@ def attempt_colour(i: int) -> str:
     return ATTEMPT_COLOURS[i % len(ATTEMPT_COLOURS)]
 
 
-def _figure(width: float, height: float) -> Any:
+def _figure(width: float, height: float) -> Figure:
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -64,7 +71,7 @@ def _figure(width: float, height: float) -> Any:
     return Figure(figsize=(width, height), dpi=96)
 
 
-def to_svg(fig: Any, name: str, title: str) -> str:
+def to_svg(fig: Figure, name: str, title: str) -> str:
     """The figure as one ``<svg>`` element for an HTML page: no XML prologue, ids unique to this chart, scalable."""
     import matplotlib
 
@@ -79,14 +86,14 @@ def to_svg(fig: Any, name: str, title: str) -> str:
     return svg
 
 
-def _gid(container: Any, name: str) -> None:
+def _gid(container: BarContainer, name: str) -> None:
     """An id on each drawn bar (a BarContainer has none of its own)."""
     patches = list(container)
     for i, patch in enumerate(patches):
         patch.set_gid(name if len(patches) == 1 else f"{name}-{i}")
 
 
-def _style(ax: Any) -> None:
+def _style(ax: Axes) -> None:
     ax.grid(alpha=0.3)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
@@ -98,7 +105,7 @@ def _style(ax: Any) -> None:
 MAX_POINTS = 4000  # per line: a long run's loss is drawn from every k-th logged step (the SVG stays small)
 
 
-def thin(points: list[Any]) -> list[Any]:
+def thin(points: list[T]) -> list[T]:
     """Every k-th point (the last one kept) so that at most :data:`MAX_POINTS` are drawn."""
     k = -(-len(points) // MAX_POINTS)
     return points if k <= 1 else points[::k] + ([points[-1]] if (len(points) - 1) % k else [])
@@ -110,7 +117,7 @@ def loss_chart(atts: list[Attempt]) -> str | None:
     if not any(a.steps for a in atts):
         return None
     fig = _figure(8.6, 3.8)
-    ax = fig.subplots()
+    ax: Axes = fig.subplots()
     for i, a in enumerate(atts):
         colour = attempt_colour(i)
         kept = thin([s for s in a.steps if s.step <= a.kept_until])
@@ -177,7 +184,7 @@ def timeline_chart(tl: Timeline, atts: list[Attempt]) -> str | None:
     rows = tl.rows()
     colours = {a.attempt: attempt_colour(i) for i, a in enumerate(atts)}
     fig = _figure(8.6, 1.5 + 0.45 * len(rows))
-    ax = fig.subplots()
+    ax: Axes = fig.subplots()
     seen_phase: set[str] = set()
     for b in tl.bars:
         style = PHASE_STYLE[b.phase]
@@ -239,7 +246,7 @@ def breakdown_chart(g: Goodput) -> str | None:
     if g.wall_s <= 0:
         return None
     fig = _figure(8.6, 0.75)
-    ax = fig.subplots()
+    ax: Axes = fig.subplots()
     left = 0.0
     for key, label, _ in CATEGORIES:
         v = g.breakdown.get(key, 0.0)
@@ -268,7 +275,7 @@ def host_chart(rows: list[tuple[int, str, float, bool]]) -> str | None:
     hosts = list(dict.fromkeys(h for _, h, _, _ in rows))
     attempts = list(dict.fromkeys(a for a, _, _, _ in rows))
     fig = _figure(8.6, 1.0 + 0.35 * len(hosts) * max(1, len(attempts)) ** 0.5)
-    ax = fig.subplots()
+    ax: Axes = fig.subplots()
     height = 0.8 / len(attempts)
     for j, a in enumerate(attempts):
         for i, h in enumerate(hosts):
