@@ -28,8 +28,9 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ftkit.checkpoint.directory import rotate
 from ftkit.checkpoint.layout import COMMIT_FILE, DURABLE_MARK, PEER_MARK, PEER_SENDING
@@ -50,7 +51,10 @@ from ftkit.checkpoint.tiers import (
 )
 from ftkit.cluster.hosts import is_local
 from ftkit.rundir.layout import RunDir, append_jsonl
-from ftkit.rundir.spec import RunSpec
+from ftkit.rundir.spec import LocalTierSpec, RunSpec
+
+if TYPE_CHECKING:
+    from ftkit.rundir.records import CommitRecord
 
 POLL_S = 0.5
 # Test-only: seconds the agent waits after copying each file, so a test can kill it in the middle of a copy (the
@@ -58,18 +62,18 @@ POLL_S = 0.5
 PAUSE_ENV = "FTKIT_AGENT_PAUSE_S"
 
 
-def _tier(run_dir: str) -> tuple[RunSpec, dict[str, Any]]:
+def _tier(run_dir: str) -> tuple[RunSpec, LocalTierSpec]:
     spec = RunSpec.read(RunDir(run_dir).spec)
     if not spec.local_tier:
         raise SystemExit("ftkit agent: this run has no local checkpoint tier")
     return spec, spec.local_tier
 
 
-def _due(step: int, record: dict[str, Any], every: int) -> bool:
+def _due(step: int, record: CommitRecord, every: int) -> bool:
     return step % every == 0 or bool((record.get("extra") or {}).get("stop"))
 
 
-def _send(ssh_config: str | None, host: str) -> Any:
+def _send(ssh_config: str | None, host: str) -> Callable[[Path, Path], None]:
     """Copy a directory to ``host``'s file system over ssh (tar through one session), atomically there."""
 
     def send(src: Path, dst: Path) -> None:
@@ -98,7 +102,7 @@ class Agent:
         self.peer = nodes[(nodes.index(host) + 1) % len(nodes)] if host in nodes and len(nodes) > 1 else None
         self.done: set[int] = set()
 
-    def say(self, event: str, **data: Any) -> None:
+    def say(self, event: str, **data: object) -> None:
         append_jsonl(
             self.rd.metrics, {"event": event, "host": self.host, "attempt": self.attempt, **data, "time": time.time()}
         )

@@ -12,8 +12,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ftkit.checkpoint.commit import manifest_part, write_commit
 from ftkit.checkpoint.directory import record_save_begun, rotate
@@ -23,15 +24,27 @@ from ftkit.rundir.layout import append_jsonl
 from ftkit.rundir.spec import RANK_APPLIED
 
 if TYPE_CHECKING:
+    import torch
+    from torch.optim.lr_scheduler import LRScheduler
+    from transformers import TrainerCallback
+    from transformers.trainer_utils import TrainOutput
+
     from ftkit.launch.services import _Rank
+    from ftkit.rundir.records import JSON, FileEntry, MetricsRecord
+
+    class FtkitCallbackType(TrainerCallback):
+        """The type checker's view of the class :func:`callback_class` builds on first use."""
+
+        def __init__(self, r: _Rank, fault: Fault | None, exit_after_stop: bool = True) -> None: ...
+
 
 COMPUTE_EWMA = 0.2  # weight of the newest step in the per-rank compute-time average
 
 
-_CALLBACK: Any = None
+_CALLBACK: type[FtkitCallbackType] | None = None
 
 
-def callback_class() -> Any:
+def callback_class() -> type[FtkitCallbackType]:
     global _CALLBACK
     if _CALLBACK is not None:
         return _CALLBACK
@@ -110,7 +123,7 @@ def callback_class() -> Any:
 
         def on_log(self, args, state, control, logs=None, **kw):  # noqa: ANN001
             logs = logs or {}
-            rec: dict[str, Any] | None = None
+            rec: MetricsRecord | None = None
             if "loss" in logs:
                 self.ctx.last_loss = float(logs["loss"])
                 rec = {
@@ -140,7 +153,7 @@ def callback_class() -> Any:
                 return
             t0 = time.time()
             part = manifest_part(ckpt, self.ctx.rank, self.ctx.world_size, checksum=self.spec.checksum)
-            parts: list[Any] = [None] * self.ctx.world_size
+            parts: list[dict[str, FileEntry] | None] = [None] * self.ctx.world_size
             if dist.is_available() and dist.is_initialized():
                 dist.all_gather_object(parts, part)  # every rank has finished writing: this is the barrier
             else:
@@ -204,7 +217,7 @@ def callback_class() -> Any:
                         flush=True,
                     )
 
-        def _prove_fsdp2(self, model: Any, step: int) -> None:
+        def _prove_fsdp2(self, model: torch.nn.Module | None, step: int) -> None:
             """FSDP2 really on in this rank (its parameters are DTensors), recorded in every heartbeat; else the
             rank stops at once (a restart would run plain data parallel again)."""
             try:
@@ -250,17 +263,17 @@ def callback_class() -> Any:
 
         # ------------------------------------------------------------------ compute time (stragglers)
 
-        def _hook_forward(self, model: Any) -> None:
+        def _hook_forward(self, model: torch.nn.Module | None) -> None:
             """Time the model's forward passes on this rank's own clock. Under DDP and ZeRO-1/2 a forward holds no
             collective, so a slow host shows up here and not in the (lock-step) step time; under ZeRO-3 the
             forward also waits for parameter gathers."""
             if model is None or self._hooked:
                 return
 
-            def pre(module: Any, inputs: Any) -> None:
+            def pre(module: torch.nn.Module, inputs: tuple[object, ...]) -> None:
                 self._t0 = time.perf_counter()
 
-            def post(module: Any, inputs: Any, output: Any) -> None:
+            def post(module: torch.nn.Module, inputs: tuple[object, ...], output: object) -> None:
                 if self._t0 is not None:
                     self._compute += time.perf_counter() - self._t0
                     self._t0 = None
@@ -269,7 +282,7 @@ def callback_class() -> Any:
             model.register_forward_hook(post)
             self._hooked = True
 
-    _CALLBACK = FtkitCallback
+    _CALLBACK = cast("type[FtkitCallbackType]", FtkitCallback)
     return _CALLBACK
 
 
@@ -295,7 +308,7 @@ def install_train_guard() -> None:
     original = Trainer.train
 
     @functools.wraps(original)
-    def train(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def train(self: Trainer, *args: Any, **kwargs: Any) -> TrainOutput:
         try:
             return original(self, *args, **kwargs)
         except AtMaxSteps as e:
@@ -306,16 +319,18 @@ def install_train_guard() -> None:
     Trainer.train = train  # type: ignore[method-assign]  # the guard wraps transformers' own Trainer.train once
 
 
-def _lr_scheduler_of(lr_scheduler: Any) -> Any:
+def _lr_scheduler_of(lr_scheduler: object) -> LRScheduler | None:
     """The torch LR scheduler inside Accelerate's/DeepSpeed's wrappers (the object with ``base_lrs``)."""
     seen = 0
     while lr_scheduler is not None and not hasattr(lr_scheduler, "base_lrs") and seen < 4:
         lr_scheduler = getattr(lr_scheduler, "scheduler", None) or getattr(lr_scheduler, "lr_scheduler", None)
         seen += 1
-    return lr_scheduler if hasattr(lr_scheduler, "base_lrs") else None
+    return cast("LRScheduler", lr_scheduler) if hasattr(lr_scheduler, "base_lrs") else None
 
 
-def apply_resume_overrides(overrides: dict[str, Any], optimizer: Any, lr_scheduler: Any) -> list[str]:
+def apply_resume_overrides(
+    overrides: Mapping[str, JSON], optimizer: torch.optim.Optimizer, lr_scheduler: object
+) -> list[str]:
     """Apply allowed changes of optimizer hyperparameters to a resumed run; return one line per change.
 
     Called after the checkpoint is loaded (HF Trainer's ``on_train_begin`` follows DeepSpeed's ``load_checkpoint``
@@ -331,7 +346,7 @@ def apply_resume_overrides(overrides: dict[str, Any], optimizer: Any, lr_schedul
     groups = sched.optimizer.param_groups if sched is not None else optimizer.param_groups
     lines: list[str] = []
     if "train.learning_rate" in overrides:
-        new = float(overrides["train.learning_rate"])
+        new = float(cast(float, overrides["train.learning_rate"]))  # the recipe checked it is a number
         if sched is None:
             raise RuntimeError("resume override train.learning_rate: no LR scheduler with base_lrs to update")
         old = list(sched.base_lrs)
@@ -348,7 +363,7 @@ def apply_resume_overrides(overrides: dict[str, Any], optimizer: Any, lr_schedul
         sched._last_lr = list(lrs)  # what HF logs as learning_rate until the next scheduler step
         lines.append(f"train.learning_rate: peak {old[0]} -> {new}; lr at step {sched.last_epoch} now {lrs[0]}")
     if "train.weight_decay" in overrides:
-        new = float(overrides["train.weight_decay"])
+        new = float(cast(float, overrides["train.weight_decay"]))  # the recipe checked it is a number
         old_values = [g.get("weight_decay", 0.0) for g in groups]
         # A group with 0 beside groups that decay is a no-decay group (biases, norms): it stays at 0.
         decaying = [g for g, v in zip(groups, old_values, strict=True) if v != 0] or list(groups)
@@ -365,7 +380,7 @@ def apply_resume_overrides(overrides: dict[str, Any], optimizer: Any, lr_schedul
             )
         lines.append(f"train.adam_beta1/2: {old_betas} -> {tuple(groups[0]['betas'])}")
     if "train.adam_epsilon" in overrides:
-        new = float(overrides["train.adam_epsilon"])
+        new = float(cast(float, overrides["train.adam_epsilon"]))  # the recipe checked it is a number
         old_eps = groups[0].get("eps")
         for g in groups:
             g["eps"] = new

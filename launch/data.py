@@ -24,9 +24,14 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 from ftkit.errors import DataError, Problem
+from ftkit.rundir.records import JSONObject
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
 
 Kind = Literal["text", "prompt_completion", "messages"]
 KINDS: tuple[str, ...] = ("text", "prompt_completion", "messages")
@@ -37,14 +42,14 @@ IGNORE_INDEX = -100  # the label PyTorch's cross-entropy (and HF models) skip
 FIELDS_HINT = "expected 'text', or 'prompt'+'completion', or 'messages'"
 
 
-class Examples(list):  # type: ignore[type-arg]
+class Examples(list[JSONObject]):
     """Rows as loaded (a ``list[dict]``), plus where each came from, so later checks can point at file and row.
 
     ``lines[i]`` is the 1-based line of row ``i`` in a line-based file, or None for .json/.parquet (whose rows
     are named by index).
     """
 
-    def __init__(self, rows: list[dict[str, Any]], path: str, lines: list[int | None]):
+    def __init__(self, rows: list[JSONObject], path: str, lines: list[int | None]):
         super().__init__(rows)
         self.path = path
         self.lines = lines
@@ -66,7 +71,7 @@ class _Problems:
             message = f"index {index}: {message}"
         self.items.append(Problem(message, file=self.path, line=line))
 
-    def at(self, rows: list[dict[str, Any]], i: int, message: str) -> None:
+    def at(self, rows: list[JSONObject], i: int, message: str) -> None:
         """Record a problem with row ``i`` of ``rows``, by line when the file has lines, by index otherwise."""
         lines = getattr(rows, "lines", None)
         line = lines[i] if lines is not None else None
@@ -79,7 +84,7 @@ class _Problems:
             raise DataError(self.items)
 
 
-def _path_of(rows: list[dict[str, Any]], path: str | Path | None) -> str | None:
+def _path_of(rows: list[JSONObject], path: str | Path | None) -> str | None:
     if path is not None:
         return str(path)
     return getattr(rows, "path", None)
@@ -124,8 +129,8 @@ def load_examples(path: str | Path) -> Examples:
     return Examples(rows, spelled, lines)
 
 
-def _read_jsonl(text: str, problems: _Problems) -> tuple[list[dict[str, Any]], list[int | None]]:
-    rows: list[dict[str, Any]] = []
+def _read_jsonl(text: str, problems: _Problems) -> tuple[list[JSONObject], list[int | None]]:
+    rows: list[JSONObject] = []
     lines: list[int | None] = []
     for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -143,7 +148,7 @@ def _read_jsonl(text: str, problems: _Problems) -> tuple[list[dict[str, Any]], l
     return rows, lines
 
 
-def _read_json(text: str, problems: _Problems) -> tuple[list[dict[str, Any]], list[int | None]]:
+def _read_json(text: str, problems: _Problems) -> tuple[list[JSONObject], list[int | None]]:
     if not text.strip():
         return [], []
     try:
@@ -157,7 +162,7 @@ def _read_json(text: str, problems: _Problems) -> tuple[list[dict[str, Any]], li
     if not isinstance(data, list):
         problems.add(f"expected a JSON array of objects, got {type(data).__name__}")
         return [], []
-    rows: list[dict[str, Any]] = []
+    rows: list[JSONObject] = []
     for i, obj in enumerate(data):
         if isinstance(obj, dict):
             rows.append(obj)
@@ -166,10 +171,10 @@ def _read_json(text: str, problems: _Problems) -> tuple[list[dict[str, Any]], li
     return rows, [None] * len(rows)
 
 
-def _read_csv(text: str, problems: _Problems) -> tuple[list[dict[str, Any]], list[int | None]]:
+def _read_csv(text: str, problems: _Problems) -> tuple[list[JSONObject], list[int | None]]:
     # The csv module, not pandas: values stay strings (pandas would turn "123" into an int and "" into NaN).
     reader = csv.DictReader(text.splitlines(keepends=True))
-    rows: list[dict[str, Any]] = []
+    rows: list[JSONObject] = []
     lines: list[int | None] = []
     end = 1  # last line of the header; a quoted field may span lines, so each record starts after the last one
     try:
@@ -180,10 +185,11 @@ def _read_csv(text: str, problems: _Problems) -> tuple[list[dict[str, Any]], lis
                 continue
             if not any((v or "").strip() for v in record.values()):
                 continue  # a blank line
-            row: dict[str, Any] = dict(record)
-            if isinstance(row.get("messages"), str):
+            row: JSONObject = dict(record)
+            messages = row.get("messages")
+            if isinstance(messages, str):
                 try:
-                    row["messages"] = json.loads(row["messages"])
+                    row["messages"] = json.loads(messages)
                 except json.JSONDecodeError as e:
                     problems.add(f"column 'messages' is not valid JSON: {e.msg} (column {e.colno})", line=start)
                     continue
@@ -194,8 +200,8 @@ def _read_csv(text: str, problems: _Problems) -> tuple[list[dict[str, Any]], lis
     return rows, lines
 
 
-def _read_txt(text: str, problems: _Problems) -> tuple[list[dict[str, Any]], list[int | None]]:
-    rows: list[dict[str, Any]] = []
+def _read_txt(text: str, problems: _Problems) -> tuple[list[JSONObject], list[int | None]]:
+    rows: list[JSONObject] = []
     lines: list[int | None] = []
     for n, line in enumerate(text.splitlines(), start=1):
         if line.strip():
@@ -204,7 +210,7 @@ def _read_txt(text: str, problems: _Problems) -> tuple[list[dict[str, Any]], lis
     return rows, lines
 
 
-def _read_parquet(p: Path, problems: _Problems) -> tuple[list[dict[str, Any]], list[int | None]]:
+def _read_parquet(p: Path, problems: _Problems) -> tuple[list[JSONObject], list[int | None]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -219,7 +225,7 @@ def _read_parquet(p: Path, problems: _Problems) -> tuple[list[dict[str, Any]], l
 # --------------------------------------------------------------------------------------------------- checking
 
 
-def _row_kind(row: dict[str, Any]) -> tuple[str | None, str | None]:
+def _row_kind(row: JSONObject) -> tuple[str | None, str | None]:
     """(kind, None) for a well-formed row, (None, what is wrong) otherwise."""
     has = {k for k in ("text", "prompt", "completion", "messages") if row.get(k) is not None}
     # Parquet/JSON rows can carry a field as null (a column another row fills): report it as such, not as present.
@@ -260,7 +266,7 @@ def _row_kind(row: dict[str, Any]) -> tuple[str | None, str | None]:
     return kind, None
 
 
-def detect_kind(rows: list[dict[str, Any]], path: str | Path | None = None) -> Kind:
+def detect_kind(rows: list[JSONObject], path: str | Path | None = None) -> Kind:
     """Return the kind shared by every row; raise DataError listing malformed rows and rows of another kind.
 
     The first well-formed row sets the kind: mixing kinds in one file is refused rather than guessed, because a
@@ -290,11 +296,11 @@ def detect_kind(rows: list[dict[str, Any]], path: str | Path | None = None) -> K
 # --------------------------------------------------------------------------------------------------- tokenizing
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
+def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _bos_eos(tokenizer: Any) -> tuple[list[int], list[int]]:
+def _bos_eos(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
     """Explicit bos/eos ids (either may be absent, e.g. Qwen has no bos) instead of the tokenizer's
     post-processor, whose behaviour varies between models."""
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
@@ -302,12 +308,14 @@ def _bos_eos(tokenizer: Any) -> tuple[list[int], list[int]]:
     return bos, eos
 
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def _render(tokenizer: PreTrainedTokenizerBase, messages: list[JSONObject], add_generation_prompt: bool) -> str:
+    conversation = cast("list[dict[str, str]]", messages)  # checked rows: every message has string role/content
+    rendered = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return cast(str, rendered)  # tokenize=False: the rendered text
 
 
 def encode_messages(
-    tokenizer: Any, messages: list[dict[str, Any]], assistant_only: bool = True
+    tokenizer: PreTrainedTokenizerBase, messages: list[JSONObject], assistant_only: bool = True
 ) -> tuple[list[int], list[int]] | str:
     """(input_ids, labels) for one conversation, or a message saying why it cannot be encoded.
 
@@ -326,7 +334,7 @@ def encode_messages(
 
 
 def _encode_messages(
-    tokenizer: Any, messages: list[dict[str, Any]], assistant_only: bool
+    tokenizer: PreTrainedTokenizerBase, messages: list[JSONObject], assistant_only: bool
 ) -> tuple[list[int], list[int]] | str:
     ids = _encode(tokenizer, _render(tokenizer, messages, add_generation_prompt=False))
     if not assistant_only:
@@ -349,8 +357,8 @@ def _encode_messages(
 
 
 def tokenize(
-    rows: list[dict[str, Any]],
-    tokenizer: Any,
+    rows: list[JSONObject],
+    tokenizer: PreTrainedTokenizerBase,
     max_seq_len: int,
     kind: Kind | None = None,
     on_too_long: Literal["error", "truncate"] = "error",
@@ -383,15 +391,15 @@ def tokenize(
     out: list[dict[str, list[int]]] = []
     for i, row in enumerate(rows):
         if kind == "text":
-            ids = bos + _encode(tokenizer, row["text"]) + eos
+            ids = bos + _encode(tokenizer, cast(str, row["text"])) + eos
             labels = list(ids)
         elif kind == "prompt_completion":
-            prompt = bos + _encode(tokenizer, row["prompt"])
-            completion = _encode(tokenizer, row["completion"]) + eos
+            prompt = bos + _encode(tokenizer, cast(str, row["prompt"]))
+            completion = _encode(tokenizer, cast(str, row["completion"])) + eos
             ids = prompt + completion
             labels = [IGNORE_INDEX] * len(prompt) + completion
         elif kind == "messages":
-            encoded = encode_messages(tokenizer, row["messages"], assistant_only)
+            encoded = encode_messages(tokenizer, cast("list[JSONObject]", row["messages"]), assistant_only)
             if isinstance(encoded, str):
                 problems.at(rows, i, encoded)
                 continue
@@ -423,7 +431,7 @@ def tokenize(
 
 def prepare(
     path: str | Path,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     max_seq_len: int,
     *,
     on_too_long: Literal["error", "truncate"] = "error",
@@ -434,7 +442,7 @@ def prepare(
     return tokenize(rows, tokenizer, max_seq_len, detect_kind(rows), on_too_long, assistant_only=assistant_only)
 
 
-def collate(batch: list[dict[str, list[int]]], pad_id: int) -> dict[str, Any]:
+def collate(batch: list[dict[str, list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
     """Pad a batch to its longest row (right padding) and stack it into tensors.
 
     ``pad_id`` fills input_ids, 0 fills attention_mask and -100 fills labels, so padding never contributes to

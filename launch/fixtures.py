@@ -23,7 +23,10 @@ import json
 import random
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 KINDS = ("text", "prompt_completion", "messages")
 FAMILIES = ("llama", "mistral", "qwen2")
@@ -113,7 +116,16 @@ def _question(prompt: str) -> str:
     return prompt.replace("count from", "please count from").rstrip(":") + "."
 
 
-def _row(kind: str, rng: random.Random) -> dict[str, Any]:
+class Row(TypedDict, total=False):
+    """One generated example: the fields of its kind only."""
+
+    text: str
+    prompt: str
+    completion: str
+    messages: list[dict[str, str]]  # {role, content}
+
+
+def _row(kind: str, rng: random.Random) -> Row:
     prompt, completion = rng.choice(_pairs())
     if kind == "text":
         return {"text": prompt + completion}
@@ -144,7 +156,7 @@ def corpus() -> list[str]:
     return lines
 
 
-def make_tokenizer(out_dir: str | Path | None = None, *, vocab_size: int = TOKENIZER_VOCAB) -> Any:
+def make_tokenizer(out_dir: str | Path | None = None, *, vocab_size: int = TOKENIZER_VOCAB) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE on :func:`corpus`, wrap it as a ``PreTrainedTokenizerFast`` and save it.
 
     Returns the tokenizer (also when ``out_dir`` is None, which skips saving). Deterministic: the corpus is

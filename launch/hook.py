@@ -41,20 +41,36 @@ import functools
 import os
 import sys
 import traceback
+import types
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn, TypedDict
 
 from ftkit.errors import ScriptFailed
 from ftkit.launch import services as hf
 from ftkit.launch.rank import on_import
 from ftkit.rundir.env import HOOK_PID_ENV, RUN_DIR_ENV
 
+if TYPE_CHECKING:
+    import argparse
+    import weakref
+
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers.trainer_utils import TrainOutput
+
+    from ftkit.launch.services import ArgChange
+
 TRACEBACK_LINES = 20  # the last lines of a traceback kept in the error record
 # A collective failing because a peer died: an echo of that peer's failure, not this rank's (no record: the
 # supervisor finds the rank that really failed; the text stays in this rank's log).
 PEER_ECHO = ("by peer", "Connection closed", "Connection reset", "Broken pipe", "Socket Timeout", "NCCL communicator")
 
-_training: dict[str, Any] = {"began": False, "trainer": None}  # a training step began in this process; by whom
+
+class _Training(TypedDict):
+    began: bool  # a training step began in this process
+    trainer: weakref.ReferenceType[Trainer] | None  # by whom
+
+
+_training: _Training = {"began": False, "trainer": None}
 _installed = False
 
 
@@ -87,14 +103,14 @@ def install() -> None:
 # ------------------------------------------------------------------------------------------------ post-import
 
 
-def _patch_training_args(mod: Any) -> None:
+def _patch_training_args(mod: types.ModuleType) -> None:
     cls = mod.TrainingArguments
     if getattr(cls.__post_init__, "_ftkit", False):
         return
     original = cls.__post_init__
 
     @functools.wraps(original)
-    def __post_init__(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def __post_init__(self: TrainingArguments, *args: Any, **kwargs: Any) -> None:
         apply_recipe(self)
         return original(self, *args, **kwargs)
 
@@ -102,13 +118,13 @@ def _patch_training_args(mod: Any) -> None:
     cls.__post_init__ = __post_init__
 
 
-def apply_recipe(args: Any) -> list[tuple[str, Any, Any]]:
+def apply_recipe(args: TrainingArguments) -> list[ArgChange]:
     """Set the recipe's TrainingArguments values on ``args`` in place (before HF's ``__post_init__`` derives
     anything from them); list and record each value that changed."""
     import dataclasses
 
     fields = {f.name for f in dataclasses.fields(args) if f.init}
-    changes = []
+    changes: list[ArgChange] = []
     for name, new in hf.recipe_arguments().items():
         if name not in fields:
             continue
@@ -123,24 +139,24 @@ def apply_recipe(args: Any) -> list[tuple[str, Any, Any]]:
     return changes
 
 
-def _plain(v: Any) -> Any:
+def _plain(v: object) -> object:
     """Enums (save_strategy, lr_scheduler_type) compare by value; a one-element report_to list like the string."""
     return getattr(v, "value", v)
 
 
-def _patch_trainer(mod: Any) -> None:
+def _patch_trainer(mod: types.ModuleType) -> None:
     cls = mod.Trainer
     if getattr(cls.__init__, "_ftkit", False):
         return
     original_init, original_train, original_save = cls.__init__, cls.train, cls.save_model
 
     @functools.wraps(original_init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+    def __init__(self: Trainer, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
         _add_callbacks(self)
 
     @functools.wraps(original_train)
-    def train(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def train(self: Trainer, *args: Any, **kwargs: Any) -> TrainOutput:
 
         if args:
             given, args = args[0], args[1:]
@@ -153,7 +169,7 @@ def _patch_trainer(mod: Any) -> None:
         return original_train(self, chosen, *args, **kwargs)
 
     @functools.wraps(original_save)
-    def save_model(self: Any, output_dir: str | None = None, _internal_call: bool = False) -> Any:
+    def save_model(self: Trainer, output_dir: str | None = None, _internal_call: bool = False) -> str | None:
         if _internal_call:  # a checkpoint save: HF's own path, committed by ftkit's callback
             return original_save(self, output_dir, _internal_call=True)
 
@@ -166,7 +182,7 @@ def _patch_trainer(mod: Any) -> None:
     cls.save_model = save_model
 
 
-def _add_callbacks(trainer: Any) -> None:
+def _add_callbacks(trainer: Trainer) -> None:
 
     ours = hf.callback_class()
     if not any(isinstance(cb, ours) for cb in trainer.callback_handler.callbacks):
@@ -179,7 +195,7 @@ def _add_callbacks(trainer: Any) -> None:
 
 
 @functools.lru_cache(maxsize=1)
-def _step_watcher_class() -> type:
+def _step_watcher_class() -> type[TrainerCallback]:
     from transformers import TrainerCallback
 
     class StepWatcher(TrainerCallback):
@@ -191,7 +207,7 @@ def _step_watcher_class() -> type:
     return StepWatcher
 
 
-def _step_watcher() -> Any:
+def _step_watcher() -> TrainerCallback:
     return _step_watcher_class()()
 
 
@@ -203,7 +219,7 @@ def _install_error_hooks() -> None:
 
     previous = sys.excepthook
 
-    def excepthook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
+    def excepthook(tp: type[BaseException], value: BaseException, tb: types.TracebackType | None) -> None:
         try:
             record_failure(traceback.format_exception(tp, value, tb), f"{tp.__name__}: {value}")
         finally:
@@ -213,9 +229,9 @@ def _install_error_hooks() -> None:
     original_error = argparse.ArgumentParser.error
 
     @functools.wraps(original_error)
-    def error(self: Any, message: str) -> Any:
+    def error(self: argparse.ArgumentParser, message: str) -> NoReturn:
         record_failure([f"{self.prog}: error: {message}"], f"argument error: {self.prog}: {message}")
-        return original_error(self, message)
+        original_error(self, message)  # exits
 
     argparse.ArgumentParser.error = error  # type: ignore[method-assign]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib.abc
+import importlib.machinery
 import json
 import os
 import signal
@@ -19,9 +20,10 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ftkit.cluster.procs import proc_start_time
 from ftkit.errors import FsdpNotOn, FtkitError
@@ -33,6 +35,11 @@ from ftkit.rundir.layout import STOP_FILE, RunDir, atomic_write
 from ftkit.rundir.spec import RunSpec
 
 if TYPE_CHECKING:
+    import torch
+    from accelerate.state import AcceleratorState, PartialState
+    from torch.utils.file_baton import FileBaton
+    from transformers import Trainer, TrainingArguments
+
     from ftkit.rundir.records import ErrorRecord, Heartbeat, PidRecord
 
 
@@ -62,7 +69,7 @@ class RankContext:
             self.node_host = "localhost"
             hosts = spec.hosts if spec is not None else []
             if 0 <= self.node_rank < len(hosts):
-                self.node_host = hosts[self.node_rank][0]
+                self.node_host = cast(str, hosts[self.node_rank][0])  # [host, slots]
         self.last_loss: float | None = None
         self.compute_ewma_s: float | None = None
         self.compute_n = 0
@@ -189,7 +196,7 @@ class StopRequest:
         except (OSError, ValueError, TypeError, AttributeError):
             return default
 
-    def agreed(self, device: Any = None) -> bool:
+    def agreed(self, device: torch.device | None = None) -> bool:
         flag = 1 if self.requested_here() else 0
         import torch.distributed as dist
 
@@ -225,9 +232,11 @@ class PostImportHook(importlib.abc.MetaPathFinder):
     (:func:`on_import` registers with it)."""
 
     def __init__(self) -> None:
-        self.patches: dict[str, list[Callable[[Any], None]]] = {}
+        self.patches: dict[str, list[Callable[[types.ModuleType], None]]] = {}
 
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         patches = self.patches.get(fullname)
         if not patches:
             return None
@@ -244,7 +253,7 @@ class PostImportHook(importlib.abc.MetaPathFinder):
             return spec
         original = loader.exec_module
 
-        def exec_module(module: Any) -> None:
+        def exec_module(module: types.ModuleType) -> None:
             original(module)
             try:
                 del loader.exec_module  # back to the class's method: the wrapper serves this import only
@@ -261,7 +270,7 @@ class PostImportHook(importlib.abc.MetaPathFinder):
 _HOOK: PostImportHook | None = None
 
 
-def on_import(name: str, patch: Callable[[Any], None]) -> None:
+def on_import(name: str, patch: Callable[[types.ModuleType], None]) -> None:
     """``patch(module)`` once module ``name`` is imported (at once when it already is)."""
     global _HOOK
     if _HOOK is None:
@@ -340,7 +349,7 @@ def install_startup(accelerator: str, batons: Path, backend: str = "deepspeed") 
             on_import("accelerate.state", _fsdp_on_cpu_ranks)
 
 
-def _record_batons(records: Path, mod: Any) -> None:
+def _record_batons(records: Path, mod: types.ModuleType) -> None:
     """torch's ``FileBaton``: each baton this process takes is recorded until it gives it back, so one it dies
     holding can be told from a lock someone else left (:func:`ftkit.rundir.batons.release_dead`)."""
     cls = mod.FileBaton
@@ -349,14 +358,14 @@ def _record_batons(records: Path, mod: Any) -> None:
     acquire, release = cls.try_acquire, cls.release
 
     @functools.wraps(acquire)
-    def try_acquire(self: Any) -> Any:
+    def try_acquire(self: FileBaton) -> bool | None:
         got = acquire(self)
         if got:
-            self._ftkit_record = record_baton(records, self.lock_file_path)
+            vars(self)["_ftkit_record"] = record_baton(records, self.lock_file_path)  # ftkit's own, on this baton
         return got
 
     @functools.wraps(release)
-    def release_(self: Any) -> None:
+    def release_(self: FileBaton) -> None:
         try:
             release(self)
         finally:
@@ -366,7 +375,7 @@ def _record_batons(records: Path, mod: Any) -> None:
     cls.try_acquire, cls.release = try_acquire, release_
 
 
-def _cpu_ranks_are_one_job(mod: Any) -> None:
+def _cpu_ranks_are_one_job(mod: types.ModuleType) -> None:
     """Accelerate counts CPU processes as one job only when told ``cpu=True`` (``accelerate launch --cpu``, HF
     Trainer's ``use_cpu``); a plain ``Accelerator()`` under torchrun or DeepSpeed's launcher otherwise runs every
     rank as process 0 of a job of its own: no gradient all-reduce, every rank writing the same checkpoint files.
@@ -381,14 +390,14 @@ def _cpu_ranks_are_one_job(mod: Any) -> None:
     original = cls.__init__
 
     @functools.wraps(original)
-    def __init__(self: Any, cpu: bool = False, **kwargs: Any) -> None:  # noqa: ARG001 (always True here)
+    def __init__(self: PartialState, cpu: bool = False, **kwargs: Any) -> None:  # noqa: ARG001 (always True here)
         original(self, True, **kwargs)
 
     __init__._ftkit_cpu = True  # type: ignore[attr-defined]
     cls.__init__ = __init__
 
 
-def _fsdp_on_cpu_ranks(mod: Any) -> None:
+def _fsdp_on_cpu_ranks(mod: types.ModuleType) -> None:
     """Accelerate (1.15) turns FSDP on only for GPU-like distributed types: asked for FSDP on CPU processes (the
     environment ``accelerate launch`` sets from an FSDP config, or an explicit plugin) it runs plain DDP over gloo and
     says nothing. On CPU ranks of an FSDP2 run, a MULTI_CPU state given an FSDP plugin becomes FSDP with that plugin,
@@ -402,7 +411,7 @@ def _fsdp_on_cpu_ranks(mod: Any) -> None:
     distributed_type = mod.DistributedType
 
     @functools.wraps(original)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+    def __init__(self: AcceleratorState, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         plugin = kwargs.get("fsdp_plugin")
         if plugin is None or self.distributed_type != distributed_type.MULTI_CPU:
@@ -417,7 +426,7 @@ def _fsdp_on_cpu_ranks(mod: Any) -> None:
     cls.__init__ = __init__
 
 
-def fsdp2_proof(model: Any) -> dict[str, int]:
+def fsdp2_proof(model: torch.nn.Module | None) -> dict[str, int]:
     """How many of the model's parameters FSDP2 holds as DTensors (sharded), of how many: every one under FSDP2,
     none under DDP. Raises :class:`FsdpNotOn` when any is a plain tensor."""
     from torch.distributed.tensor import DTensor
@@ -432,14 +441,14 @@ def fsdp2_proof(model: Any) -> dict[str, int]:
     return proof
 
 
-def _share_after_training_args(mod: Any) -> None:
+def _share_after_training_args(mod: types.ModuleType) -> None:
     cls = mod.TrainingArguments
     if getattr(cls.__post_init__, "_ftkit_share", False):
         return
     original = cls.__post_init__
 
     @functools.wraps(original)
-    def __post_init__(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def __post_init__(self: TrainingArguments, *args: Any, **kwargs: Any) -> None:
         out = original(self, *args, **kwargs)
         share_process_group_with_deepspeed(self)
         return out
@@ -448,7 +457,7 @@ def _share_after_training_args(mod: Any) -> None:
     cls.__post_init__ = __post_init__
 
 
-def share_process_group_with_deepspeed(targs: Any) -> None:
+def share_process_group_with_deepspeed(targs: TrainingArguments) -> None:
     """On CPU (``use_cpu``) TrainingArguments starts torch.distributed through Accelerate's MULTI_CPU path, which
     leaves ``deepspeed.comm`` uninitialized; ZeRO-3's ``zero.Init`` inside ``from_pretrained`` then reads world size
     1 and fails DeepSpeed's batch-size check (16 != 4 x 2 x 1). Hand the existing group to DeepSpeed (a no-op where
@@ -518,7 +527,7 @@ class Fault:
         original = Trainer._save_rng_state
         fault = self
 
-        def _save_rng_state(trainer: Any, output_dir: str) -> None:
+        def _save_rng_state(trainer: Trainer, output_dir: str) -> None:
             if trainer.state.global_step == fault.step:
                 print(f"ftkit fault injection: SIGKILL while saving {output_dir}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)

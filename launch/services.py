@@ -38,9 +38,9 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast, overload
 
 from ftkit.checkpoint.commit import manifest_part, write_commit
 from ftkit.checkpoint.directory import record_save_begun, rotate
@@ -65,6 +65,14 @@ from ftkit.launch.watchdog import SupervisorWatchdog, remove_own_shm
 from ftkit.rundir.env import ATTEMPT_ENV, FAULT_ENV, RESUME_ENV, RUN_DIR_ENV
 from ftkit.rundir.layout import STOP_FILE, RunDir, append_jsonl, atomic_write, tensorboard_dir
 from ftkit.rundir.spec import RunSpec
+
+if TYPE_CHECKING:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from ftkit.rundir.records import JSON, FileEntry, JSONObject
+
+_Args = TypeVar("_Args", bound="TrainingArguments")
+ArgChange: TypeAlias = "tuple[str, object, object]"  # (TrainingArguments field, old value, new value)
 
 __all__ = [  # the public face; the rest is re-exported for the built-in entry and the hook
     "active",
@@ -98,7 +106,7 @@ class _Rank:
         self.tier = local_tier(self.spec, self.ctx)  # this node's local checkpoint tier, None: saves go to the run
         self.stop = StopRequest(self.ctx.rd, attempt)
         self.changes_recorded = False
-        self.dog: Any = None  # the supervisor watchdog (None: no supervisor owns the run)
+        self.dog: SupervisorWatchdog | None = None  # the supervisor watchdog (None: no supervisor owns the run)
         self.fault: Fault | None = None  # test fault injection for a loop that calls step()
         self.trackers: Trackers | None = None  # wandb/mlflow/...: one run across attempts
         self.final_step: int | None = None  # set once final/ is committed by this rank's run
@@ -188,18 +196,26 @@ def resume_checkpoint() -> str | None:
     return _state().resume
 
 
-def recipe_arguments() -> dict[str, Any]:
+def recipe_arguments() -> dict[str, object]:
     """The TrainingArguments values the recipe states (the source of truth for them); everything else stays the
     script's. The built-in entry uses all of ``spec.training_args``."""
     s = _state().spec
-    return {k: s.training_args[k] for k in s.stated_args if k in s.training_args}
+    args: Mapping[str, object] = s.training_args
+    return {k: args[k] for k in s.stated_args if k in args}
 
 
-def training_arguments(cls: Any = None, **overrides: Any) -> Any:
+@overload
+def training_arguments(cls: None = None, **overrides: Any) -> TrainingArguments: ...
+@overload
+def training_arguments(cls: type[_Args], **overrides: Any) -> _Args: ...
+def training_arguments(cls: type[TrainingArguments] | None = None, **overrides: Any) -> TrainingArguments:
     """``TrainingArguments`` (or ``cls``, e.g. TRL's ``SFTConfig``) with the recipe's values; ``overrides`` fill in
-    what the recipe does not state. An override of a value the recipe states loses, and is listed."""
+    what the recipe does not state (they go to ``cls`` as they are). An override of a value the recipe states
+    loses, and is listed."""
     if cls is None:
-        from transformers import TrainingArguments as cls  # noqa: N813
+        from transformers import TrainingArguments
+
+        cls = TrainingArguments
     stated = recipe_arguments()
     kwargs = {**overrides, **stated}
     changes = [(k, overrides[k], stated[k]) for k in overrides if k in stated and overrides[k] != stated[k]]
@@ -207,32 +223,35 @@ def training_arguments(cls: Any = None, **overrides: Any) -> Any:
     return cls(**kwargs)
 
 
-def apply(args: Any) -> tuple[Any, list[tuple[str, Any, Any]]]:
+def apply(args: _Args) -> tuple[_Args, list[ArgChange]]:
     """A copy of ``args`` (TrainingArguments or a subclass) with the recipe's values, and ``(name, old, new)`` for
     each value that changed. ``dataclasses.replace`` runs ``__post_init__`` again, so derived state (the DeepSpeed
     config object, the device) follows the new values."""
     stated = recipe_arguments()
     fields = {f.name for f in dataclasses.fields(args) if f.init}
     new = {k: v for k, v in stated.items() if k in fields}
-    changes = [(k, getattr(args, k, None), v) for k, v in new.items() if _differs(getattr(args, k, None), v)]
+    changes: list[ArgChange] = [
+        (k, getattr(args, k, None), v) for k, v in new.items() if _differs(getattr(args, k, None), v)
+    ]
     if not changes:
         return args, []
-    return dataclasses.replace(args, **{k: v for k, _, v in changes}), changes
+    replacements: dict[str, Any] = {k: v for k, _, v in changes}  # the recipe's values, to TrainingArguments
+    return dataclasses.replace(args, **replacements), changes
 
 
-def _differs(old: Any, new: Any) -> bool:
+def _differs(old: object, new: object) -> bool:
     old = getattr(old, "value", old)  # enums (save_strategy, lr_scheduler_type) compare by value
     return old != new
 
 
-def record_changes(changes: list[tuple[str, Any, Any]]) -> None:
+def record_changes(changes: Sequence[ArgChange]) -> None:
     """Rank 0 writes the TrainingArguments values ftkit changed to ``ftkit/attempts/N/args_changes.json``; the
     supervisor lists each once (``name: from -> to``) and puts them in events.jsonl."""
     r = _state()
     if r.ctx.rank != 0 or not changes:
         return
     path = r.ctx.rd.attempt_dir(r.ctx.attempt) / "args_changes.json"
-    old: list[dict[str, Any]] = []
+    old: list[JSONObject] = []
     try:
         old = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -242,12 +261,12 @@ def record_changes(changes: list[tuple[str, Any, Any]]) -> None:
     atomic_write(path, json.dumps(rows, indent=1, default=str))
 
 
-def _jsonable(v: Any) -> Any:
+def _jsonable(v: object) -> JSON:
     v = getattr(v, "value", v)
     return v if isinstance(v, (str, int, float, bool, type(None), list, dict)) else str(v)
 
 
-def callbacks(*, exit_after_stop: bool = True) -> list[Any]:
+def callbacks(*, exit_after_stop: bool = True) -> list[TrainerCallback]:
     """The HF ``TrainerCallback`` that carries every per-rank service. ``exit_after_stop``: after a graceful stop
     end the process (exit 0) when ``trainer.train()`` returns, so a script does not go on to save a "final" model
     from a run stopped half-way; the built-in entry handles the stop itself."""
@@ -365,11 +384,11 @@ def _fault(r: _Rank) -> Fault:
     return r.fault
 
 
-def _gather(part: Any, world_size: int) -> list[Any]:
+def _gather(part: dict[str, FileEntry], world_size: int) -> list[dict[str, FileEntry]]:
     import torch.distributed as dist
 
     if world_size > 1 and dist.is_available() and dist.is_initialized():
-        parts: list[Any] = [None] * world_size
+        parts = cast("list[dict[str, FileEntry]]", [None] * world_size)  # all_gather_object fills it
         dist.all_gather_object(parts, part)  # every rank has finished writing: this is the barrier
         return parts
     return [part]
@@ -387,14 +406,16 @@ def stopped_at() -> int | None:
     return _rank.stop.stopped_at if _rank is not None else None
 
 
-def save_final(trainer: Any, output_dir: str | None = None) -> str:
+def save_final(trainer: Trainer, output_dir: str | None = None) -> str:
     """Save the trained model as the run's final model (``RUN/final``) with its commit record, on every rank (ZeRO-3
     gathers the weights): how the supervisor knows the run finished. ``output_dir`` (not the run directory): saved
     there as well. Returns the final directory. (Under the import hook, the script's own ``save_model`` does this.)"""
     return save_trained(trainer, output_dir)
 
 
-def save_trained(trainer: Any, output_dir: str | None = None, save: Callable[..., Any] | None = None) -> str:
+def save_trained(
+    trainer: Trainer, output_dir: str | None = None, save: Callable[[Trainer, str], None] | None = None
+) -> str:
     """Save the trained model as the run's final model (``RUN/final``) and commit it (rank 0), like the built-in
     entry: the supervisor takes a committed ``final/`` of this attempt for "finished". ``output_dir`` other than
     the run directory: saved there too, as the script asked. Returns the final directory. Every rank calls it
@@ -406,7 +427,7 @@ def save_trained(trainer: Any, output_dir: str | None = None, save: Callable[...
         save = getattr(save, "__wrapped__", save) if getattr(save, "_ftkit", False) else save  # not the hook again
     ctx = context()
     final = ctx.rd.final
-    asked = Path(output_dir or trainer.args.output_dir).resolve()
+    asked = Path(output_dir or cast(str, trainer.args.output_dir)).resolve()  # set by __post_init__
     if asked != ctx.rd.path.resolve() and asked != final.resolve():
         save(trainer, str(asked))
     elif asked != final.resolve():
@@ -417,7 +438,7 @@ def save_trained(trainer: Any, output_dir: str | None = None, save: Callable[...
     return str(final)
 
 
-def save_model(trainer: Any, output_dir: str, save: Callable[..., Any] | None = None) -> None:
+def save_model(trainer: Trainer, output_dir: str, save: Callable[[Trainer, str], None] | None = None) -> None:
     """``trainer.save_model(output_dir)`` (or SAVE), except under FSDP with a sharded state dict, where HF's
     save_model writes no weights at all (they live only in checkpoints' DCP shards): the full state dict is gathered
     (every rank takes part) and the main process writes it as ``from_pretrained`` loads it (LoRA: the adapter)."""

@@ -11,8 +11,9 @@ import os
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
 from ftkit.checkpoint.commit import manifest_part, write_commit
 from ftkit.checkpoint.layout import COMMIT_FILE
@@ -31,7 +32,10 @@ from ftkit.rundir.layout import atomic_write
 from ftkit.rundir.spec import RunSpec
 
 if TYPE_CHECKING:
+    from transformers import Trainer
+
     from ftkit.launch.rank import RankContext
+    from ftkit.rundir.records import AgentRecord, CommitExtra, FileEntry, MetricsRecord
 
 
 class NodeTier:
@@ -72,7 +76,7 @@ class NodeTier:
             stdin=subprocess.DEVNULL,
         )
         pid = self.agent.pid
-        record = {
+        record: AgentRecord = {
             "host": ctx.node_host,
             "pid": pid,
             "start_time": proc_start_time(pid),
@@ -81,7 +85,7 @@ class NodeTier:
         }
         atomic_write(ctx.rd.attempt_dir(ctx.attempt) / "agents" / f"agent-{self.host}.json", json.dumps(record))
 
-    def patch_trainer(self, mod: Any) -> None:
+    def patch_trainer(self, mod: types.ModuleType) -> None:
         """HF Trainer saves ``checkpoint-N`` under ``_get_output_dir()``: this node's tier directory instead."""
         cls = mod.Trainer
         if getattr(cls._get_output_dir, "_ftkit_tier", False):
@@ -90,13 +94,13 @@ class NodeTier:
         directory = str(self.dir)
 
         @functools.wraps(original)
-        def _get_output_dir(trainer: Any, trial: Any = None) -> str:
+        def _get_output_dir(trainer: Trainer, trial: object = None) -> str:
             return directory if trial is None else original(trainer, trial)
 
         _get_output_dir._ftkit_tier = True  # type: ignore[attr-defined]
         cls._get_output_dir = _get_output_dir
 
-    def commit(self, ctx: RankContext, spec: RunSpec, step: int, stop: bool) -> dict[str, Any]:
+    def commit(self, ctx: RankContext, spec: RunSpec, step: int, stop: bool) -> MetricsRecord:
         """After the Trainer saved ``checkpoint-<step>`` to every node's tier: each rank checksums its files there,
         each node's first rank commits the node's part, rank 0 records that every node did (the set record), and
         each node rotates its tier. Every rank calls it (two collectives)."""
@@ -108,12 +112,12 @@ class NodeTier:
         first = ctx.rank - ctx.local_rank
         files = files_on_node(ckpt, ctx.rank, first) if multi else None
         part = manifest_part(ckpt, ctx.rank, ctx.world_size, checksum=spec.checksum, files=files)
-        parts: list[Any] = [(ctx.rank, self.host, part)]
+        parts: list[tuple[int, str, dict[str, FileEntry]]] = [(ctx.rank, self.host, part)]
         if dist.is_available() and dist.is_initialized():
-            parts = [None] * ctx.world_size
+            parts = cast("list[tuple[int, str, dict[str, FileEntry]]]", [None] * ctx.world_size)  # filled below
             dist.all_gather_object(parts, (ctx.rank, self.host, part))  # every rank finished writing
         mine = [p for r, h, p in sorted(parts) if h == self.host]
-        extra = {
+        extra: CommitExtra = {
             "attempt": ctx.attempt,
             "fingerprint": spec.fingerprint,
             "tier": "local",

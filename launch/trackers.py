@@ -13,16 +13,20 @@ import os
 import struct
 import sys
 import time
+import types
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ftkit.cluster.procs import is_alive
 from ftkit.rundir.layout import atomic_write, read_jsonl
 
 if TYPE_CHECKING:
+    from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
     from ftkit.rundir.layout import RunDir
+    from ftkit.rundir.records import JSONObject
 
 TRACKERS_FILE = "trackers.json"  # in RUN/ftkit/: the tracker runs' ids, so every attempt continues the same run
 _TRACKER_OF = {"WandbCallback": "wandb", "MLflowCallback": "mlflow"}  # HF's integration callback -> tracker
@@ -42,7 +46,7 @@ class Trackers:
             ids = json.loads(self.path.read_text())
         except (OSError, ValueError):
             ids = {}
-        self.ids: dict[str, Any] = ids if isinstance(ids, dict) else {}
+        self.ids: JSONObject = ids if isinstance(ids, dict) else {}
         digest = hashlib.sha1(str(Path(rd.path).resolve()).encode()).hexdigest()
         self.ids.setdefault("wandb_run_id", f"ftkit{digest[:15]}")
         self.held: dict[str, set[int]] = {}  # tracker -> steps it holds (known once the trackers started)
@@ -50,7 +54,7 @@ class Trackers:
     def environment(self) -> dict[str, str]:
         """Set before any tracker starts (the user's own values win): wandb resumes its run by id; mlflow resumes
         the run an earlier attempt created."""
-        env = {"WANDB_RUN_ID": self.ids["wandb_run_id"], "WANDB_RESUME": "allow"}
+        env = {"WANDB_RUN_ID": cast(str, self.ids["wandb_run_id"]), "WANDB_RESUME": "allow"}
         if self.ids.get("mlflow_run_id"):
             env["MLFLOW_RUN_ID"] = str(self.ids["mlflow_run_id"])
         return env
@@ -109,7 +113,7 @@ class Trackers:
         return why
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+def _read_jsonl(path: Path) -> list[JSONObject]:
     try:
         return read_jsonl(path)
     except OSError:
@@ -123,7 +127,7 @@ def _logged_history(metrics: Path, attempt: int) -> dict[int, tuple[dict[str, fl
     for m in _read_jsonl(metrics):
         step, a = m.get("step"), m.get("attempt")
         if "loss" in m and isinstance(step, int) and isinstance(a, int) and a != attempt:
-            values = {names[k]: float(m[k]) for k in names if isinstance(m.get(k), (int, float))}
+            values = {names[k]: float(cast(float, m[k])) for k in names if isinstance(m.get(k), (int, float))}
             out[step] = (values, a)
     return out
 
@@ -195,7 +199,7 @@ def _end_orphaned_writers(run_id: str, wait_s: float) -> None:
         time.sleep(0.2)
 
 
-def wandb_records(path: Path) -> Iterator[Any]:
+def wandb_records(path: Path) -> Iterator[Any]:  # wandb's Record: protobuf makes the class at import
     """The records of a ``.wandb`` file as wandb's own protobuf ``Record``s. The file is LevelDB's log format after
     wandb's 7-byte header: 32 KiB blocks of chunks (FULL, or FIRST/MIDDLE/LAST pieces of one record), each with a
     CRC-32 of its type byte and payload, a length and a type. Reading stops at the first chunk cut short or with a
@@ -238,15 +242,22 @@ def wandb_records(path: Path) -> Iterator[Any]:
         yield record
 
 
-def guard_trackers(trackers: Trackers) -> Any:
+def guard_trackers(trackers: Trackers) -> Callable[[types.ModuleType], None]:
     """A patch for ``transformers.integrations.integration_utils``: wandb's and mlflow's ``on_log`` skip a step
     their run already holds (a resumed attempt recomputes steps an earlier attempt logged)."""
     import functools
 
-    def patch(mod: Any) -> None:
-        def make(original: Any, tracker: str) -> Any:
+    def patch(mod: types.ModuleType) -> None:
+        def make(original: Callable[..., None], tracker: str) -> Callable[..., None]:
             @functools.wraps(original)
-            def guarded(self: Any, args: Any, state: Any, control: Any, *a: Any, **kw: Any) -> Any:
+            def guarded(
+                self: TrainerCallback,
+                args: TrainingArguments,
+                state: TrainerState,
+                control: TrainerControl,
+                *a: Any,
+                **kw: Any,
+            ) -> None:
                 if trackers.skip(tracker, state.global_step):
                     return None
                 return original(self, args, state, control, *a, **kw)
@@ -263,7 +274,7 @@ def guard_trackers(trackers: Trackers) -> Any:
     return patch
 
 
-def atomic_mlflow_run_info(mod: Any) -> None:
+def atomic_mlflow_run_info(mod: types.ModuleType) -> None:
     """A patch for ``mlflow.store.tracking.file_store``: its ``write_yaml`` rewrites a run's ``meta.yaml`` in place
     (open for writing, then dump), so a rank killed between the two leaves it empty, and every later attempt that
     resumes the run fails reading it (``'NoneType' object has no attribute 'copy'``): the supervisor's teardown of a
@@ -276,7 +287,7 @@ def atomic_mlflow_run_info(mod: Any) -> None:
     def write_yaml(
         root: str,
         file_name: str,
-        data: Any,
+        data: object,
         overwrite: bool = False,
         sort_keys: bool = True,
         ensure_yaml_extension: bool = True,
@@ -293,4 +304,4 @@ def atomic_mlflow_run_info(mod: Any) -> None:
         atomic_write(path, text)
 
     write_yaml._ftkit = True  # type: ignore[attr-defined]
-    mod.write_yaml = write_yaml
+    vars(mod)["write_yaml"] = write_yaml  # the module's attribute

@@ -19,8 +19,9 @@ import argparse
 import json
 import signal
 import sys
+import types
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ftkit.errors import ModelConfigError, NoSpace, Problem, UserError
 from ftkit.launch import services as hf
@@ -29,10 +30,13 @@ from ftkit.launch.services import RankContext
 from ftkit.rundir.layout import NEARLY_FULL, atomic_write
 from ftkit.rundir.spec import RunSpec
 
+if TYPE_CHECKING:
+    from transformers import Trainer, TrainingArguments
+
 PROBE_TOKENS = 16  # logits of the first tokens of the first example, saved after training to check the final model
 
 
-def _load_model(spec: RunSpec, targs: Any):
+def _load_model(spec: RunSpec, targs: TrainingArguments):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -56,7 +60,7 @@ def _load_model(spec: RunSpec, targs: Any):
         p = spec.peft
         cfg = LoraConfig(
             r=p["r"],
-            lora_alpha=p["alpha"],
+            lora_alpha=p["alpha"],  # type: ignore[arg-type]  # peft annotates an int; any number works (alpha / r)
             lora_dropout=p["dropout"],
             target_modules=p["target_modules"],
             task_type="CAUSAL_LM",
@@ -71,7 +75,7 @@ def _load_model(spec: RunSpec, targs: Any):
     return model
 
 
-def _probe(trainer: Any, example: dict[str, Any], ctx: RankContext) -> None:
+def _probe(trainer: Trainer, example: dict[str, list[int]], ctx: RankContext) -> None:
     """Logits of the trained model on a fixed input, every rank taking part (ZeRO-3 gathers in forward)."""
     import torch
 
@@ -131,7 +135,7 @@ def train(ctx: RankContext, resume: str | None) -> int | None:
     return None
 
 
-def _exit_on_sigterm(signum: int, frame: Any) -> None:  # noqa: ARG001
+def _exit_on_sigterm(signum: int, frame: types.FrameType | None) -> None:  # noqa: ARG001
     raise SystemExit(128 + signum)
 
 
