@@ -342,7 +342,7 @@ def _supervisor(
         rd=rd,
         inputs=launch_inputs(plan, command=command, inject=inject),
         base_env=dict(os.environ),
-        resilience={k.split(".", 1)[1]: v for k, v in r.values.items() if k.startswith("resilience.")},
+        resilience=r.resilience,
         stage=plan.stage,
         world_size=plan.world_size,
         max_steps=r.train.max_steps,

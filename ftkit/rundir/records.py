@@ -7,11 +7,29 @@ rank that crashed left it half-filled, so readers use ``.get`` and check what th
 
 from __future__ import annotations
 
+import math
 from typing import TypeAlias, TypedDict
 
 JSONScalar: TypeAlias = str | int | float | bool | None
 JSON: TypeAlias = JSONScalar | list["JSON"] | dict[str, "JSON"]  # what json.loads returns, for free-form data
 JSONObject: TypeAlias = dict[str, JSON]  # a JSON object whose keys are not fixed (the recipe, a user's config)
+
+
+def as_number(x: object, *, finite: bool = True) -> float | None:
+    """A record's value as a float when it is a JSON number (not a bool), else None; NaN and infinities are None
+    unless ``finite=False`` (a loss that went NaN is worth showing)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or (finite and not math.isfinite(x)):
+        return None
+    return float(x)
+
+
+def as_int(x: object) -> int | None:
+    """A record's value as an int when it is a whole JSON number (``3`` or ``3.0``, not a bool), else None."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, int):
+        return x
+    return int(x) if isinstance(x, float) and math.isfinite(x) and x.is_integer() else None
 
 
 class Heartbeat(TypedDict, total=False):
@@ -147,6 +165,37 @@ class CommitRecord(TypedDict, total=False):
     extra: CommitExtra
 
 
+class HostStepTimes(TypedDict):
+    """One host's compute time per step against the other hosts' (the ``step_times`` event, straggler reports)."""
+
+    host: str
+    ranks: list[int]
+    compute_s: float
+    reference_s: float | None
+    score: float | None
+    steps: int
+    straggler: bool
+
+
+class RankStepTimes(TypedDict):
+    """One rank's compute time per step (the ``step_times`` event)."""
+
+    rank: int | None
+    host: str | None
+    compute_s: float | None
+    steps: int | None
+
+
+class StragglerRecord(TypedDict):
+    """A straggler report: every host's step times and which ones are stragglers (``exclude_stragglers``)."""
+
+    attempt: int | None
+    threshold: float
+    min_steps: int
+    hosts: list[HostStepTimes]
+    stragglers: list[str]
+
+
 class Event(TypedDict, total=False):
     """One line of ``ftkit/events.jsonl``: what the supervisor decided and why (``Events.__call__``). ``time``,
     ``event`` and ``attempt`` are on every line; the rest depends on the event."""
@@ -159,8 +208,8 @@ class Event(TypedDict, total=False):
     kind: str
     reason: str
     checkpoint: str | None
-    hosts: list[str]
-    ranks: list[int]
+    hosts: list[str] | list[list[str | int]] | list[HostStepTimes]  # lost or excluded; [host, slots]; step_times
+    ranks: list[RankStepTimes]  # step_times
     node: str
     host: str
     pid: int
@@ -187,12 +236,14 @@ class Event(TypedDict, total=False):
     discarded: list[str]
     changes: list[JSON]
     versions: dict[str, JSON]
-    report: dict[str, JSON]
+    report: StragglerRecord
     metric: str
     logged: float
     now: float
     relative: float
     stop: bool
+    job_id: str  # slurm: the batch job's SLURM_JOB_ID
+    restart_count: int  # slurm: SLURM_RESTART_COUNT (0: the job's first start)
 
 
 class MetricsRecord(TypedDict, total=False):
@@ -214,3 +265,5 @@ class MetricsRecord(TypedDict, total=False):
     stop: bool | None
     host: str
     tier: str
+    published: bool  # durable: the agent published the step (the last node's copy)
+    copy_s: float

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import random
 import signal
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
 
 from ftkit.errors import ExitCode
+from ftkit.rundir.records import Heartbeat
 
 NO_PROGRESS_LIMIT = 2  # the same failure point this many times in a row, with no new commit: give up
 
@@ -182,12 +182,12 @@ class Progress:
     started: float
     startup_timeout_s: float
     hang_timeout_s: float
-    seen: dict[int, tuple[Any, ...]] = field(default_factory=dict)
+    seen: dict[int, tuple[str | None, int | None, float | None]] = field(default_factory=dict)  # (phase, step, time)
     first_step_seen: bool = False
     last_progress: float = 0.0
     phases: dict[int, tuple[str, float]] = field(default_factory=dict)  # rank -> (phase, since when)
 
-    def observe(self, heartbeats: Iterable[Mapping[str, Any]], now: float) -> None:
+    def observe(self, heartbeats: Iterable[Heartbeat], now: float) -> None:
         for hb in heartbeats:
             rank = hb.get("rank")
             if not isinstance(rank, int):

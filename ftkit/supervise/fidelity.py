@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+
+from ftkit.rundir.records import MetricsRecord
 
 STOP_FACTOR = 10
 
@@ -55,25 +56,26 @@ class FidelityCheck:
     tolerance: float
     logging_steps: int
     resume_step: int | None
-    logged: dict[int, Mapping[str, Any]] = field(default_factory=dict)  # step -> the earlier attempt's metric
+    logged: dict[int, MetricsRecord] = field(default_factory=dict)  # step -> the earlier attempt's metric
 
     @classmethod
     def from_metrics(
         cls,
-        metrics: Iterable[Mapping[str, Any]],
+        metrics: Iterable[MetricsRecord],
         attempt: int,
         tolerance: float,
         logging_steps: int,
         resume_step: int | None,
     ) -> FidelityCheck:
-        logged: dict[int, Mapping[str, Any]] = {}
+        logged: dict[int, MetricsRecord] = {}
         for m in metrics:
-            if isinstance(m, Mapping) and isinstance(m.get("step"), int) and isinstance(m.get("loss"), (int, float)):
-                if isinstance(m.get("attempt"), int) and m["attempt"] < attempt:
-                    logged[m["step"]] = m  # the latest earlier attempt's value wins
+            step, earlier = m.get("step"), m.get("attempt")
+            if isinstance(m, Mapping) and isinstance(step, int) and isinstance(m.get("loss"), (int, float)):
+                if isinstance(earlier, int) and earlier < attempt:
+                    logged[step] = m  # the latest earlier attempt's value wins
         return cls(tolerance, max(1, logging_steps), resume_step, logged)
 
-    def observe(self, m: Mapping[str, Any]) -> list[Mismatch]:
+    def observe(self, m: MetricsRecord) -> list[Mismatch]:
         step = m.get("step")
         if self.resume_step is None or not isinstance(step, int) or step not in self.logged:
             return []

@@ -26,11 +26,12 @@ import json
 import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ftkit.cluster.buildlocks import loading_hint
 from ftkit.cluster.procs import exit_meaning
 from ftkit.rundir.layout import RunDir
+from ftkit.rundir.records import JSON, MetricsRecord, StragglerRecord
 from ftkit.supervise.fidelity import FidelityCheck
 from ftkit.supervise.progress import MetricsTail, Progress
 from ftkit.supervise.stragglers import StragglerReport, StragglerWatch, hosts_by_rank
@@ -57,7 +58,7 @@ class Observer:
         self.stragglers = StragglerWatch()
         self._attempt: int | None = None
         self._hosts: dict[int, str] = {}
-        self._changes_listed: set[Any] = set()
+        self._changes_listed: set[JSON] = set()
         self._changes_seen: set[tuple[int, int, int]] = set()
         self._hint_given = False
 
@@ -70,7 +71,9 @@ class Observer:
         self.fidelity = fidelity
         self._hosts = {}
 
-    def poll(self, attempt: int, heartbeats: list[Heartbeat], now: float, phases: Mapping[int, Any]) -> str | None:
+    def poll(
+        self, attempt: int, heartbeats: list[Heartbeat], now: float, phases: Mapping[int, tuple[str, float]]
+    ) -> str | None:
         """One look; returns why the run must stop (recomputed steps disagree with the logged ones), or None."""
         mismatch = self._metrics(attempt)
         self._args_changes(attempt)
@@ -93,7 +96,7 @@ class Observer:
     def straggler_report(self) -> StragglerReport | None:
         return self.stragglers.report
 
-    def _straggler_dict(self) -> dict[str, Any] | None:
+    def _straggler_dict(self) -> StragglerRecord | None:
         r = self.stragglers.report
         return r.as_dict() if r is not None else None
 
@@ -120,7 +123,7 @@ class Observer:
                 stop = self._check_fidelity(m) or stop
         return stop
 
-    def _check_fidelity(self, m: Mapping[str, Any]) -> str | None:
+    def _check_fidelity(self, m: MetricsRecord) -> str | None:
         if self.fidelity is None:
             return None
         tol = self.fidelity.tolerance

@@ -24,17 +24,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO, cast
+
+from ftkit.rundir.records import MetricsRecord, as_number
 
 WINDOW = 20  # logged steps the rates are averaged over: smooth, yet they follow a real slowdown within a minute
 INTERVAL_S = 30.0  # seconds between plain lines when the output is not a terminal
 CLEAR_EOL = "\x1b[K"
-
-
-def _num(x: Any) -> float | None:
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return None
-    return float(x) if math.isfinite(x) else None
 
 
 def format_duration(seconds: float | None) -> str:
@@ -95,14 +91,14 @@ class Progress:
 
     # ------------------------------------------------------------------------------------------------ feeding
 
-    def update(self, record: dict[str, Any]) -> None:
+    def update(self, record: MetricsRecord) -> None:
         """Take one metrics.jsonl record: a logged step (step, loss, time, tokens_seen, attempt) or an evaluation
         (step, eval_loss); anything else (commit events, malformed lines) is ignored."""
         step = record.get("step")
         if isinstance(step, bool) or not isinstance(step, int):
             return
         if "eval_loss" in record:
-            self.eval_loss = _num(record["eval_loss"])
+            self.eval_loss = as_number(record["eval_loss"])
             self._render(force=False)
             return
         if "loss" not in record or "event" in record:
@@ -112,10 +108,10 @@ class Progress:
             self._window.clear()  # a restart (or a resume that recomputes steps): the gap is not a training rate
         self.attempt = attempt
         self.step = step
-        self.loss = _num(record.get("loss"))
-        t = _num(record.get("time"))
+        self.loss = as_number(record.get("loss"))
+        t = as_number(record.get("time"))
         if t is not None:
-            self._window.append((t, step, _num(record.get("tokens_seen"))))
+            self._window.append((t, step, as_number(record.get("tokens_seen"))))
         self._render(force=False)
 
     def finish(self) -> None:
@@ -237,7 +233,7 @@ class MetricsTail:
             except OSError:
                 self.offset = 0
 
-    def poll(self) -> list[dict[str, Any]]:
+    def poll(self) -> list[MetricsRecord]:
         try:
             with open(self.path, "rb") as fh:
                 size = os.fstat(fh.fileno()).st_size
@@ -249,12 +245,12 @@ class MetricsTail:
             return []
         end = blob.rfind(b"\n") + 1
         self.offset += end
-        out = []
+        out: list[MetricsRecord] = []
         for line in blob[:end].splitlines():
             try:
                 obj = json.loads(line)
             except ValueError:
                 continue
             if isinstance(obj, dict):
-                out.append(obj)
+                out.append(cast("MetricsRecord", obj))
         return out

@@ -26,14 +26,14 @@ Used by ``ftkit status`` (:func:`score_run`), by the supervisor's poll for the l
 from __future__ import annotations
 
 import bisect
-import math
 import os
 import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ftkit.rundir.layout import RunDir
+from ftkit.rundir.records import RankStepTimes, StragglerRecord, as_number
 
 if TYPE_CHECKING:
     from ftkit.rundir.records import Heartbeat
@@ -88,7 +88,7 @@ class StragglerReport:
             f"straggler: {h.describe()} (threshold {h.slow_factor}x after {MIN_STEPS} steps)" for h in self.stragglers
         ]
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> StragglerRecord:
         return {
             "attempt": self.attempt,
             "threshold": SLOW_FACTOR,
@@ -109,13 +109,12 @@ class StragglerReport:
         }
 
 
-def _positive(x: Any) -> float | None:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
-        return None
-    return float(x)
+def _positive(x: object) -> float | None:
+    n = as_number(x)
+    return n if n is not None and n > 0 else None
 
 
-def _int(x: Any) -> int | None:
+def _int(x: object) -> int | None:
     return x if isinstance(x, int) and not isinstance(x, bool) else None
 
 
@@ -239,14 +238,14 @@ def record_step_times(rd: RunDir, attempt: int, events: Callable[..., None]) -> 
         return
     if not report.hosts:
         return
-    by_rank: dict[Any, str] = hosts_by_rank(rd, attempt)  # looked up with a heartbeat's rank as it is written
+    by_rank = hosts_by_rank(rd, attempt)
     ranks = [
-        {
-            "rank": b.get("rank"),
-            "host": by_rank.get(b.get("rank")) or b.get("node") or b.get("host"),
-            "compute_s": b.get("compute_ewma_s"),
-            "steps": b.get("compute_n"),
-        }
+        RankStepTimes(
+            rank=(rank := b.get("rank")),
+            host=(by_rank.get(rank) if rank is not None else None) or b.get("node") or b.get("host"),
+            compute_s=b.get("compute_ewma_s"),
+            steps=b.get("compute_n"),
+        )
         for b in sorted(beats, key=lambda b: b.get("rank") or 0)
         if isinstance(b.get("compute_ewma_s"), (int, float))
     ]

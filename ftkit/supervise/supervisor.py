@@ -32,7 +32,8 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import FrameType
+from typing import TYPE_CHECKING, Protocol
 
 from ftkit.checkpoint.directory import list_checkpoints, select_resume, set_aside_newer
 from ftkit.checkpoint.layout import read_commit
@@ -43,7 +44,7 @@ from ftkit.cluster.procs import exit_meaning, is_alive
 from ftkit.cluster.slurm import transport_for
 from ftkit.command.engines import LaunchCommand, LaunchInputs, build_launch
 from ftkit.errors import ExitCode, UserError
-from ftkit.rundir.layout import NEARLY_FULL, STOP_FILE, RunDir, append_jsonl, atomic_write, read_jsonl
+from ftkit.rundir.layout import NEARLY_FULL, STOP_FILE, RunDir, append_jsonl, atomic_write, read_metrics
 from ftkit.rundir.spec import LocalTierSpec, RunSpec
 from ftkit.supervise.attempt import Spawned, spawn, teardown_attempt
 from ftkit.supervise.choose import Choice, StepLimits, select
@@ -56,6 +57,7 @@ from ftkit.supervise.tiers import Agents, TierChoice, choose_tier, discard_stale
 
 if TYPE_CHECKING:
     from ftkit.plan.plan import Plan
+    from ftkit.recipe.sections import ResilienceSection
     from ftkit.rundir.records import ErrorRecord, Heartbeat
 
 # A closed terminal (SIGHUP) is handled like SIGTERM; SIGUSR1 is Slurm's advance notice (--signal=B:USR1@T).
@@ -77,8 +79,8 @@ class Events:
         self.attempt = 0
         self.write_error: OSError | None = None
 
-    def __call__(self, event: str, message: str | None = None, **data: Any) -> None:
-        rec = {"time": round(time.time(), 3), "event": event, "attempt": self.attempt, **data}
+    def __call__(self, event: str, message: str | None = None, **data: object) -> None:
+        rec: dict[str, object] = {"time": round(time.time(), 3), "event": event, "attempt": self.attempt, **data}
         if message:
             rec["message"] = message
         try:
@@ -103,6 +105,13 @@ class Failure:
         return self
 
 
+class Reports(Protocol):
+    """What refreshes ``RUN/report.html`` during a launch (:class:`ftkit.report.ReportRefresher`)."""
+
+    def refresh(self) -> None: ...
+    def finish(self) -> None: ...
+
+
 class Supervisor:
     def __init__(
         self,
@@ -110,7 +119,7 @@ class Supervisor:
         rd: RunDir,
         inputs: LaunchInputs,
         base_env: Mapping[str, str],
-        resilience: Mapping[str, Any],
+        resilience: ResilienceSection,
         stage: int,
         world_size: int,
         max_steps: int | None,
@@ -122,7 +131,7 @@ class Supervisor:
         min_nodes: int | None = None,
         logging_steps: int = 1,
         replan: Callable[[list[tuple[str, int]]], Plan] | None = None,
-        prepare: Callable[[Plan, bool], Any] | None = None,
+        prepare: Callable[[Plan, bool], object] | None = None,
         global_batch: int | None = None,
     ):
         self.rd = rd
@@ -132,7 +141,7 @@ class Supervisor:
         self._convert_from_world: int | None = None  # set after a shrink: checkpoints of that size get converted
         self.inputs = inputs
         self.base_env = dict(base_env)
-        self.res = dict(resilience)
+        self.res = resilience
         self.stage = stage
         self.world_size = world_size
         self.max_steps = max_steps
@@ -146,7 +155,7 @@ class Supervisor:
         self.observer = Observer(rd, self._event, max_steps=max_steps, global_batch=global_batch or world_size)
         self.events = Events(rd, self._say)
         self.policy = RestartPolicy(
-            self.res["max_restarts"], self.res["backoff_s"], self.res["backoff_max_s"], rng or random.Random()
+            self.res.max_restarts, self.res.backoff_s, self.res.backoff_max_s, rng or random.Random()
         )
         self.interrupted: int | None = None  # a signal that ends the run now (the second one)
         self.stop_requested: int | None = None  # the first signal: save at the next step, then stop
@@ -159,9 +168,8 @@ class Supervisor:
         self._resumed_from: tuple[int | None, str] | None = None  # (step, checkpoint name) this attempt resumed from
         self._beats: list[Heartbeat] = []  # the newest poll's heartbeats of the running attempt
         self._peer_step: int | None = None  # the step the survivors assembled from peer copies for this attempt
-        self.reports: Any = (
-            None  # refreshes RUN/report.html after each attempt (ftkit.report.ReportRefresher; the launch sets it)
-        )
+        # refreshes RUN/report.html after each attempt (ftkit.report.ReportRefresher; the launch sets it)
+        self.reports: Reports | None = None
 
     # ------------------------------------------------------------------------------------------------ choose
 
@@ -170,7 +178,7 @@ class Supervisor:
         (the recipe's step limits, at launch): a run already finished for them says so."""
         return select(
             self.rd,
-            checksums=bool(self.res.get("verify_checksums", True)),
+            checksums=self.res.verify_checksums,
             world_size=self.world_size,
             stage=self.stage,
             max_steps=self.max_steps,
@@ -230,7 +238,7 @@ class Supervisor:
 
     def monitor(self, procs: list[Spawned], attempt: int, started: float) -> Failure | None:
         """Until success (None) or the first failure. Heartbeat changes are timed by this clock (no skew)."""
-        progress = Progress(started, float(self.res["startup_timeout_s"]), float(self.res["hang_timeout_s"]))
+        progress = Progress(started, float(self.res.startup_timeout_s), float(self.res.hang_timeout_s))
         while True:
             if self.interrupted:
                 return Failure(FailureKind.INTERRUPTED, f"interrupted by {signal.Signals(self.interrupted).name}")
@@ -527,9 +535,9 @@ class Supervisor:
         fidelity = None
         if resume_step is not None and self.check_fidelity:
             fidelity = FidelityCheck.from_metrics(
-                read_jsonl(self.rd.metrics),
+                read_metrics(self.rd.metrics),
                 attempt,
-                float(self.res.get("resume_tolerance", 0.0)),
+                float(self.res.resume_tolerance),
                 self.logging_steps,
                 resume_step,
             )
@@ -645,10 +653,10 @@ class Supervisor:
         else:
             self.echo(text)
 
-    def _event(self, event: str, message: str | None = None, **data: Any) -> None:
+    def _event(self, event: str, message: str | None = None, **data: object) -> None:
         self.events(event, message, **data)
 
-    def _on_signal(self, signum: int, frame: Any) -> None:  # noqa: ARG002
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:  # noqa: ARG002
         if self.stop_requested is None:
             self.stop_requested = signum  # the first: save at the next step boundary, then stop
         else:
@@ -661,7 +669,7 @@ class Supervisor:
         has begun training (still starting or loading: no step can have completed) does it stop at once."""
         name = signal.Signals(self.stop_requested).name if self.stop_requested else "straggler"
         now = time.monotonic()
-        timeout = float(self.res.get("stop_timeout_s") or STOP_TIMEOUT_S)
+        timeout = float(self.res.stop_timeout_s or STOP_TIMEOUT_S)
         if self._stop_sent_at is None:
             if not any(hb.get("phase") in ("train", "saving") for hb in beats):
                 return Failure(FailureKind.STOPPED, f"{name} before training began: nothing new to save")
@@ -690,7 +698,7 @@ class Supervisor:
     def _exclude_stragglers(self) -> None:
         """resilience.exclude_stragglers: a host named a straggler is left out (a graceful stop, then a shrink onto
         the other hosts) when cluster.min_nodes allows it."""
-        if not self.res.get("exclude_stragglers") or self._exclude or self.stop_requested:
+        if not self.res.exclude_stragglers or self._exclude or self.stop_requested:
             return
         report = self.observer.straggler_report
         if report is None or not report.stragglers:

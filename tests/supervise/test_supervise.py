@@ -9,6 +9,8 @@ import signal
 import pytest
 
 from ftkit.errors import ExitCode
+from ftkit.recipe.schema import SECTION_BY_NAME
+from ftkit.recipe.sections import ResilienceSection
 from ftkit.supervise.decide import (
     NO_PROGRESS_LIMIT,
     Action,
@@ -230,7 +232,12 @@ def _supervisor(rd, world_size: int, **kw):
         rd=rd,
         inputs=inputs,
         base_env={},
-        resilience={"max_restarts": 1, "backoff_s": 0, "backoff_max_s": 0, "startup_timeout_s": 5, "hang_timeout_s": 5},
+        resilience=ResilienceSection(
+            **{
+                **{f.name: f.default for f in SECTION_BY_NAME["resilience"].fields},
+                **{"max_restarts": 1, "backoff_s": 0, "backoff_max_s": 0, "startup_timeout_s": 5, "hang_timeout_s": 5},
+            }
+        ),
         stage=2,
         world_size=world_size,
         max_steps=4,
