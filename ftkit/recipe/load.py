@@ -18,19 +18,18 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 import yaml
 
 from ftkit.errors import Problem, RecipeError
 from ftkit.model.config import is_hub_id
 from ftkit.recipe.rules import backend_problems, offload_problems
-from ftkit.recipe.schema import FIELD_BY_KEY, REQUIRED, SECTION_BY_NAME, SECTIONS, TOP_LEVEL, Field
+from ftkit.recipe.schema import FIELD_BY_KEY, SECTION_BY_NAME, SECTIONS, TOP_LEVEL, Field, Value
 from ftkit.recipe.sections import (
-    SECTION_TYPES,
     CheckpointSection,
     ClusterSection,
     DataSection,
@@ -41,6 +40,7 @@ from ftkit.recipe.sections import (
     TrainSection,
     ZeroSection,
 )
+from ftkit.rundir.records import JSON, JSONObject
 
 try:  # the C loader is ~10x faster; fall back quietly where libyaml is missing
     from yaml import CSafeLoader as _Loader
@@ -58,28 +58,34 @@ HUB_KEYS = ("model.path", "model.tokenizer")  # path fields that may instead nam
 MAX_YAML_NODES = 10_000  # nodes after expanding aliases
 MAX_YAML_DEPTH = 32  # nesting depth (libyaml's composer recurses on the C stack: 100k levels crash it)
 
+_Section = TypeVar("_Section")
+
+
+def _json(value: Value) -> JSON:
+    return [*value] if isinstance(value, list) else value
+
 
 @dataclass
 class Recipe:
     """A validated recipe: ``values`` holds every field by dotted key, ``sources`` where each came from."""
 
     path: Path | None
-    values: dict[str, Any]
+    values: dict[str, Value]
     sources: dict[str, str]
     has_peft: bool
     explicit: set[str] = field(default_factory=set)  # keys given in the file or on the command line
 
-    def __getitem__(self, key: str) -> Any:
+    def __getitem__(self, key: str) -> Value:
         """By dotted key, for the loader and the generic tools of this folder (explain, scaffold); code elsewhere
         reads the typed sections (``recipe.train.save_steps``)."""
         return self.values[key]
 
-    def get(self, key: str, default: Any = None) -> Any:
+    def get(self, key: str, default: Value = None) -> Value:
         return self.values.get(key, default)
 
-    def _section(self, name: str) -> Any:
+    def _section(self, name: str, cls: type[_Section]) -> _Section:
         fields = SECTION_BY_NAME[name].fields
-        return SECTION_TYPES[name](**{f.name: self.values.get(f"{name}.{f.name}") for f in fields})
+        return cls(**{f.name: self.values.get(f"{name}.{f.name}") for f in fields})
 
     @property
     def name(self) -> str:
@@ -87,40 +93,40 @@ class Recipe:
 
     @property
     def model(self) -> ModelSection:
-        return self._section("model")  # type: ignore[no-any-return]
+        return self._section("model", ModelSection)
 
     @property
     def peft(self) -> PeftSection | None:
         """None for full fine-tuning (the section is absent)."""
-        return self._section("peft") if self.has_peft else None  # type: ignore[no-any-return]
+        return self._section("peft", PeftSection) if self.has_peft else None
 
     @property
     def data(self) -> DataSection:
-        return self._section("data")  # type: ignore[no-any-return]
+        return self._section("data", DataSection)
 
     @property
     def train(self) -> TrainSection:
-        return self._section("train")  # type: ignore[no-any-return]
+        return self._section("train", TrainSection)
 
     @property
     def checkpoint(self) -> CheckpointSection:
-        return self._section("checkpoint")  # type: ignore[no-any-return]
+        return self._section("checkpoint", CheckpointSection)
 
     @property
     def zero(self) -> ZeroSection:
-        return self._section("zero")  # type: ignore[no-any-return]
+        return self._section("zero", ZeroSection)
 
     @property
     def fsdp(self) -> FsdpSection:
-        return self._section("fsdp")  # type: ignore[no-any-return]
+        return self._section("fsdp", FsdpSection)
 
     @property
     def cluster(self) -> ClusterSection:
-        return self._section("cluster")  # type: ignore[no-any-return]
+        return self._section("cluster", ClusterSection)
 
     @property
     def resilience(self) -> ResilienceSection:
-        return self._section("resilience")  # type: ignore[no-any-return]
+        return self._section("resilience", ResilienceSection)
 
     def where(self, key: str) -> tuple[str | None, int | None]:
         """(file, line) where ``key`` was set: the recipe file and line, the command line, or the file alone."""
@@ -140,14 +146,14 @@ class Recipe:
     def base_dir(self) -> Path:
         return self.path.parent if self.path else Path.cwd()
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         """The resolved recipe as nested data (paths absolute), the form written into the run directory."""
-        out: dict[str, Any] = {f.name: self.values[f.name] for f in TOP_LEVEL}
+        out: JSONObject = {f.name: _json(self.values[f.name]) for f in TOP_LEVEL}
         for s in SECTIONS:
             if s.name == "peft" and not self.has_peft:
                 out["peft"] = None
                 continue
-            out[s.name] = {f.name: self.values[f"{s.name}.{f.name}"] for f in s.fields}
+            out[s.name] = {f.name: _json(self.values[f"{s.name}.{f.name}"]) for f in s.fields}
         return out
 
     def hash(self) -> str:
@@ -229,7 +235,7 @@ def _compose(text: str, filename: str) -> yaml.Node | None:
         raise RecipeError(Problem(f"invalid YAML: {e}", file=filename)) from None
 
 
-def _to_python(node: yaml.Node) -> Any:
+def _to_python(node: yaml.Node) -> object:
     """Construct plain Python data from a composed node (safe constructors only)."""
     loader = _Loader("")
     try:
@@ -257,7 +263,7 @@ def _walk(node: yaml.Node, prefix: str, lines: dict[str, int], dups: list[tuple[
 # Type coercion: one place decides what a value of each declared type may be
 
 
-def _coerce(f: Field, value: Any) -> tuple[Any, str | None]:
+def _coerce(f: Field, value: object) -> tuple[Value, str | None]:
     """Return (value, None) when ``value`` fits the field's type, else (None, problem)."""
     kinds = f.type.split("|")
     if value is None:
@@ -305,7 +311,7 @@ def _coerce(f: Field, value: Any) -> tuple[Any, str | None]:
     return None, f"expected {f.type_label()}, got {_describe(value)}"
 
 
-def _describe(value: Any) -> str:
+def _describe(value: object) -> str:
     if isinstance(value, bool):
         return f"boolean {value}"
     if isinstance(value, (int, float)):
@@ -319,7 +325,7 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
-def _bounds(f: Field, value: Any) -> str | None:
+def _bounds(f: Field, value: Value) -> str | None:
     if isinstance(value, str):
         return _text_problem(f, value)
     if isinstance(value, list) and "list[str]" in f.type.split("|"):
@@ -382,7 +388,7 @@ def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
-def _suggest(word: str, options: Any) -> str:
+def _suggest(word: str, options: Iterable[str]) -> str:
     close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
@@ -391,7 +397,7 @@ def _suggest(word: str, options: Any) -> str:
 # Overrides
 
 
-def parse_override(text: str) -> tuple[str, Any]:
+def parse_override(text: str) -> tuple[str, object]:
     """Split ``key=value``; the value is read as YAML so ``8``, ``true``, ``null``, ``[a, b]`` get their types."""
     if "=" not in text:
         raise RecipeError(Problem(f"override {text!r} is not KEY=VALUE (e.g. zero.stage=3)", file=CLI))
@@ -426,7 +432,7 @@ def load_recipe(path: str | os.PathLike[str] | None, overrides: list[str] | tupl
     Precedence: command line > file > defaults. Raises RecipeError listing every problem found.
     """
     problems: list[Problem] = []
-    raw: dict[str, Any] = {}
+    raw: dict[object, object] = {}
     lines: dict[str, int] = {}
     filename = str(path) if path is not None else "<no recipe>"
     rpath: Path | None = None
@@ -488,11 +494,11 @@ def load_recipe(path: str | os.PathLike[str] | None, overrides: list[str] | tupl
             problems.append(Problem(message, file=w.file, line=w.line, key=key))
 
     # Flatten the file into dotted keys, rejecting unknown sections and keys with a suggestion.
-    given: dict[str, tuple[Any, str]] = {}
+    given: dict[str, tuple[object, str]] = {}
     top_names = [f.name for f in TOP_LEVEL]
     has_peft = False
-    for key, value in raw.items():
-        key = str(key)
+    for raw_key, value in raw.items():
+        key = str(raw_key)
         if key in top_names:
             given[key] = (value, f"{filename}:{lines.get(key, '?')}")
             continue
@@ -545,7 +551,7 @@ def load_recipe(path: str | os.PathLike[str] | None, overrides: list[str] | tupl
         given[key] = (value, CLI)
 
     # Resolve every field: given value (typed, bounded) or default.
-    values: dict[str, Any] = {}
+    values: dict[str, Value] = {}
     sources: dict[str, str] = {}
     explicit: set[str] = set()
     for f in TOP_LEVEL:
@@ -554,7 +560,7 @@ def load_recipe(path: str | os.PathLike[str] | None, overrides: list[str] | tupl
         for f in s.fields:
             key = f"{s.name}.{f.name}"
             if s.name == "peft" and not has_peft:
-                values[key] = f.default
+                values[key] = f.default_value
                 sources[key] = DEFAULT
                 continue
             _resolve(key, f, given, values, sources, explicit, add, section_line=lines.get(s.name))
@@ -587,10 +593,10 @@ def _field(key: str) -> Field | None:
 def _resolve(
     key: str,
     f: Field,
-    given: dict,
-    values: dict,
-    sources: dict,
-    explicit: set,
+    given: dict[str, tuple[object, str]],
+    values: dict[str, Value],
+    sources: dict[str, str],
+    explicit: set[str],
     add: Callable[..., None],
     section_line: int | None = None,
 ) -> None:
@@ -601,7 +607,7 @@ def _resolve(
             problem = _bounds(f, coerced)
         if problem:
             add(key, problem, CLI if source == CLI else None)
-            values[key] = f.default if f.default is not REQUIRED else None
+            values[key] = f.default_value
         else:
             values[key] = coerced
         sources[key] = source
@@ -613,7 +619,7 @@ def _resolve(
         values[key] = None
         sources[key] = DEFAULT
         return
-    values[key] = list(f.default) if isinstance(f.default, list) else f.default
+    values[key] = f.default_value
     sources[key] = DEFAULT
 
 
@@ -624,18 +630,19 @@ def _cross_checks(r: Recipe, add: Callable[..., None]) -> None:
     def src(key: str) -> str | None:
         return CLI if r.sources.get(key) == CLI else None
 
-    v = r.values
-    if v["train.backend"] != "fsdp2":
-        for key, problem in offload_problems(v["zero.stage"], v["zero.offload_optimizer"], v["zero.offload_params"]):
+    v = r.values  # written where the checks resolve a value (the engine; auto's open ZeRO side)
+    train, zero, cluster, model = r.train, r.zero, r.cluster, r.model
+    if train.backend != "fsdp2":
+        for key, problem in offload_problems(zero.stage, zero.offload_optimizer, zero.offload_params):
             add(key, problem, src(key))
-    uses_nvme = "nvme" in (v["zero.offload_optimizer"], v["zero.offload_params"])
-    if uses_nvme and not v["zero.nvme_path"]:
+    uses_nvme = "nvme" in (zero.offload_optimizer, zero.offload_params)
+    if uses_nvme and not zero.nvme_path:
         add("zero.nvme_path", "required when offloading to nvme: a local NVMe directory", src("zero.nvme_path"))
-    if v["train.max_steps"] is None and v["train.epochs"] is None:
+    if train.max_steps is None and train.epochs is None:
         add("train.max_steps", "set train.max_steps or train.epochs", src("train.max_steps"))
     if (
-        v["train.max_steps"] is not None
-        and v["train.epochs"] is not None
+        train.max_steps is not None
+        and train.epochs is not None
         and "train.epochs" in r.explicit
         and "train.max_steps" in r.explicit
     ):
@@ -644,51 +651,48 @@ def _cross_checks(r: Recipe, add: Callable[..., None]) -> None:
             "set only one of train.max_steps and train.epochs (max_steps: null to use epochs)",
             src("train.epochs"),
         )
-    if v["train.global_batch_size"] % v["train.micro_batch_size"] != 0:
+    if train.global_batch_size % train.micro_batch_size != 0:
         add(
             "train.global_batch_size",
-            f"{v['train.global_batch_size']} is not a multiple of train.micro_batch_size {v['train.micro_batch_size']}",
+            f"{train.global_batch_size} is not a multiple of train.micro_batch_size {train.micro_batch_size}",
             src("train.global_batch_size"),
         )
-    if (
-        v["cluster.min_nodes"] is not None
-        and v["cluster.hostfile"] is None
-        and v["cluster.min_nodes"] > v["cluster.num_nodes"]
-    ):
+    if cluster.min_nodes is not None and cluster.hostfile is None and cluster.min_nodes > cluster.num_nodes:
         add(
             "cluster.min_nodes",
-            f"{v['cluster.min_nodes']} is more than cluster.num_nodes {v['cluster.num_nodes']}",
+            f"{cluster.min_nodes} is more than cluster.num_nodes {cluster.num_nodes}",
             src("cluster.min_nodes"),
         )
-    fsdp2 = v["train.backend"] in ("fsdp2", "auto")  # auto may choose fsdp2: both run under accelerate
+    fsdp2 = train.backend in ("fsdp2", "auto")  # auto may choose fsdp2: both run under accelerate
     for key, problem in backend_problems(v, r.explicit):
         add(key, problem, src(key))
-    if v["cluster.engine"] == "auto" or (fsdp2 and "cluster.engine" not in r.explicit):
+    if cluster.engine == "auto" or (fsdp2 and "cluster.engine" not in r.explicit):
         # resolved once, here, so every reader sees the engine that will run; FSDP2 runs under accelerate
         v["cluster.engine"] = "slurm" if os.environ.get("SLURM_JOB_ID") else ("accelerate" if fsdp2 else "deepspeed")
-    if v["train.backend"] == "auto":  # the ZeRO side is as open as the recipe leaves it
+    if train.backend == "auto":  # the ZeRO side is as open as the recipe leaves it
         for key in ("zero.stage", "zero.offload_optimizer"):
             if key not in r.explicit:
                 v[key] = "auto"
-    if v["cluster.engine"] == "slurm" and v["cluster.hostfile"] is not None:
+    if v["cluster.engine"] == "slurm" and cluster.hostfile is not None:
         add(
             "cluster.hostfile",
             "not used with engine slurm: the Slurm allocation gives the hosts; remove cluster.hostfile",
             src("cluster.hostfile"),
         )
-    if v["cluster.accelerator"] == "cpu" and v["train.precision"] == "fp16":
+    if cluster.accelerator == "cpu" and train.precision == "fp16":
         add("train.precision", "fp16 is not supported on the cpu accelerator; use bf16 or fp32", src("train.precision"))
-    if v["model.revision"] is not None and v["model.path"] and os.path.isabs(v["model.path"]):
+    if model.revision is not None and model.path and os.path.isabs(model.path):
         add(
             "model.revision",
-            f"applies to a hub id only; model.path is a local directory ({v['model.path']}): remove model.revision",
+            f"applies to a hub id only; model.path is a local directory ({model.path}): remove model.revision",
             src("model.revision"),
         )
-    if "none" in v["train.report_to"] and len(v["train.report_to"]) > 1:
+    if "none" in train.report_to and len(train.report_to) > 1:
         add(
             "train.report_to",
             "'none' cannot be combined with other targets; use [] or drop 'none'",
             src("train.report_to"),
         )
-    if r.has_peft and v["peft.dropout"] is not None and v["peft.dropout"] >= 1:
+    peft = r.peft
+    if peft is not None and peft.dropout is not None and peft.dropout >= 1:
         add("peft.dropout", "must be below 1", src("peft.dropout"))

@@ -3,17 +3,15 @@ drift."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from ftkit.recipe.scaffold import format_value
 from ftkit.recipe.schema import REQUIRED, SECTIONS, TOP_LEVEL, Field
 
 
-def _json_type(f: Field) -> dict[str, Any]:
-    options: list[dict[str, Any]] = []
+def _json_type(f: Field) -> dict[str, object]:
+    options: list[dict[str, object]] = []
     for kind in f.type.split("|"):
         if kind == "int":
-            t: dict[str, Any] = {"type": "integer"}
+            t: dict[str, object] = {"type": "integer"}
         elif kind == "float":
             t = {"type": "number"}
         elif kind == "bool":
@@ -27,9 +25,10 @@ def _json_type(f: Field) -> dict[str, Any]:
         elif kind == "choice":
             t = {"enum": list(f.choices)}
         elif kind == "list[str]":
-            t = {"type": "array", "items": {"type": "string"}, "minItems": 1}
+            items: dict[str, object] = {"type": "string"}
             if f.pattern:
-                t["items"]["pattern"] = f"^{f.pattern}$"
+                items["pattern"] = f"^{f.pattern}$"
+            t = {"type": "array", "items": items, "minItems": 1}
         elif kind == "list[choice]":
             t = {"type": "array", "items": {"enum": list(f.choices)}}
         elif kind == "auto":
@@ -48,7 +47,7 @@ def _json_type(f: Field) -> dict[str, Any]:
             if f.exclusive_maximum is not None:
                 t["exclusiveMaximum"] = f.exclusive_maximum
         options.append(t)
-    out: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    out: dict[str, object] = options[0] if len(options) == 1 else {"anyOf": options}
     out = dict(out)
     out["description"] = f.doc
     if f.default is not REQUIRED:
@@ -56,11 +55,11 @@ def _json_type(f: Field) -> dict[str, Any]:
     return out
 
 
-def json_schema() -> dict[str, Any]:
-    props: dict[str, Any] = {f.name: _json_type(f) for f in TOP_LEVEL}
+def json_schema() -> dict[str, object]:
+    props: dict[str, object] = {f.name: _json_type(f) for f in TOP_LEVEL}
     required: list[str] = []
     for s in SECTIONS:
-        sec: dict[str, Any] = {
+        sec: dict[str, object] = {
             "type": "object",
             "description": s.doc,
             "additionalProperties": False,

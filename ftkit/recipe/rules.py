@@ -5,9 +5,8 @@ planner's candidates obey them."""
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from typing import Any
 
-from ftkit.recipe.schema import FIELD_BY_KEY, SECTION_BY_NAME
+from ftkit.recipe.schema import FIELD_BY_KEY, SECTION_BY_NAME, Value
 
 # Each DeepSpeed-only key, and what to use under train.backend fsdp2 instead (the refusal's second half).
 FSDP2_EQUIVALENT = {
@@ -31,7 +30,7 @@ FSDP2_EQUIVALENT = {
 FSDP_KEYS = tuple(f"fsdp.{name}" for name in SECTION_BY_NAME["fsdp"].names)
 
 
-def backend_problems(values: Mapping[str, Any], explicit: Collection[str]) -> list[tuple[str, str]]:
+def backend_problems(values: Mapping[str, Value], explicit: Collection[str]) -> list[tuple[str, str]]:
     """``(recipe key, problem)`` for each key the chosen ``train.backend`` cannot use, each with what to use
     instead; ``explicit``: the keys the recipe file or command line set. A key set to its default is left alone (a
     full recipe, such as ``ftkit import`` writes, lists every key)."""

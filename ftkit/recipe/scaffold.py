@@ -6,7 +6,8 @@ holds them to it), so the comments a user reads after ``ftkit init`` never drift
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import cast
 
 import yaml
 
@@ -20,7 +21,7 @@ def field_comment(f: Field) -> str:
     return f"# {f.doc} Default: {format_value(f.default)}."
 
 
-def format_value(value: Any) -> str:
+def format_value(value: object) -> str:
     if value is None:
         return "null"
     if isinstance(value, list):
@@ -29,7 +30,7 @@ def format_value(value: Any) -> str:
     return text[:-4].strip() if text.endswith("\n...") else text.removesuffix("...").strip()
 
 
-def commented_recipe(values: dict[str, Any], header: list[str]) -> str:
+def commented_recipe(values: Mapping[str, object], header: list[str]) -> str:
     """YAML text for nested ``values`` (sections as in the schema); ``peft: None`` means no peft section."""
     out = [line.rstrip() for line in header]
     for f in TOP_LEVEL:
@@ -45,6 +46,7 @@ def commented_recipe(values: dict[str, Any], header: list[str]) -> str:
             out += [f"#   {f.name}: {format_value(f.default)}" for f in s.fields]
             continue
         out += [f"# {s.doc}", f"{s.name}:"]
+        body = cast("Mapping[str, object]", body)  # a section: a mapping of its keys
         for f in s.fields:
             if f.name in body:
                 out += [f"  {field_comment(f)}", f"  {f.name}: {format_value(body[f.name])}"]

@@ -15,15 +15,26 @@ grammar: ``host`` values, and ``str`` values with a ``pattern``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeAlias
 
-REQUIRED = object()  # sentinel: the field has no default and must be given
+Value: TypeAlias = str | int | float | bool | list[str] | None  # a field's value, once the loader checked its type
+
+
+class _Required:
+    """The type of :data:`REQUIRED`."""
+
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+REQUIRED = _Required()  # sentinel: the field has no default and must be given
 
 
 @dataclass(frozen=True)
 class Field:
     name: str
     type: str
-    default: object
+    default: Value | _Required
     doc: str
     choices: tuple[str, ...] = ()
     minimum: float | None = None  # inclusive lower bound for numbers
@@ -36,6 +47,14 @@ class Field:
     @property
     def required(self) -> bool:
         return self.default is REQUIRED
+
+    @property
+    def default_value(self) -> Value:
+        """The default as a value of its own (a list is copied); None for a required field."""
+        d = self.default
+        if isinstance(d, _Required):
+            return None
+        return list(d) if isinstance(d, list) else d
 
     def type_label(self) -> str:
         labels = {"choice": ", ".join(self.choices), "list[choice]": f"list of {', '.join(self.choices)}"}
@@ -60,7 +79,7 @@ class Section:
         return [f.name for f in self.fields]
 
 
-def _f(name: str, type_: str, default: object, doc: str, **kw: object) -> Field:
+def _f(name: str, type_: str, default: Value | _Required, doc: str, **kw: object) -> Field:
     return Field(name, type_, default, doc, **kw)  # type: ignore[arg-type]
 
 

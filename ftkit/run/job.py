@@ -163,10 +163,10 @@ def _check_inputs(plan: Plan, command: UserCommand | None) -> None:
     r = plan.recipe
     if command is None:  # the built-in entry reads them: a missing file would fail every rank after its start-up
         problems = []
-        for key in ("data.train", "data.eval"):
-            if r[key] is None:
+        for key, path in (("data.train", r.data.train), ("data.eval", r.data.eval)):
+            if path is None:
                 continue
-            data = Path(r[key])
+            data = Path(path)
             if not data.is_file():
                 what = "is a directory, expected a file" if data.is_dir() else "file not found"
                 problems.append(r.problem(key, f"{data}: {what}"))
