@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
+
+from ftkit.rundir.records import Event, MetricsRecord, as_int, as_number
 
 # (key, label, what it is): the breakdown's categories in the order the page and the JSON show them
 CATEGORIES: tuple[tuple[str, str, str], ...] = (
@@ -65,20 +67,6 @@ CATEGORIES: tuple[tuple[str, str, str], ...] = (
 LABELS = {k: label for k, label, _ in CATEGORIES}
 ENDS = frozenset({"finished", "stopped", "gave_up", "interrupted", "refused", "failed"})  # a launch's last event
 ATTEMPT_ENDS = ENDS | {"failure"}
-
-
-def _num(x: Any) -> float | None:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
-        return None
-    return float(x)
-
-
-def _int(x: Any) -> int | None:
-    if isinstance(x, bool):
-        return None
-    if isinstance(x, int):
-        return x
-    return int(x) if isinstance(x, float) and math.isfinite(x) and x.is_integer() else None
 
 
 # ------------------------------------------------------------------------------------------------ records
@@ -124,34 +112,42 @@ class Metrics:
     commits: list[Commit] = field(default_factory=list)
 
 
-def parse_metrics(rows: Iterable[Mapping[str, Any]]) -> Metrics:
+def parse_metrics(rows: Iterable[MetricsRecord]) -> Metrics:
     """The records goodput needs; lines without a numeric step, attempt and time are left out."""
     out = Metrics()
     for m in rows:
-        step, attempt, t = _int(m.get("step")), _int(m.get("attempt", 0)), _num(m.get("time"))
+        step, attempt, t = as_int(m.get("step")), as_int(m.get("attempt", 0)), as_number(m.get("time"))
         if step is None or attempt is None or t is None:
             continue
         if m.get("event") == "commit":
             rotated = tuple(str(p) for p in m.get("rotated") or [] if isinstance(p, str))
-            out.commits.append(Commit(attempt, step, t, _num(m.get("commit_s")), bool(m.get("stop")), rotated))
-        elif "loss" in m and (loss := _num(m.get("loss"))) is not None:
+            out.commits.append(Commit(attempt, step, t, as_number(m.get("commit_s")), bool(m.get("stop")), rotated))
+        elif "loss" in m and (loss := as_number(m.get("loss"))) is not None:
             out.steps.append(
-                Logged(attempt, step, t, loss, _num(m.get("tokens_seen")), _num(m.get("grad_norm")), _num(m.get("lr")))
+                Logged(
+                    attempt,
+                    step,
+                    t,
+                    loss,
+                    as_number(m.get("tokens_seen")),
+                    as_number(m.get("grad_norm")),
+                    as_number(m.get("lr")),
+                )
             )
-        elif "eval_loss" in m and (loss := _num(m.get("eval_loss"))) is not None:
+        elif "eval_loss" in m and (loss := as_number(m.get("eval_loss"))) is not None:
             out.evals.append(Eval(attempt, step, t, loss))
     return out
 
 
-def timed_events(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def timed_events(events: Iterable[Event]) -> list[Event]:
     """Events with a numeric time, in file order (the supervisor appends them in the order it decides)."""
-    return [dict(e) for e in events if _num(e.get("time")) is not None and isinstance(e.get("event"), str)]
+    return [e.copy() for e in events if as_number(e.get("time")) is not None and isinstance(e.get("event"), str)]
 
 
-def sessions(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+def sessions(events: list[Event]) -> list[list[Event]]:
     """The events of each ``ftkit launch``: a launch ends with its outcome (:data:`ENDS`)."""
-    out: list[list[dict[str, Any]]] = []
-    cur: list[dict[str, Any]] = []
+    out: list[list[Event]] = []
+    cur: list[Event] = []
     for e in events:
         cur.append(e)
         if e["event"] in ENDS:
@@ -172,16 +168,16 @@ class Attempt:
     attempt: int
     launch: float
     end: float  # its end event, or the end of its launch when it has none (still running, or killed)
-    end_event: dict[str, Any] | None  # failure / stopped / finished / ... (None: still running or unknown)
+    end_event: Event | None  # failure / stopped / finished / ... (None: still running or unknown)
     resume_step: int  # 0: fresh start
     steps: list[Logged] = field(default_factory=list)
     evals: list[Eval] = field(default_factory=list)
     commits: list[Commit] = field(default_factory=list)
     kept_until: float = math.inf  # steps after this were recomputed (or lost): the lowest later resume step
-    restart: dict[str, Any] | None = None  # the restart event after it
+    restart: Event | None = None  # the restart event after it
     next_launch: float | None = None
     hosts: list[tuple[str, int]] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)  # the events between its launch and the next one
+    events: list[Event] = field(default_factory=list)  # the events between its launch and the next one
     # filled by account(): seconds by category, and the measured throughput
     seconds: dict[str, float] = field(default_factory=dict)
     work_s: float = 0.0  # step intervals less saves/evaluations (kept and recomputed)
@@ -232,11 +228,11 @@ class Attempt:
         return len(self.steps) - self.kept_steps
 
 
-def _attempt_of(e: Mapping[str, Any]) -> int | None:
-    return _int(e.get("attempt"))
+def _attempt_of(e: Event) -> int | None:
+    return as_int(e.get("attempt"))
 
 
-def attempts(events: list[dict[str, Any]], metrics: Metrics) -> list[Attempt]:
+def attempts(events: list[Event], metrics: Metrics) -> list[Attempt]:
     """Every attempt with a ``launch`` event, oldest first, with its records and the events that followed it."""
     out: list[Attempt] = []
     hosts: list[tuple[str, int]] = []  # the plan's, then each shrink's
@@ -291,7 +287,7 @@ def attempts(events: list[dict[str, Any]], metrics: Metrics) -> list[Attempt]:
     return sorted(out, key=lambda x: x.launch)
 
 
-def _resume_step(before: list[dict[str, Any]], attempt: int) -> int:
+def _resume_step(before: list[Event], attempt: int) -> int:
     """The step an attempt resumed from (0 fresh), from the checkpoint_chosen/fresh_start before its launch;
     -1 when not recorded (then the step before its first logged one is taken)."""
     for e in reversed(before):
@@ -300,12 +296,12 @@ def _resume_step(before: list[dict[str, Any]], attempt: int) -> int:
         if e["event"] == "fresh_start":
             return 0
         if e["event"] == "checkpoint_chosen":
-            step = _int(e.get("step"))
+            step = as_int(e.get("step"))
             return step if step is not None else -1
     return -1
 
 
-def _session_end(sess: list[dict[str, Any]], metrics: Metrics) -> float:
+def _session_end(sess: list[Event], metrics: Metrics) -> float:
     """The last event of a launch; one without an outcome (live, or its supervisor killed) lasts until its newest
     metrics record too."""
     start, end = float(sess[0]["time"]), float(sess[-1]["time"])
@@ -403,6 +399,27 @@ def account(a: Attempt) -> dict[str, float]:
     return sec
 
 
+class LargestLoss(TypedDict):
+    category: str  # a key of CATEGORIES other than productive
+    seconds: float
+
+
+class GoodputDict(TypedDict):
+    """:meth:`Goodput.as_dict`: what ``ftkit status --json`` shows of the goodput."""
+
+    ratio: float | None
+    productive_s: float
+    wall_s: float
+    largest_loss: LargestLoss | None
+    breakdown_s: dict[str, float]
+    between_launches_s: float
+    straggler_wait_s: float | None
+    launches: int
+    live: bool
+    definition: str
+    line: str
+
+
 @dataclass
 class Goodput:
     """Productive time over wall time, and where the rest went (seconds by category; they add up to wall_s)."""
@@ -442,7 +459,7 @@ class Goodput:
             text += f"; largest loss: {LABELS[big[0]]} {fmt_s(big[1])}"
         return text + ")" + (" so far" if self.live else "")
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> GoodputDict:
         big = self.largest_loss
         return {
             "ratio": round(self.ratio, 6) if self.ratio is not None else None,
@@ -466,7 +483,7 @@ DEFINITION = (
 )
 
 
-def goodput(events: Iterable[Mapping[str, Any]], metrics: Iterable[Mapping[str, Any]]) -> Goodput:
+def goodput(events: Iterable[Event], metrics: Iterable[MetricsRecord]) -> Goodput:
     """Goodput of a run from its parsed events.jsonl and metrics.jsonl records (any order of files; live or not)."""
     evs = timed_events(events)
     m = parse_metrics(metrics)
@@ -493,7 +510,7 @@ def goodput(events: Iterable[Mapping[str, Any]], metrics: Iterable[Mapping[str, 
             restart = prev.restart if prev is not None else None
             if restart is not None and cursor <= float(restart["time"]) <= a.launch:
                 r = float(restart["time"])
-                delay = min(max(_num(restart.get("delay_s")) or 0.0, 0.0), a.launch - r)
+                delay = min(max(as_number(restart.get("delay_s")) or 0.0, 0.0), a.launch - r)
                 breakdown["teardown"] += r - cursor
                 breakdown["backoff"] += delay
                 breakdown["startup"] += a.launch - r - delay  # choosing and verifying the checkpoint
@@ -518,14 +535,14 @@ def goodput(events: Iterable[Mapping[str, Any]], metrics: Iterable[Mapping[str, 
     )
 
 
-def straggler_wait(events: list[dict[str, Any]], atts: list[Attempt]) -> float | None:
+def straggler_wait(events: list[Event], atts: list[Attempt]) -> float | None:
     """Seconds the kept steps spent waiting for the slowest host, estimated from the per-host compute times the
     supervisor recorded at the end of each attempt (``step_times`` events): (slowest - median) x kept steps. None
     without such a record or with a single host."""
     total, seen = 0.0, False
     for a in atts:
         rec = next((e for e in a.events if e["event"] == "step_times"), None)
-        hosts = [h for h in (rec or {}).get("hosts") or [] if isinstance(h, dict) and _num(h.get("compute_s"))]
+        hosts = [h for h in (rec or {}).get("hosts") or [] if isinstance(h, dict) and as_number(h.get("compute_s"))]
         if len(hosts) < 2:
             continue
         seen = True

@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 from ftkit.model.shape import count_params
 from ftkit.plan.candidates import predict_plan
@@ -32,12 +32,47 @@ FINISH_TIMEOUT_S = 30.0  # the launch's wait for its last render (one takes ~1-2
 PREVIOUS_WAIT_S = 5.0  # a render still running when the next attempt ends: waited for this long, then stopped
 
 
-def plan_record(plan: Plan) -> dict[str, Any]:
+class PlanRecord(TypedDict, total=False):
+    """:func:`plan_record`: the ``plan`` event's fields (besides ``time``, ``event`` and ``attempt``). The first
+    fourteen are always there; then either the prediction's figures or ``not_estimated``."""
+
+    engine: str
+    accelerator: str
+    hosts: list[list[str | int]]  # [host, processes] in rank order
+    world_size: int
+    stage: int
+    offload_optimizer: str
+    offload_params: str
+    precision: str
+    micro_batch_size: int
+    grad_accum: int
+    global_batch_size: int
+    seq_len: int
+    gpu_memory_gb: float
+    lora: bool
+    gpu: str | None
+    gpu_doc: str | None
+    gpu_source: str | None
+    peak_tflops: float | None
+    assumed_mfu: float | None
+    flops_per_token: float | None
+    predicted_step_s: float
+    predicted_compute_s: float
+    predicted_exposed_comm_s: float
+    predicted_tokens_per_s: float
+    tokens_per_step: int
+    memory_gib_per_gpu: float | None
+    total_params: int | None
+    trainable_params: int | None
+    not_estimated: str  # why the figures are missing
+
+
+def plan_record(plan: Plan) -> PlanRecord:
     """The plan's figures for the ``plan`` event. The step-time model needs the model's parameter counts: when they
     cannot be had cheaply (a family without a closed form would import transformers into the supervisor, or a
     user command's model that the plan could not read), the record says why instead."""
     r = plan.recipe
-    rec: dict[str, Any] = {
+    rec: PlanRecord = {
         "engine": r.cluster.engine,
         "accelerator": r.cluster.accelerator,
         "hosts": [[h, n] for h, n in plan.hosts],
@@ -63,20 +98,22 @@ def plan_record(plan: Plan) -> dict[str, Any]:
         a = pred.assumptions
         sel = p.memory.selected if p.memory is not None else None
         rec.update(
-            gpu=a.get("gpu"),
-            gpu_doc=a.get("gpu_doc"),
-            gpu_source=a.get("gpu_source"),
-            peak_tflops=a.get("peak_tflops"),
-            assumed_mfu=a.get("mfu"),
-            flops_per_token=a.get("flops_per_token"),
-            predicted_step_s=round(pred.step_time_s, 6),
-            predicted_compute_s=round(pred.compute_s, 6),
-            predicted_exposed_comm_s=round(pred.exposed_comm_s, 6),
-            predicted_tokens_per_s=round(pred.tokens_per_s, 1),
-            tokens_per_step=pred.tokens_per_step,
-            memory_gib_per_gpu=round(sel.total_gb, 3) if sel is not None else None,
-            total_params=p.memory.shape.total_params if p.memory is not None else None,
-            trainable_params=p.memory.workload.phi if p.memory is not None else None,
+            {
+                "gpu": a.get("gpu"),
+                "gpu_doc": a.get("gpu_doc"),
+                "gpu_source": a.get("gpu_source"),
+                "peak_tflops": a.get("peak_tflops"),
+                "assumed_mfu": a.get("mfu"),
+                "flops_per_token": a.get("flops_per_token"),
+                "predicted_step_s": round(pred.step_time_s, 6),
+                "predicted_compute_s": round(pred.compute_s, 6),
+                "predicted_exposed_comm_s": round(pred.exposed_comm_s, 6),
+                "predicted_tokens_per_s": round(pred.tokens_per_s, 1),
+                "tokens_per_step": pred.tokens_per_step,
+                "memory_gib_per_gpu": round(sel.total_gb, 3) if sel is not None else None,
+                "total_params": p.memory.shape.total_params if p.memory is not None else None,
+                "trainable_params": p.memory.workload.phi if p.memory is not None else None,
+            }
         )
     except Exception as e:  # noqa: BLE001 - the record is informative; it must never stop a launch
         rec["not_estimated"] = str(e) or type(e).__name__

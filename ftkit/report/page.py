@@ -9,9 +9,9 @@ from __future__ import annotations
 import errno
 import html
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict, cast
 
 from ftkit.checkpoint.directory import list_checkpoints, list_set_aside
 from ftkit.checkpoint.verify import verify
@@ -30,7 +30,11 @@ from ftkit.report.goodput import (
     timed_events,
 )
 from ftkit.report.timeline import PHASES, Timeline, build_timeline
-from ftkit.rundir.layout import RunDir, atomic_write, read_jsonl
+from ftkit.rundir.layout import RunDir, atomic_write, read_events, read_metrics
+from ftkit.rundir.records import CommitRecord, Event, HostStepTimes
+
+if TYPE_CHECKING:
+    from ftkit.report.live import PlanRecord
 
 TIER = "durable"  # every checkpoint is in the run directory today; a node-local tier would add its own rows
 CSS = """
@@ -54,11 +58,11 @@ CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
 MAX_ROWS = 2000  # decisions listed (a run with more says so)
 
 
-def _e(x: Any) -> str:
+def _e(x: object) -> str:
     return html.escape(str(x), quote=True)
 
 
-def _table(head: list[str], rows: Iterable[list[Any]], num: Iterable[int] = (), cls: str = "") -> str:
+def _table(head: list[str], rows: Iterable[Sequence[object]], num: Iterable[int] = (), cls: str = "") -> str:
     num = set(num)
     th = "".join(f"<th{' class=n' if i in num else ''}>{_e(h)}</th>" for i, h in enumerate(head))
     body = []
@@ -84,7 +88,7 @@ def _clock(t: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(t)) if t is not None else "-"
 
 
-def _num(x: Any, fmt: str = "{:.3g}", missing: str = "-") -> str:
+def _num(x: object, fmt: str = "{:.3g}", missing: str = "-") -> str:
     return fmt.format(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else missing
 
 
@@ -101,29 +105,74 @@ def _bytes(n: float | None) -> str:
 # ------------------------------------------------------------------------------------------------ data
 
 
-def _plan(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+class ThroughputRow(TypedDict):
+    """One attempt's line of the throughput table (:func:`throughput_rows`)."""
+
+    attempt: int
+    world: int | None
+    hosts: list[str]
+    resume_step: int
+    outcome: str
+    startup_s: float | None
+    kept: int
+    recomputed: int
+    step_s: float | None
+    median_step_s: float | None
+    tokens_per_s: float | None
+    tokens_padded: bool  # tokens_per_s is an upper bound from the batch shape
+    tflops: float | None
+    mfu: float | None
+    mfu_why: str  # why mfu is None ("" when it is not)
+
+
+class CheckpointRow(TypedDict, total=False):
+    """One line of the checkpoint table (:func:`checkpoint_rows`): a save (from its commit records), what is on
+    disk, or both."""
+
+    name: str
+    step: int | None
+    tier: str
+    attempt: int
+    save_s: float
+    commit_s: float | None
+    time: float | None
+    stop: bool
+    times: int  # how many times the step was saved
+    size: int | None
+    state: str
+    ok: bool | None
+
+
+class HostRow(HostStepTimes):
+    """One host's compute time per step in one attempt (:func:`host_rows`)."""
+
+    attempt: int
+
+
+def _plan(events: list[Event]) -> PlanRecord | None:
     plans = [e for e in events if e["event"] == "plan"]
-    return plans[-1] if plans else None
+    return cast("PlanRecord", plans[-1]) if plans else None  # a plan event carries plan_record's fields
 
 
-def _world(a: Attempt, plan: Mapping[str, Any] | None) -> int | None:
+def _world(a: Attempt, plan: PlanRecord | None) -> int | None:
     n = sum(k for _, k in a.hosts)
     return n or (plan or {}).get("world_size")
 
 
-def throughput_rows(g: Goodput, plan: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+def throughput_rows(g: Goodput, plan: PlanRecord | None) -> list[ThroughputRow]:
     """Per attempt: measured step time, tokens/s, model TFLOP/s and MFU (FLOPs per token and the GPU's peak from
     the plan record; MFU is n/a on CPU ranks, whose 'peak' in the plan's table is an order of magnitude only)."""
     plan = plan or {}
     fpt, peak = plan.get("flops_per_token"), plan.get("peak_tflops")
     cpu = plan.get("accelerator") == "cpu" or plan.get("gpu") == "cpu"
-    out = []
+    out: list[ThroughputRow] = []
     for a in g.attempts:
         world = _world(a, plan)
         tps, padded = a.tokens_per_s, False
         if tps is None and a.step_time_s and plan.get("tokens_per_step"):
             tps, padded = plan["tokens_per_step"] / a.step_time_s, True  # padded tokens: an upper bound
         tflops = tps * fpt / 1e12 if tps and isinstance(fpt, (int, float)) else None
+        mfu: float | None
         if cpu:
             mfu, why = None, "n/a (CPU ranks: no hardware peak to compare with)"
         elif not plan:
@@ -154,11 +203,11 @@ def throughput_rows(g: Goodput, plan: Mapping[str, Any] | None) -> list[dict[str
     return out
 
 
-def checkpoint_rows(run: Path, g: Goodput) -> list[dict[str, Any]]:
+def checkpoint_rows(run: Path, g: Goodput) -> list[CheckpointRow]:
     """Every checkpoint the run committed (metrics' commit records) or has on disk, with its tier, size, save time
     and verification state (sizes of every file against its commit record; no hashing)."""
 
-    saves: dict[int, dict[str, Any]] = {}
+    saves: dict[int, CheckpointRow] = {}
     rotated: set[str] = set()
     for a in g.attempts:
         for c, s0, s1 in save_spans(a):
@@ -181,7 +230,7 @@ def checkpoint_rows(run: Path, g: Goodput) -> list[dict[str, Any]]:
     for step in sorted(set(saves) | set(on_disk)):
         s = saves.get(step, {})
         name = f"checkpoint-{step}"
-        row = {"name": name, "step": step, "tier": TIER, **s, "size": None}
+        row: CheckpointRow = {"name": name, "step": step, "tier": TIER, **s, "size": None}
         if step in on_disk:
             v = verify(on_disk[step], checksums=False)
             row["size"] = _record_size(v.record)
@@ -211,16 +260,16 @@ def checkpoint_rows(run: Path, g: Goodput) -> list[dict[str, Any]]:
     return rows
 
 
-def _record_size(record: Mapping[str, Any] | None) -> int | None:
-    files = (record or {}).get("files")
+def _record_size(record: CommitRecord | None) -> int | None:
+    files = record.get("files") if record else None
     if not isinstance(files, dict):
         return None
     return sum(int(f.get("size") or 0) for f in files.values() if isinstance(f, dict))
 
 
-def host_rows(g: Goodput) -> list[dict[str, Any]]:
+def host_rows(g: Goodput) -> list[HostRow]:
     """Per attempt and host, the compute time per step the supervisor recorded at the attempt's end."""
-    out = []
+    out: list[HostRow] = []
     for a in g.attempts:
         rec = next((e for e in a.events if e["event"] == "step_times"), None)
         for h in (rec or {}).get("hosts") or []:
@@ -237,8 +286,8 @@ def build_report(run_dir: str | Path) -> str:
 
     rd = RunDir(run_dir)
     skipped: dict[str, int] = {}
-    raw_events = read_jsonl(rd.events, skipped)
-    metrics = read_jsonl(rd.metrics, skipped)
+    raw_events = read_events(rd.events, skipped)
+    metrics = read_metrics(rd.metrics, skipped)
     events = timed_events(raw_events)
     g = goodput(events, metrics)
     tl = build_timeline(events, g)
@@ -292,7 +341,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     return target
 
 
-def _header(rd: RunDir, g: Goodput, events: list[dict[str, Any]], skipped: dict[str, int]) -> str:
+def _header(rd: RunDir, g: Goodput, events: list[Event], skipped: dict[str, int]) -> str:
     outcome = next((e for e in reversed(events) if e["event"] in ENDS), None)
     state = (
         "running (or its supervisor was stopped): the page shows it up to its newest record"
@@ -407,7 +456,7 @@ NOTABLE = {
 }
 
 
-def _timeline_section(tl: Timeline, events: list[dict[str, Any]], chart: str | None) -> str:
+def _timeline_section(tl: Timeline, events: list[Event], chart: str | None) -> str:
     t0 = tl.start_epoch
     rows: list[list[object]] = []
     for e in events:
@@ -438,7 +487,7 @@ def _timeline_section(tl: Timeline, events: list[dict[str, Any]], chart: str | N
     )
 
 
-def _throughput_section(rows: list[dict[str, Any]], plan: Mapping[str, Any] | None) -> str:
+def _throughput_section(rows: list[ThroughputRow], plan: PlanRecord | None) -> str:
     body = []
     for r in rows:
         tps = _num(r["tokens_per_s"], "{:,.0f}")
@@ -490,11 +539,11 @@ def _throughput_section(rows: list[dict[str, Any]], plan: Mapping[str, Any] | No
     )
 
 
-def _host_chart_rows(hosts: list[dict[str, Any]]) -> list[tuple[int, str, float, bool]]:
+def _host_chart_rows(hosts: list[HostRow]) -> list[tuple[int, str, float, bool]]:
     return [(h["attempt"], str(h.get("host")), float(h["compute_s"]), bool(h.get("straggler"))) for h in hosts]
 
 
-def _hosts_section(hosts: list[dict[str, Any]], chart: str | None) -> str:
+def _hosts_section(hosts: list[HostRow], chart: str | None) -> str:
     if not hosts:
         return (
             '<section id="hosts"><h2>Step time per host</h2><p>No per-host compute times recorded (ftkit records '
@@ -527,7 +576,7 @@ def _hosts_section(hosts: list[dict[str, Any]], chart: str | None) -> str:
     )
 
 
-def _checkpoint_section(rows: list[dict[str, Any]]) -> str:
+def _checkpoint_section(rows: list[CheckpointRow]) -> str:
     body = []
     for r in rows:
         state = r.get("state", "")
@@ -565,7 +614,7 @@ def _checkpoint_section(rows: list[dict[str, Any]]) -> str:
     )
 
 
-def _plan_section(plan: Mapping[str, Any] | None, through: list[dict[str, Any]]) -> str:
+def _plan_section(plan: PlanRecord | None, through: list[ThroughputRow]) -> str:
     if plan is None:
         return (
             '<section id="plan"><h2>Plan</h2><p>No plan record in events.jsonl (runs launched by an older ftkit do '

@@ -6,11 +6,11 @@ a run relaunched a day later still reads as one story; each launch after the fir
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from ftkit.report.goodput import Attempt, Goodput, fmt_s, timed_events
+from ftkit.rundir.records import Event
 
 # phase bars and what they mean
 PHASES = {
@@ -86,7 +86,7 @@ class RunClock:
         return self.launches[0][0] if self.launches else None
 
 
-def _short(e: Mapping[str, Any]) -> str:
+def _short(e: Event) -> str:
     kind = e.get("kind") or ""
     meaning = str(e.get("exit_meaning") or "")
     if meaning:
@@ -96,7 +96,7 @@ def _short(e: Mapping[str, Any]) -> str:
     return (f"{text} at step {step}" if step is not None else text) or "failure"
 
 
-def build_timeline(events_in: Iterable[Mapping[str, Any]], g: Goodput) -> Timeline:
+def build_timeline(events_in: Iterable[Event], g: Goodput) -> Timeline:
     """Rows, bars and markers for the run's attempts (the hosts each attempt ran on)."""
     events = timed_events(events_in)
     clock = RunClock(g)
@@ -128,7 +128,8 @@ def build_timeline(events_in: Iterable[Mapping[str, Any]], g: Goodput) -> Timeli
             lost = tuple(str(h) for h in e.get("hosts") or [])
             tl.marks.append(Mark(kind, t, f"lost {', '.join(lost)}", lost))
         elif kind == "straggler":
-            slow = tuple(str(h) for h in ((e.get("report") or {}).get("stragglers") or []))
+            report = e.get("report")
+            slow = tuple(str(h) for h in ((report.get("stragglers") if report else None) or []))
             tl.marks.append(Mark(kind, t, str(e.get("message") or "straggler")[:120], slow))
         elif kind == "slurm":
             n = e.get("restart_count")

@@ -14,19 +14,26 @@ from __future__ import annotations
 
 import errno
 import json
-import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict, TypeVar, cast
 
 from ftkit.checkpoint.directory import list_checkpoints, list_set_aside
 from ftkit.checkpoint.layout import read_commit
 from ftkit.checkpoint.verify import verify
 from ftkit.errors import ExitCode, FtkitError, NoSpace, Problem, UserError
-from ftkit.report.goodput import goodput
+from ftkit.report.goodput import GoodputDict, goodput
+from ftkit.rundir import layout
 from ftkit.rundir.layout import RunDir
-from ftkit.rundir.layout import read_jsonl as layout_read_jsonl
+from ftkit.rundir.records import JSON, Event, JSONObject, MetricsRecord, as_int, as_number
 from ftkit.supervise.stragglers import score_run
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+    from matplotlib.typing import ColorType
+
+_Record = TypeVar("_Record", JSONObject, Event, MetricsRecord)
 
 
 class VerifyFailed(FtkitError):
@@ -49,24 +56,75 @@ def _read_text(path: Path) -> str | None:
         raise _unreadable(path, e) from None
 
 
-def read_jsonl(path: Path, skipped: dict[str, int] | None = None) -> list[dict[str, Any]]:
-    """:func:`ftkit.rundir.layout.read_jsonl`, with an unreadable file (not a missing one) as one line, exit 2."""
+def _read(
+    reader: Callable[[Path, dict[str, int] | None], list[_Record]], path: Path, skipped: dict[str, int] | None
+) -> list[_Record]:
     try:
-        return layout_read_jsonl(path, skipped)
+        return reader(path, skipped)
     except OSError as e:
         raise _unreadable(path, e) from None
 
 
-def _number(x: Any) -> float | None:
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+def read_jsonl(path: Path, skipped: dict[str, int] | None = None) -> list[JSONObject]:
+    """:func:`ftkit.rundir.layout.read_jsonl`, with an unreadable file (not a missing one) as one line, exit 2."""
+    return _read(layout.read_jsonl, path, skipped)
 
 
-def _int(x: Any) -> int | None:
-    if isinstance(x, bool):
-        return None
-    if isinstance(x, int):
-        return x
-    return int(x) if isinstance(x, float) and math.isfinite(x) and x.is_integer() else None
+def read_events(path: Path, skipped: dict[str, int] | None = None) -> list[Event]:
+    """:func:`ftkit.rundir.layout.read_events`, with an unreadable file as one line, exit 2 (:func:`read_jsonl`)."""
+    return _read(layout.read_events, path, skipped)
+
+
+def read_metrics(path: Path, skipped: dict[str, int] | None = None) -> list[MetricsRecord]:
+    """:func:`ftkit.rundir.layout.read_metrics`, with an unreadable file as one line, exit 2 (:func:`read_jsonl`)."""
+    return _read(layout.read_metrics, path, skipped)
+
+
+class CheckpointState(TypedDict):
+    """A ``checkpoint-N`` (or a set-aside copy: step None) and whether it verifies."""
+
+    step: int | None
+    path: str
+    committed: bool
+    reason: str  # why not ("" when committed)
+
+
+class SlurmEvent(TypedDict):
+    """A ``slurm`` event's fields that the summary shows (None: not recorded)."""
+
+    job_id: str | None
+    restart_count: int | None
+    reason: str | None
+    time: float | None
+
+
+class SummaryDict(TypedDict):
+    """:meth:`RunSummary.as_dict` (``ftkit status --json``): the summary's fields, paths as text."""
+
+    run_dir: str
+    attempts: int
+    restarts: int
+    step: int | None
+    max_steps: int | None
+    first_loss: float | None
+    last_loss: float | None
+    losses: list[tuple[int, float, int]]
+    all_losses: list[tuple[int, float, int]]
+    restart_steps: list[int]
+    resumes: list[tuple[int, int, str]]
+    checkpoints: list[CheckpointState]
+    final: str | None
+    outcome: str | None
+    failures: list[str]
+    final_problem: str | None
+    verified: bool
+    skipped: dict[str, int]
+    running: str | None
+    eval_losses: list[tuple[int, float, int]]
+    slurm: list[SlurmEvent]
+    stragglers: list[str]
+    goodput: GoodputDict | None
+    verify_failures: list[str]
 
 
 @dataclass
@@ -82,7 +140,7 @@ class RunSummary:
     all_losses: list[tuple[int, float, int]]  # every logged value, including steps a restart recomputed
     restart_steps: list[int]  # the step each restarted attempt resumed from
     resumes: list[tuple[int, int, str]] = field(default_factory=list)  # (attempt, step, tier: local|peer|durable)
-    checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    checkpoints: list[CheckpointState] = field(default_factory=list)
     final: Path | None = None
     outcome: str | None = None
     failures: list[str] = field(default_factory=list)
@@ -91,9 +149,9 @@ class RunSummary:
     skipped: dict[str, int] = field(default_factory=dict)  # file name -> malformed lines skipped
     running: str | None = None  # who runs it now, or that its ranks run unsupervised (ftkit.run.owner.liveness)
     eval_losses: list[tuple[int, float, int]] = field(default_factory=list)  # (step, eval loss, attempt), latest
-    slurm: list[dict[str, Any]] = field(default_factory=list)  # {"job_id", "restart_count", "reason"} events
+    slurm: list[SlurmEvent] = field(default_factory=list)  # {"job_id", "restart_count", "reason"} events
     stragglers: list[str] = field(default_factory=list)  # one line per slow host (ftkit.supervise.stragglers)
-    goodput: dict[str, Any] | None = None  # productive / wall time and the largest loss (ftkit.report.goodput)
+    goodput: GoodputDict | None = None  # productive / wall time and the largest loss (ftkit.report.goodput)
 
     @property
     def recomputed(self) -> list[tuple[int, float, int]]:
@@ -107,20 +165,20 @@ class RunSummary:
         out = [c["reason"] for c in self.checkpoints if c["step"] is not None and not c["committed"]]
         return out + ([self.final_problem] if self.final_problem else [])
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> SummaryDict:
         d = self.__dict__.copy()
         d["run_dir"] = str(self.run_dir)
         d["final"] = str(self.final) if self.final else None
         d["verify_failures"] = self.verify_failures
-        return d
+        return cast("SummaryDict", d)
 
 
-def _read_spec(path: Path) -> dict[str, Any]:
+def _read_spec(path: Path) -> JSONObject:
     text = _read_text(path)
     if text is None:
         return {}
     try:
-        spec = json.loads(text)
+        spec: JSON = json.loads(text)
     except ValueError as e:
         raise UserError(
             Problem(f"does not parse as JSON ({e}); the run directory is damaged", file=str(path))
@@ -161,15 +219,19 @@ def summarize(run_dir: str | Path, *, checksums: bool = False) -> RunSummary:
     """Read RUN_DIR's events, metrics, spec and checkpoints; ``checksums`` re-reads every checkpoint file."""
     rd = RunDir(run_dir)
     skipped: dict[str, int] = {}
-    events = read_jsonl(rd.events, skipped)
-    metrics = read_jsonl(rd.metrics, skipped)
+    events = read_events(rd.events, skipped)
+    metrics = read_metrics(rd.metrics, skipped)
     launches = [e for e in events if e.get("event") == "launch"]
     restarts = [e for e in events if e.get("event") == "restart"]
     all_losses: list[tuple[int, float, int]] = []
     evals: dict[int, tuple[float, int]] = {}
     for m in metrics:
         if "eval_loss" in m and "loss" not in m:
-            step, loss, attempt = _int(m.get("step")), _number(m.get("eval_loss")), _int(m.get("attempt", 0))
+            step, loss, attempt = (
+                as_int(m.get("step")),
+                as_number(m.get("eval_loss"), finite=False),
+                as_int(m.get("attempt", 0)),
+            )
             if step is None or loss is None or attempt is None:
                 skipped[rd.metrics.name] = skipped.get(rd.metrics.name, 0) + 1
             else:
@@ -177,7 +239,7 @@ def summarize(run_dir: str | Path, *, checksums: bool = False) -> RunSummary:
             continue
         if "loss" not in m:
             continue  # another kind of line (commit events, ...)
-        step, loss, attempt = _int(m.get("step")), _number(m.get("loss")), _int(m.get("attempt", 0))
+        step, loss, attempt = as_int(m.get("step")), as_number(m.get("loss"), finite=False), as_int(m.get("attempt", 0))
         if step is None or loss is None or attempt is None:
             skipped[rd.metrics.name] = skipped.get(rd.metrics.name, 0) + 1
             continue
@@ -187,9 +249,9 @@ def summarize(run_dir: str | Path, *, checksums: bool = False) -> RunSummary:
     losses = [(s, loss, a) for s, (loss, a) in sorted(by_step.items())]
     spec = _read_spec(rd.spec)
     targs = spec.get("training_args")
-    max_steps = _int(targs.get("max_steps")) if isinstance(targs, dict) else None
+    max_steps = as_int(targs.get("max_steps")) if isinstance(targs, dict) else None
     resumed = [e for e in events if e.get("event") == "checkpoint_chosen"]
-    ckpts = []
+    ckpts: list[CheckpointState] = []
     try:
         found = list_checkpoints(rd.path)
         set_aside = list_set_aside(rd.path)
@@ -216,9 +278,9 @@ def summarize(run_dir: str | Path, *, checksums: bool = False) -> RunSummary:
         last_loss=losses[-1][1] if losses else None,
         losses=losses,
         all_losses=all_losses,
-        restart_steps=[_int(e.get("step")) or 0 for e in resumed],
+        restart_steps=[as_int(e.get("step")) or 0 for e in resumed],
         resumes=[
-            (_int(e.get("attempt")) or 0, _int(e.get("step")) or 0, str(e.get("tier") or "durable"))
+            (as_int(e.get("attempt")) or 0, as_int(e.get("step")) or 0, str(e.get("tier") or "durable"))
             for e in events
             if e.get("event") == "launch" and e.get("resume")
         ],
@@ -231,7 +293,12 @@ def summarize(run_dir: str | Path, *, checksums: bool = False) -> RunSummary:
         skipped=skipped,
         eval_losses=[(st, loss, a) for st, (loss, a) in sorted(evals.items())],
         slurm=[
-            {k: e.get(k) for k in ("job_id", "restart_count", "reason", "time")}
+            {
+                "job_id": e.get("job_id"),
+                "restart_count": e.get("restart_count"),
+                "reason": e.get("reason"),
+                "time": e.get("time"),
+            }
             for e in events
             if e.get("event") == "slurm"
         ],
@@ -289,18 +356,18 @@ def format_summary(s: RunSummary) -> str:
     return "\n".join(lines)
 
 
-def _slurm_lines(events: list[dict[str, Any]]) -> list[str]:
+def _slurm_lines(events: list[SlurmEvent]) -> list[str]:
     """``slurm: job 4242, requeued 2 times`` then one line per event, oldest first (the last 10)."""
     if not events:
         return []
     jobs = list(dict.fromkeys(str(e.get("job_id")) for e in events if e.get("job_id") is not None))
-    requeues = max((_int(e.get("restart_count")) or 0 for e in events), default=0)
+    requeues = max((as_int(e.get("restart_count")) or 0 for e in events), default=0)
     head = f"slurm: job {', '.join(jobs) or '?'}, requeued {requeues} time{'s' if requeues != 1 else ''}"
     out = [head]
     if len(events) > 10:
         out.append(f"  ... {len(events) - 10} earlier event(s) in events.jsonl")
     for e in events[-10:]:
-        n = _int(e.get("restart_count"))
+        n = as_int(e.get("restart_count"))
         out.append(f"  {'start' if not n else f'requeue {n}'}: {e.get('reason') or 'no reason recorded'}")
     return out
 
@@ -334,7 +401,7 @@ def loss_series(s: RunSummary) -> list[Series]:
     return out
 
 
-def loss_figure(s: RunSummary) -> Any:
+def loss_figure(s: RunSummary) -> Figure:
     """The matplotlib Figure of :func:`plot_losses` (the caller closes it): loss against step, one colour per
     attempt, a dashed line where a restart resumed, the steps a failed attempt computed before they were recomputed
     in a lighter style (under the values that count: on CPU they coincide), eval loss as crosses."""
@@ -346,7 +413,7 @@ def loss_figure(s: RunSummary) -> Any:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    colours: dict[int | None, Any] = {}
+    colours: dict[int | None, ColorType] = {}
     for line in loss_series(s):
         if line.kind == "train":
             (drawn,) = ax.plot(line.steps, line.values, marker=".", label=line.label, alpha=0.85, zorder=3)

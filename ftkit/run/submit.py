@@ -30,14 +30,15 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import FrameType
 
 from ftkit import __version__
 from ftkit.errors import ExitCode, FtkitError, UserError
 from ftkit.recipe.load import load_recipe
 from ftkit.run.job import LaunchRequest, launch, require_launchable
-from ftkit.run.status import read_jsonl
+from ftkit.run.status import read_metrics
 from ftkit.rundir.layout import append_jsonl, atomic_write
+from ftkit.rundir.records import Event
 
 SCRIPT_NAME = "submit.sbatch"
 MAX_REQUEUES = 3  # resilience.max_requeues when the recipe predates it
@@ -63,7 +64,7 @@ def signal_lead_s(run_dir: Path, stop_timeout_s: float) -> int:
     saves = []
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
-        for m in read_jsonl(metrics):
+        for m in read_metrics(metrics):
             if m.get("event") == "commit" and isinstance(m.get("commit_s"), (int, float)):
                 saves.append(float(m["commit_s"]))
     cap = max(1, math.ceil(stop_timeout_s))
@@ -189,7 +190,7 @@ def submit(req: SubmitRequest, echo: Callable[[str], None] = print, env: Mapping
 
 def _slurm_event(run_dir: Path, job: str, restarts: int, reason: str, echo: Callable[[str], None]) -> None:
 
-    rec: dict[str, Any] = {
+    rec: Event = {
         "time": round(time.time(), 3),
         "event": "slurm",
         "job_id": job,
@@ -212,7 +213,7 @@ def _stop_step(run_dir: Path, since: float) -> int | None:
         return None
     steps = [
         m.get("step")
-        for m in read_jsonl(metrics)
+        for m in read_metrics(metrics)
         if m.get("event") == "commit" and m.get("stop") and float(m.get("time") or since) >= since
     ]
     return int(steps[-1]) if steps and steps[-1] is not None else None
@@ -263,7 +264,7 @@ def batch(recipe: str, overrides: Sequence[str], echo: Callable[[str], None] = p
     budget = MAX_REQUEUES if budget is None else int(budget)
     early: list[int] = []
 
-    def before_launch(signum: int, frame: Any) -> None:  # noqa: ARG001
+    def before_launch(signum: int, frame: FrameType | None) -> None:  # noqa: ARG001
         early.append(signum)  # until the launch installs its handlers: nothing runs yet, nothing to save
 
     for s in (signal.SIGUSR1, signal.SIGTERM):
