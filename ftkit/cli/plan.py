@@ -65,11 +65,11 @@ def command(recipe: str, overrides: tuple[str, ...], as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
-    m = data["model"]
+    shape = rep.shape
     click.echo(
-        f"model: {m['family']}, {m['total_params']:,} parameters ({m['trainable_params']:,} trainable), "
-        f"hidden {m['hidden_size']}, {m['layers']} layers, {m['heads']} heads ({m['kv_heads']} kv), "
-        f"vocab {m['vocab_size']:,}; counted {m['count_source']}"
+        f"model: {shape.family}, {shape.total_params:,} parameters ({rep.workload.phi:,} trainable), "
+        f"hidden {shape.hidden_size}, {shape.num_layers} layers, {shape.num_heads} heads ({shape.num_kv_heads} kv), "
+        f"vocab {shape.vocab_size:,}; counted {shape.source}"
     )
     w = rep.workload
     click.echo(

@@ -12,12 +12,13 @@ nodes, with a margin; the order of docs/design.md, Memory planning, breaks ties)
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 from ftkit.errors import RecipeError, UserError
 from ftkit.model.shape import ModelShape, count_params, count_params_meta, lora_tensors, lora_trainable_params
 from ftkit.plan.comm import (
     ZEROPP_MARGIN,
+    Network,
     Prediction,
     ZeroPP,
     predict,
@@ -43,6 +44,20 @@ from ftkit.plan.memory import (
     judge,
     suggestions,
 )
+from ftkit.rundir.records import as_int
+
+_D = TypeVar("_D", int, None)
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """What the predictions for one plan share: the network, the GPU, the LoRA tensor sizes."""
+
+    gpu: str  # GPU_PEAK_TFLOPS's key
+    gpu_source: str
+    net: Network
+    lora_tensors: list[int] | None
+
 
 HEADROOM = 0.10  # fraction of GPU memory and host RAM kept free
 TIGHT = 0.80  # above this share of the (headroom-reduced) limit, memory counts as tight for buffer sizing
@@ -86,8 +101,8 @@ class MemoryReport:
             )
         return self.choice.chosen.candidate
 
-    def as_dict(self) -> dict[str, Any]:
-        def est(e: Estimate) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
+        def est(e: Estimate) -> dict[str, object]:
             return {
                 "candidate": e.candidate.label,
                 "stage": e.candidate.stage,
@@ -246,11 +261,11 @@ def plan_memory(plan: Plan) -> MemoryReport:
     )
 
 
-def plan_context_for(plan: Plan, shape: ModelShape) -> dict[str, Any]:
+def plan_context_for(plan: Plan, shape: ModelShape) -> PlanContext:
     return plan_context(plan.recipe, plan.hosts, shape)
 
 
-def predict_for(c: Candidate, w: Workload, plan: Plan, ctx: dict[str, Any], gpu_gb: float) -> Prediction:
+def predict_for(c: Candidate, w: Workload, plan: Plan, ctx: PlanContext, gpu_gb: float) -> Prediction:
     """Step time of candidate ``c`` with the knobs the plan would give it (the rules of ftkit.plan.knobs)."""
     oc = plan.recipe.zero.overlap_comm
     if oc == "auto":
@@ -260,12 +275,12 @@ def predict_for(c: Candidate, w: Workload, plan: Plan, ctx: dict[str, Any], gpu_
         c,
         w,
         plan.grad_accum,
-        ctx["net"],
-        ctx["gpu"],
+        ctx.net,
+        ctx.gpu,
         overlap_comm=bool(oc),
-        gpu_source=ctx["gpu_source"],
+        gpu_source=ctx.gpu_source,
         persistence_threshold=persistence_threshold(w.shape.hidden_size),
-        lora_tensors=ctx["lora_tensors"],
+        lora_tensors=ctx.lora_tensors,
     )
 
 
@@ -289,13 +304,13 @@ def _margin(c: Candidate) -> float:
     return ZEROPP_MARGIN["quantized" if isinstance(c, ZeroPP) and (c.qwz or c.qgz) else "hpz"]
 
 
-def speed_reason(choice: Choice, preds: dict[str, Prediction], ctx: dict[str, Any]) -> str:
+def speed_reason(choice: Choice, preds: dict[str, Prediction], ctx: PlanContext) -> str:
     """One line: why the chosen candidate, against the next fastest that fits (or the fastest that does not)."""
     chosen = choice.chosen
     if chosen is None:
         return ""
     p = preds[chosen.candidate.label]
-    net = ctx["net"]
+    net = ctx.net
     link = f"{net.inter_gbs:g} GB/s inter-node link" if chosen and p.traffic.by_scope("inter") else "intra-node links"
     numbers = (
         f"{p.step_time_s:.3g} s/step, {p.tokens_per_s:,.0f} tokens/s, {p.inter_share:.0%} of the step waiting on "
@@ -394,7 +409,7 @@ def _default_lora(shape: ModelShape) -> int | None:
         return None
 
 
-def plan_context(recipe: Recipe, hosts: list[tuple[str, int]], shape: ModelShape) -> dict[str, Any]:
+def plan_context(recipe: Recipe, hosts: list[tuple[str, int]], shape: ModelShape) -> PlanContext:
     """What the predictions for one plan share: the network, the GPU, the LoRA tensor sizes."""
     r = recipe
     gpu, gpu_src = resolve_gpu(r.cluster)
@@ -405,7 +420,7 @@ def plan_context(recipe: Recipe, hosts: list[tuple[str, int]], shape: ModelShape
             lora = lora_tensors(shape, r.peft.r, r.peft.target_modules)
         except Exception:  # noqa: BLE001 - the memory planner reported a bad target already
             lora = None
-    return {"gpu": gpu, "gpu_source": gpu_src, "net": net, "lora_tensors": lora}
+    return PlanContext(gpu=gpu, gpu_source=gpu_src, net=net, lora_tensors=lora)
 
 
 def predict_plan(plan: Plan, candidate: Candidate | None = None) -> Prediction:
@@ -420,25 +435,30 @@ def predict_plan(plan: Plan, candidate: Candidate | None = None) -> Prediction:
         c,
         plan.memory.workload,
         plan.grad_accum,
-        ctx["net"],
-        ctx["gpu"],
+        ctx.net,
+        ctx.gpu,
         overlap_comm=bool(oc),
-        gpu_source=ctx["gpu_source"],
+        gpu_source=ctx.gpu_source,
         comm_bytes=PRECISION_BYTES[plan.recipe.train.precision],
-        persistence_threshold=k["stage3_param_persistence_threshold"].value
-        if "stage3_param_persistence_threshold" in k
-        else None,
-        max_reuse_distance=k["stage3_max_reuse_distance"].value if "stage3_max_reuse_distance" in k else 10**9,
-        lora_tensors=ctx["lora_tensors"],
-        reduce_bucket_size=k["reduce_bucket_size"].value if "reduce_bucket_size" in k else None,
+        persistence_threshold=_knob_int(plan, "stage3_param_persistence_threshold", None),
+        max_reuse_distance=_knob_int(plan, "stage3_max_reuse_distance", 10**9),
+        lora_tensors=ctx.lora_tensors,
+        reduce_bucket_size=_knob_int(plan, "reduce_bucket_size", None),
     )
+
+
+def _knob_int(plan: Plan, name: str, default: _D) -> int | _D:
+    """An integer knob's value; ``default`` when the plan has no such knob."""
+    knob = plan.knobs.get(name)
+    value = as_int(knob.value) if knob is not None else None
+    return default if value is None else value
 
 
 def plan_candidate(plan: Plan) -> Candidate:
     if plan.recipe.train.backend == "fsdp2":
         return fsdp2_candidate(plan.recipe.fsdp.reshard_after_forward, plan.recipe.fsdp.offload_params)
     k = plan.knobs
-    hpz = k["zero_hpz_partition_size"].value if "zero_hpz_partition_size" in k else 1
+    hpz = _knob_int(plan, "zero_hpz_partition_size", 1)
     qwz = bool(k["zero_quantized_weights"].value) if "zero_quantized_weights" in k else False
     qgz = bool(k["zero_quantized_gradients"].value) if "zero_quantized_gradients" in k else False
     if plan.stage == 3 and (hpz > 1 or qwz or qgz):

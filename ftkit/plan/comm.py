@@ -57,7 +57,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 from ftkit.plan.memory import PRECISION_BYTES, Candidate, Fsdp2, Workload
 
@@ -546,6 +546,27 @@ def _host_bytes(c: Candidate, w: Workload, ga: int = 1) -> int:
 # ------------------------------------------------------------------------------------------------ time
 
 
+class Assumptions(TypedDict, total=False):
+    """What a step-time prediction rests on: the GPU's peak and assumed efficiency, the network, the overlaps."""
+
+    gpu: str
+    gpu_doc: str
+    gpu_source: str
+    peak_tflops: float
+    mfu: float
+    flops_per_token: float
+    network: str
+    network_source: str
+    intra_node_gbs: float
+    inter_node_gbs: float
+    intra_latency_us: float
+    inter_latency_us: float
+    overlap_comm: bool
+    pcie_gbs: float
+    overlap_cost: float
+    stage3_fetch_overhead_s: float
+
+
 @dataclass(frozen=True)
 class Prediction:
     candidate: Candidate
@@ -556,7 +577,7 @@ class Prediction:
     host_s: float
     step_time_s: float
     tokens_per_step: int  # all ranks
-    assumptions: dict[str, Any] = field(default_factory=dict)
+    assumptions: Assumptions = field(default_factory=lambda: Assumptions())  # what the numbers rest on
 
     @property
     def tokens_per_s(self) -> float:
@@ -571,7 +592,7 @@ class Prediction:
         """Share of the step spent in exposed communication."""
         return self.exposed_comm_s / self.step_time_s if self.step_time_s else 0.0
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         t = self.traffic
         return {
             "comm_bytes_per_step": {
@@ -625,7 +646,11 @@ def predict(
     overlap_comm: bool,
     gpu_source: str = "",
     mfu: float | None = None,
-    **traffic_kw: Any,
+    comm_bytes: int | None = None,
+    persistence_threshold: int | None = None,
+    lora_tensors: list[int] | None = None,
+    reduce_bucket_size: int | None = None,
+    max_reuse_distance: int = 1_000_000_000,
 ) -> Prediction:
     """Step time = compute + exposed communication + offload's host work.
 
@@ -634,7 +659,16 @@ def predict(
     overlap_comm says. Communication that exceeds its window, and the rest (after the optimizer step), is exposed;
     hidden communication still costs :data:`OVERLAP_COST` of its time.
     """
-    t = traffic(c, w, grad_accum, **traffic_kw)
+    t = traffic(
+        c,
+        w,
+        grad_accum,
+        comm_bytes=comm_bytes,
+        persistence_threshold=persistence_threshold,
+        lora_tensors=lora_tensors,
+        reduce_bucket_size=reduce_bucket_size,
+        max_reuse_distance=max_reuse_distance,
+    )
     peak_bf16, peak_tf32, gpu_doc = GPU_PEAK_TFLOPS[gpu]
     peak = (peak_tf32 if w.precision == "fp32" else peak_bf16) * 1e12
     eff = mfu if mfu is not None else (CPU_MFU if gpu == "cpu" else MFU)
@@ -672,7 +706,7 @@ def predict(
         part = _ceil_div(w.phi, w.world_size) if c.stage else w.phi
         host += part / CPU_ADAM_PARAMS_PER_S
     step = compute + exposed + host
-    assumptions = {
+    assumptions: Assumptions = {
         "gpu": gpu,
         "gpu_doc": gpu_doc,
         "gpu_source": gpu_source,

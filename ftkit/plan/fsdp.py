@@ -53,11 +53,12 @@ def resolve_fsdp(plan: Plan, src: Callable[[Recipe, str], str]) -> None:
         plan.note("fsdp_transformer_layer_cls_to_wrap", f.transformer_layer_cls, src(r, "fsdp.transformer_layer_cls"))
     else:
         layer = decoder_layer_class(plan.model_config)
-        archs = plan.model_config.get("architectures") or ["none"]
+        archs = plan.model_config.get("architectures")
+        arch = archs[0] if isinstance(archs, list) and archs else "none"
         why = (
-            f"auto: config.json's architectures ({archs[0]})"
+            f"auto: config.json's architectures ({arch})"
             if layer
-            else f"auto: config.json's architectures ({archs[0]}) name no known layer class: Accelerate wraps the "
+            else f"auto: config.json's architectures ({arch}) name no known layer class: Accelerate wraps the "
             "model's _no_split_modules"
         )
         plan.note("fsdp_transformer_layer_cls_to_wrap", layer, why)
@@ -67,7 +68,7 @@ def resolve_fsdp(plan: Plan, src: Callable[[Recipe, str], str]) -> None:
 
 def fsdp_config(plan: Plan) -> dict[str, object]:
     """accelerate.yaml's ``fsdp_config`` from the plan's knobs (a layer class of None is left out)."""
-    out = {k: plan.knobs[k].value for k in FSDP_CONFIG_KEYS}
+    out: dict[str, object] = {k: plan.knobs[k].value for k in FSDP_CONFIG_KEYS}
     if out["fsdp_transformer_layer_cls_to_wrap"] is None:
         del out["fsdp_transformer_layer_cls_to_wrap"]
     return out

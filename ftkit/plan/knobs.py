@@ -17,10 +17,10 @@ unless on the cpu accelerator or host RAM is tight; ZeRO++'s knobs only when ``a
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ftkit.plan.plan import Plan
+    from ftkit.plan.plan import KnobValue, Plan
     from ftkit.recipe.load import Recipe
 
 SUB_GROUP_SIZE = int(1e9)
@@ -84,7 +84,7 @@ def decide_zero_knobs(plan: Plan, src: Callable[[Recipe, str], str]) -> None:
 
 
 def _rule_or_recipe(
-    plan: Plan, knob: str, key: str, rule: Any, why: str, src: Callable[[Recipe, str], str] | None = None
+    plan: Plan, knob: str, key: str, rule: KnobValue, why: str, src: Callable[[Recipe, str], str] | None = None
 ) -> None:
     """The recipe's value of an ``auto``-defaulted field when it sets one (e.g. kept by ``ftkit import``), else the
     rule's value."""

@@ -54,9 +54,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from ftkit.model.shape import ModelShape, TensorSpec
 from ftkit.recipe.rules import offload_problems
@@ -533,14 +532,14 @@ def suggestions(
         # no single change is enough: stack them, cheapest first, and say how far that gets
         v = w
         steps = []
-        stack: list[tuple[str, dict[str, Any]]] = [  # Workload fields to replace()
-            ("gradient checkpointing", {"gradient_checkpointing": True}),
-            ("micro batch 1", {"micro_batch_size": 1}),
+        stack: list[tuple[str, Callable[[Workload], Workload]]] = [
+            ("gradient checkpointing", lambda x: replace(x, gradient_checkpointing=True)),
+            ("micro batch 1", lambda x: replace(x, micro_batch_size=1)),
         ]
         if lora_params is not None and w.lora_params is None:
-            stack.append((f"LoRA ({lora_params:,} trainable)", {"lora_params": lora_params}))
+            stack.append((f"LoRA ({lora_params:,} trainable)", lambda x: replace(x, lora_params=lora_params)))
         for label, change in stack:
-            v = replace(v, **change)
+            v = change(v)
             steps.append(label)
             e = best(v)
             if e:

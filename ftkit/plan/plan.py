@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeAlias, TypeVar
 
 from ftkit.cluster.hostfile import apply_filters, parse_hostfile
 from ftkit.cluster.hosts import LOCAL_HOSTS
@@ -27,14 +27,20 @@ from ftkit.plan.knobs import decide_config_knobs, decide_zero_knobs
 from ftkit.plan.memory import PRECISION_BYTES, Candidate, Fsdp2
 from ftkit.plan.tiers import LocalTier, measured_costs, plan_local_tier
 from ftkit.recipe.load import CLI, DEFAULT, Recipe
+from ftkit.recipe.schema import Value
+from ftkit.rundir.records import JSONObject
 
 if TYPE_CHECKING:  # pragma: no cover
     from ftkit.plan.candidates import MemoryReport
 
 
+KnobValue: TypeAlias = Value  # one value of ds_config.json or accelerate.yaml (a recipe value, or a rule's)
+_V = TypeVar("_V", bound=KnobValue)
+
+
 @dataclass(frozen=True)
 class Knob:
-    value: Any
+    value: KnobValue
     why: str  # the rule or source that produced the value
 
 
@@ -51,7 +57,7 @@ class Plan:
     offload_optimizer: str
     offload_params: str
     hidden_size: int
-    model_config: dict[str, Any]
+    model_config: JSONObject
     knobs: dict[str, Knob] = field(default_factory=dict)
     memory: MemoryReport | None = None  # the memory and step-time plan (ftkit.plan.candidates), when computed
     # host -> the device (slot) indices an --include/--exclude selection kept (empty without a filter): the command
@@ -93,7 +99,7 @@ class Plan:
         knob = "fsdp_reshard_after_forward" if self.recipe.train.backend == "fsdp2" else "zero_optimization.stage"
         return self.knobs[knob].why
 
-    def note(self, knob: str, value: Any, why: str) -> Any:
+    def note(self, knob: str, value: _V, why: str) -> _V:
         self.knobs[knob] = Knob(value, why)
         return value
 
@@ -425,7 +431,7 @@ def _resolve_zero(plan: Plan, with_memory: bool, strict: bool = True) -> None:
         )
         note_zeropp(plan, chosen, why)
     else:
-        plan.stage = plan.note("zero_optimization.stage", stage, _src(r, "zero.stage"))
+        plan.stage = plan.note("zero_optimization.stage", int(stage), _src(r, "zero.stage"))  # not auto here
         plan.offload_optimizer = plan.note("offload_optimizer", opt, _src(r, "zero.offload_optimizer"))
         plan.offload_params = plan.note("offload_param", r.zero.offload_params, _src(r, "zero.offload_params"))
     # No copy of the stage/offload rules here: the recipe loader reports a user's mistake (ftkit.recipe.load), a
