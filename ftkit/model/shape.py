@@ -24,9 +24,10 @@ import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from ftkit.errors import ModelConfigError, Problem
+from ftkit.rundir.records import JSON, JSONObject
 
 # Keys that hold a hidden size in the configs transformers ships (hidden_size: most; n_embd: gpt2 and
 # friends; d_model: t5/bart/whisper; embed_dim / dim: some vision towers and older configs).
@@ -102,7 +103,7 @@ _LAYER_CLASS = {
 _HEADS = ("ForCausalLM", "LMHeadModel")  # not ForConditionalGeneration: multimodal models wrap several layer kinds
 
 
-def decoder_layer_class(cfg: Mapping[str, Any]) -> str | None:
+def decoder_layer_class(cfg: Mapping[str, JSON]) -> str | None:
     """The transformers class of one decoder layer, from config.json's ``architectures`` (``LlamaForCausalLM`` ->
     ``LlamaDecoderLayer``); None when the config names no architecture this rule knows."""
     archs = cfg.get("architectures")
@@ -117,7 +118,7 @@ def decoder_layer_class(cfg: Mapping[str, Any]) -> str | None:
     return None
 
 
-def load_model_config(model_path: str) -> dict[str, Any]:
+def load_model_config(model_path: str) -> JSONObject:
     """Read ``<model_path>/config.json``; a missing or unparsable file is a ModelConfigError naming the path."""
     path = os.path.join(model_path, "config.json")
     if not os.path.isfile(path):
@@ -127,7 +128,7 @@ def load_model_config(model_path: str) -> dict[str, Any]:
     return load_config_file(path)
 
 
-def load_config_file(path: str) -> dict[str, Any]:
+def load_config_file(path: str) -> JSONObject:
     """Read a config.json file (a model directory's, the hub cache's or a checked-in copy) into a dict."""
     try:
         with open(path, encoding="utf-8") as fh:
@@ -141,14 +142,14 @@ def load_config_file(path: str) -> dict[str, Any]:
     return cfg
 
 
-def _sub_configs(cfg: Mapping[str, Any]) -> Iterable[Mapping[str, Any]]:
+def _sub_configs(cfg: Mapping[str, JSON]) -> Iterable[Mapping[str, JSON]]:
     """Nested configs of multimodal / encoder-decoder models (text_config, vision_config, encoder, ...)."""
     for key, value in cfg.items():
         if isinstance(value, Mapping) and (key.endswith("_config") or key in ("encoder", "decoder")):
             yield value
 
 
-def hidden_size(cfg: Mapping[str, Any], source: str | None = None) -> int:
+def hidden_size(cfg: Mapping[str, JSON], source: str | None = None) -> int:
     """The model's hidden size h: the first hidden-size key at each level, max over nested sub-configs.
 
     Multimodal configs keep the language model's width in ``text_config`` and a smaller one in
@@ -156,7 +157,7 @@ def hidden_size(cfg: Mapping[str, Any], source: str | None = None) -> int:
     """
     found: list[int] = []
 
-    def visit(c: Mapping[str, Any]) -> None:
+    def visit(c: Mapping[str, JSON]) -> None:
         for key in _HIDDEN_KEYS:
             value = c.get(key)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
@@ -165,7 +166,8 @@ def hidden_size(cfg: Mapping[str, Any], source: str | None = None) -> int:
         else:
             # A nested config may leave the width at its class default (LLaVA-1.5's text_config has no
             # hidden_size: LlamaConfig's 4096 applies); fall back to that default for the families we know.
-            defaults = _DEFAULTS.get(c.get("model_type", ""), {})
+            model_type = c.get("model_type", "")
+            defaults = _DEFAULTS[model_type] if model_type in _DEFAULTS else {}
             default = defaults.get("hidden_size") or defaults.get("n_embd")
             if default:
                 found.append(default)
@@ -184,7 +186,7 @@ def hidden_size(cfg: Mapping[str, Any], source: str | None = None) -> int:
 
 # transformers' config-class defaults (transformers 5.x) for the keys the counts depend on. head_dim None means
 # "hidden_size // num_attention_heads"; num_key_value_heads None means "= num_attention_heads".
-_DEFAULTS: dict[str, dict[str, Any]] = {
+_DEFAULTS: dict[str, dict[str, int | bool | None]] = {
     "llama": dict(
         vocab_size=32000,
         hidden_size=4096,
@@ -305,10 +307,10 @@ _GPT2_ALIASES = {
 class _Reader:
     """Typed access to a config dict with family defaults; bad values name the key and the file."""
 
-    def __init__(self, cfg: Mapping[str, Any], family: str, source: str | None):
+    def __init__(self, cfg: Mapping[str, JSON], family: str, source: str | None):
         self.cfg, self.defaults, self.source = cfg, _DEFAULTS[family], source
 
-    def raw(self, key: str) -> Any:
+    def raw(self, key: str) -> JSON:
         if key in self.cfg:
             return self.cfg[key]
         alias = _GPT2_ALIASES.get(key)
@@ -481,7 +483,7 @@ def _shape(family: str, d: _Dims, tensors: list[TensorSpec], source: str) -> Mod
     )
 
 
-def count_params(cfg: Mapping[str, Any], source: str | None = None) -> ModelShape | None:
+def count_params(cfg: Mapping[str, JSON], source: str | None = None) -> ModelShape | None:
     """Closed-form parameter tensors for the supported families; ``None`` when the family is not one of them.
 
     ``source`` (the config.json path) only makes error messages name the file.
@@ -506,7 +508,7 @@ def count_params(cfg: Mapping[str, Any], source: str | None = None) -> ModelShap
 # slow path: the meta device
 
 
-def _first_int(cfg: Mapping[str, Any], *keys: str) -> int:
+def _first_int(cfg: Mapping[str, JSON], *keys: str) -> int:
     for c in [cfg, *_sub_configs(cfg)]:
         for key in keys:
             value = c.get(key)
@@ -658,7 +660,7 @@ def lora_target_names(shape: ModelShape) -> list[str]:
     return sorted(leaves | set(_expert_aliases(shape)) | {ALL_LINEAR})
 
 
-def lora_tensors(shape_or_cfg: ModelShape | Mapping[str, Any], r: int, target_modules: Sequence[str]) -> list[int]:
+def lora_tensors(shape_or_cfg: ModelShape | Mapping[str, JSON], r: int, target_modules: Sequence[str]) -> list[int]:
     """Element counts of each LoRA tensor PEFT creates (A and B per adapted matrix), in model order.
 
     The list (not only the sum) is what ZeRO-3 partitions tensor by tensor. LoRA's count is r·(in + out) per
@@ -714,7 +716,7 @@ def lora_tensors(shape_or_cfg: ModelShape | Mapping[str, Any], r: int, target_mo
     return out
 
 
-def lora_trainable_params(shape_or_cfg: ModelShape | Mapping[str, Any], r: int, target_modules: Sequence[str]) -> int:
+def lora_trainable_params(shape_or_cfg: ModelShape | Mapping[str, JSON], r: int, target_modules: Sequence[str]) -> int:
     """Trainable parameters of a LoRA adapter (bias="none"): Σ r·(in + out) over the adapted matrices.
 
     ``target_modules`` follows PEFT exactly, because the training entry hands it to PEFT unchanged: a name matches
@@ -730,7 +732,7 @@ def _suffix_match(name: str, target: str) -> bool:
     return name == target or name.endswith("." + target)
 
 
-def _as_shape(shape_or_cfg: ModelShape | Mapping[str, Any]) -> ModelShape:
+def _as_shape(shape_or_cfg: ModelShape | Mapping[str, JSON]) -> ModelShape:
     if isinstance(shape_or_cfg, ModelShape):
         return shape_or_cfg
     shape = count_params(shape_or_cfg)

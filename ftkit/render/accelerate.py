@@ -11,8 +11,6 @@ back to the model's ``_no_split_modules``). There is no ds_config.json.
 
 from __future__ import annotations
 
-from typing import Any
-
 import yaml
 
 from ftkit import __version__
@@ -20,16 +18,16 @@ from ftkit.plan.fsdp import fsdp_config
 from ftkit.plan.plan import Plan
 
 
-def accelerate_dict(plan: Plan, ds_config_path: str | None, machine_rank: int = 0) -> dict[str, Any]:
+def accelerate_dict(plan: Plan, ds_config_path: str | None, machine_rank: int = 0) -> dict[str, object]:
     fsdp2 = plan.recipe.train.backend == "fsdp2"
     if fsdp2:
-        sharding: dict[str, Any] = {
+        sharding: dict[str, object] = {
             "distributed_type": "FSDP",
             "downcast_bf16": "no",
             "fsdp_config": fsdp_config(plan),
         }
     else:
-        ds: dict[str, Any] = {"deepspeed_config_file": ds_config_path}
+        ds: dict[str, object] = {"deepspeed_config_file": ds_config_path}
         if plan.num_nodes > 1:
             ds["deepspeed_multinode_launcher"] = "standard"
         ds["zero3_init_flag"] = plan.knobs["zero3_init_flag"].value

@@ -9,27 +9,27 @@ chosen, pin_memory without offload...) is not written.
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Mapping
 
 from ftkit.plan.plan import Plan
 
 
-def to_json(cfg: dict[str, Any]) -> str:
+def to_json(cfg: Mapping[str, object]) -> str:
     return json.dumps(cfg, indent=2) + "\n"
 
 
-def _offload(plan: Plan, device: str, what: str) -> dict[str, Any]:
-    block: dict[str, Any] = {"device": device}
+def _offload(plan: Plan, device: str, what: str) -> dict[str, object]:
+    block: dict[str, object] = {"device": device}
     if device == "nvme":
         block["nvme_path"] = plan.recipe.zero.nvme_path
     block["pin_memory"] = plan.knobs[f"{what}.pin_memory"].value
     return block
 
 
-def render_deepspeed(plan: Plan) -> dict[str, Any]:
+def render_deepspeed(plan: Plan) -> dict[str, object]:
     r = plan.recipe
     k = plan.knobs
-    cfg: dict[str, Any] = {
+    cfg: dict[str, object] = {
         "train_batch_size": plan.global_batch_size,
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.grad_accum,
@@ -40,13 +40,14 @@ def render_deepspeed(plan: Plan) -> dict[str, Any]:
     precision = k["precision"].value
     cfg["bf16"] = {"enabled": precision == "bf16"}
     if precision == "fp16":
-        cfg["fp16"] = {"enabled": True}  # loss_scale 0 = dynamic loss scaling
+        fp16: dict[str, object] = {"enabled": True}  # loss_scale 0 = dynamic loss scaling
         for name in ("loss_scale", "loss_scale_window", "initial_scale_power", "hysteresis", "min_loss_scale"):
-            cfg["fp16"][name] = k[f"fp16.{name}"].value
+            fp16[name] = k[f"fp16.{name}"].value
+        cfg["fp16"] = fp16
     else:
         cfg["fp16"] = {"enabled": False}
 
-    params: dict[str, Any] = {
+    params: dict[str, object] = {
         "lr": r.train.learning_rate,
         "betas": [r["train.adam_beta1"], r["train.adam_beta2"]],
         "eps": r.train.adam_epsilon,
@@ -57,7 +58,7 @@ def render_deepspeed(plan: Plan) -> dict[str, Any]:
     cfg["optimizer"] = {"type": k["optimizer"].value, "params": params}
 
     stage = plan.stage
-    z: dict[str, Any] = {"stage": stage}
+    z: dict[str, object] = {"stage": stage}
     if stage in (1, 2):
         z["contiguous_gradients"] = k["contiguous_gradients"].value
         z["overlap_comm"] = k["overlap_comm"].value

@@ -40,16 +40,27 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict, cast
 
 from ftkit.cluster.fanout import run_on_hosts
 from ftkit.cluster.hosts import LOCAL_HOSTS
 from ftkit.errors import PreflightError
 from ftkit.plan.comm import BANDWIDTH_FILE_VERSION, DEFAULT_NETWORK, NETWORK_PRESETS, bandwidth_file
 from ftkit.plan.tiers import shm_bytes
-from ftkit.run.doctor_checks import DoctorReport, check_facts, check_locks
-from ftkit.run.preflight import local_versions, run_preflight
+from ftkit.run.doctor_checks import (
+    AllReduceTiming,
+    Bandwidth,
+    DoctorReport,
+    Failure,
+    HostFacts,
+    LockFact,
+    PairTiming,
+    check_facts,
+    check_locks,
+)
+from ftkit.run.preflight import PreflightReport, local_versions, run_preflight
 from ftkit.rundir.layout import atomic_write
+from ftkit.rundir.records import JSONObject
 
 if TYPE_CHECKING:
     from ftkit.cluster.fanout import Transport
@@ -62,6 +73,29 @@ MARK = "FTKIT_DOCTOR "
 FORWARD = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TORCH_EXTENSIONS_DIR", "XDG_CACHE_HOME", "PYTHONPATH")
 
 
+class RankPairTiming(AllReduceTiming):
+    """A timed all-reduce between two ranks, as the rendezvous probe reports it (rank i of the pair reports it)."""
+
+    ranks: list[int]
+
+
+class RendezvousResult(TypedDict, total=False):
+    """What ``python -m ftkit.launch.doctor_probe rendezvous`` prints for one host (``all``/``pairs`` with
+    ``--bandwidth``; ``stage`` and ``error`` when it failed; ``missing`` on rank 0 or after a peer's error)."""
+
+    rank: int
+    world: int
+    ok: bool
+    stage: str
+    error: str
+    allreduce_s: float
+    all: list[AllReduceTiming]
+    pairs: list[RankPairTiming]
+    missing: list[int]
+    peer_errors: dict[str, str]
+    seconds: float
+
+
 # ----------------------------------------------------------------------------------------------- probes
 
 
@@ -71,11 +105,12 @@ def _probe_line(python: str, args: list[str], env: dict[str, str]) -> str:
     return shlex.join(words)
 
 
-def _parse(out: str) -> dict[str, Any] | None:
+def _parse(out: str) -> JSONObject | None:
+    """The probe's ``FTKIT_DOCTOR {json}`` line (the last one) as an object; None when there is none."""
     for line in reversed(out.splitlines()):
         if line.startswith(MARK):
             try:
-                return json.loads(line[len(MARK) :])
+                return cast("JSONObject", json.loads(line[len(MARK) :]))
             except ValueError:
                 return None
     return None
@@ -108,14 +143,14 @@ def _facts(
     )
     mine = local_versions()
     unreachable: set[str] = set()
-    locks: dict[str, list[dict[str, Any]]] = {}
+    locks: dict[str, list[LockFact]] = {}
     for host in hosts:
         res = results[host]
         if not res.reachable:
             unreachable.add(host)
             rep.fail(host, "ssh", f"not reachable ({res.out})", "check the hostfile, the host and passwordless ssh")
             continue
-        f = _parse(res.out)
+        f = cast("HostFacts | None", _parse(res.out))
         if f is None:
             why = " ".join(res.out.split())[-300:] or f"exit {res.rc}"
             rep.fail(
@@ -136,7 +171,9 @@ def _facts(
     return unreachable
 
 
-def _preflight(plan: Plan, hosts: list[str], ssh_args: list[str], python: str) -> tuple[Any, list[tuple[str, str]]]:
+def _preflight(
+    plan: Plan, hosts: list[str], ssh_args: list[str], python: str
+) -> tuple[PreflightReport | None, list[tuple[str, str]]]:
     """run_preflight as it is: (its report or None, [(host or "-", problem)])."""
 
     r = plan.recipe
@@ -152,7 +189,7 @@ def _preflight(plan: Plan, hosts: list[str], ssh_args: list[str], python: str) -
         )
         return report, []
     except PreflightError as e:
-        found = []
+        found: list[tuple[str, str]] = []
         for text in e.lines():
             # doctor's own columns say unreachable/versions per host: keep preflight's other findings
             if " is not reachable over ssh " in text or " differs: " in text:
@@ -197,10 +234,10 @@ def _rendezvous(
 
     deadline = RENDEZVOUS_TIMEOUT_S + 20 + (BANDWIDTH_BUDGET_S if bandwidth else 0)
     results = run_on_hosts(hosts, line, ssh_args, deadline_s=deadline, connect_timeout_s=10, transport=transport)
-    outs: dict[str, dict[str, Any]] = {}
+    outs: dict[str, RendezvousResult] = {}
     for host in hosts:
         res = results[host]
-        o = _parse(res.out) if res.reachable else None
+        o = cast("RendezvousResult | None", _parse(res.out)) if res.reachable else None
         if o is None:
             why = res.out if not res.reachable else (" ".join(res.out.split())[-300:] or f"exit {res.rc}")
             o = {"ok": False, "error": f"probe gave no answer ({why})", "stage": "probe"}
@@ -227,7 +264,7 @@ def _rendezvous(
             rep.set(h, "rendezvous", "waited")
 
 
-def _rendezvous_fix(o: dict[str, Any], plan: Plan) -> str:
+def _rendezvous_fix(o: RendezvousResult, plan: Plan) -> str:
     err = str(o.get("error", ""))
     if o.get("stage") == "import":
         return "install the same torch on every host"
@@ -239,15 +276,22 @@ def _rendezvous_fix(o: dict[str, Any], plan: Plan) -> str:
     return "check the interface (GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME) and that hosts reach each other on all ports"
 
 
-def _bandwidth(plan: Plan, hosts: list[str], outs: dict[str, dict[str, Any]], backend: str) -> dict[str, Any]:
+def _bandwidth(plan: Plan, hosts: list[str], outs: dict[str, RendezvousResult], backend: str) -> Bandwidth:
 
     r = plan.recipe
     rows = outs[hosts[0]].get("all", [])
-    pairs = []
+    pairs: list[PairTiming] = []
     for o in outs.values():
         for p in o.get("pairs", []):
             i, j = p["ranks"]
-            pairs.append({"hosts": [hosts[i], hosts[j]], **{k: p[k] for k in ("bytes", "seconds", "busbw_gbs")}})
+            pairs.append(
+                {
+                    "hosts": [hosts[i], hosts[j]],
+                    "bytes": p["bytes"],
+                    "seconds": p["seconds"],
+                    "busbw_gbs": p["busbw_gbs"],
+                }
+            )
     name = r.cluster.network
     if name == "auto":
         name = "loopback" if r.cluster.accelerator == "cpu" else DEFAULT_NETWORK
@@ -265,7 +309,7 @@ def _bandwidth(plan: Plan, hosts: list[str], outs: dict[str, dict[str, Any]], ba
     }
 
 
-def write_bandwidth(data: dict[str, Any], path: Path | None = None) -> Path:
+def write_bandwidth(data: Bandwidth, path: Path | None = None) -> Path:
 
     p = path or bandwidth_file()
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -325,7 +369,7 @@ def cheap_checks(
     env: dict[str, str] | None = None,
     python: str = sys.executable,
     transport: Transport | None = None,
-) -> Any:
+) -> PreflightReport:
     """The part of doctor ``ftkit launch`` runs as its preflight: preflight + facts (no rendezvous, a few seconds).
 
     Raises PreflightError (exit 3) with one line per failure. Returns what :func:`ftkit.run.preflight.run_preflight`
@@ -348,7 +392,7 @@ def cheap_checks(
     return report
 
 
-def _advisory(f: Any) -> bool:
+def _advisory(f: Failure) -> bool:
     """A finding that is advice for ``ftkit launch`` (under doctor's thresholds), not a reason to refuse."""
     return (
         f.check == "clock"

@@ -7,7 +7,7 @@ runs the probes), so every rule is tested without a host.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 if TYPE_CHECKING:
     from ftkit.run.preflight import PreflightReport
@@ -17,6 +17,88 @@ MIN_SHM = 512 << 20  # bytes of /dev/shm (size and free) below which doctor fail
 MAX_SKEW_S = 5.0  # clock skew against this machine above which doctor fails (logs and events disagree)
 
 COLUMNS = ("ssh", "versions", "gpu", "run_dir", "shm", "clock", "iface", "locks", "rendezvous")
+
+
+# ------------------------------------------------------------------------------- what the probes print
+
+
+class DiskFacts(TypedDict, total=False):
+    """Space in a directory (the run directory, /dev/shm) as the facts probe reports it; ``error`` instead."""
+
+    path: str
+    free: int
+    total: int
+    error: str
+
+
+class GpuFacts(TypedDict, total=False):
+    """nvidia-smi's answer (cuda only): GPU count, models, drivers; or ``error``."""
+
+    count: int
+    models: list[str]
+    drivers: list[str]
+    error: str
+
+
+class RouteFacts(TypedDict, total=False):
+    """The interface (``dev``) and address (``ip``) the host routes master_addr through; or ``error``."""
+
+    ip: str
+    dev: str
+    error: str
+
+
+class LockFact(TypedDict):
+    """A torch extension build lock and the pid building behind it (None: nobody holds it)."""
+
+    path: str
+    holder: int | None
+
+
+class HostFacts(TypedDict, total=False):
+    """What ``python -m ftkit.launch.doctor_probe facts`` prints for one host (``gpu`` on cuda only)."""
+
+    hostname: str
+    python_exe: str
+    versions: dict[str, str]
+    run_dir: DiskFacts
+    shm: DiskFacts
+    interfaces: list[str]
+    ifname_var: str
+    ifname: str | None
+    route: RouteFacts
+    locks: list[LockFact]
+    locks_released: list[str]
+    gpu: GpuFacts
+    time: float
+
+
+class AllReduceTiming(TypedDict):
+    """One timed all-reduce: its size, seconds per call and NCCL bus bandwidth."""
+
+    bytes: int
+    seconds: float
+    busbw_gbs: float
+
+
+class PairTiming(AllReduceTiming):
+    """A timed all-reduce between two hosts, named (the probe names them by rank)."""
+
+    hosts: list[str]
+
+
+class Bandwidth(TypedDict):
+    """What ``ftkit doctor --bandwidth`` measured, in the bandwidth file's format (:mod:`ftkit.run.doctor`)."""
+
+    version: int
+    measured_at: str
+    hosts: list[str]
+    inter_node_gbs: float | None
+    intra_node_gbs: float
+    intra_node_source: str
+    backend: str
+    all_reduce: list[AllReduceTiming]
+    pairs: list[PairTiming]
 
 
 @dataclass
@@ -36,7 +118,7 @@ class DoctorReport:
     hosts: list[str]
     cells: dict[str, dict[str, str]] = field(default_factory=dict)  # host -> column -> short value
     failures: list[Failure] = field(default_factory=list)
-    bandwidth: dict[str, Any] | None = None
+    bandwidth: Bandwidth | None = None
     bandwidth_file: str | None = None
     notes: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)  # build locks a killed rank of the run left, removed
@@ -57,7 +139,7 @@ class DoctorReport:
         if row.get(check) != "FAIL":
             row[check] = value
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         return {
             "ok": self.ok,
             "hosts": {h: self.cells.get(h, {}) for h in self.hosts},
@@ -69,7 +151,7 @@ class DoctorReport:
         }
 
 
-def slow_pairs(bandwidth: dict[str, Any]) -> list[dict[str, Any]]:
+def slow_pairs(bandwidth: Bandwidth) -> list[PairTiming]:
     """Pairs whose bus bandwidth is under half the median pair's: the slow link to look at."""
     pairs = bandwidth.get("pairs") or []
     if len(pairs) < 3:
@@ -128,7 +210,7 @@ def _ifname_matches(spec: str, names: list[str], nccl: bool) -> list[str]:
 def check_facts(
     rep: DoctorReport,
     host: str,
-    f: dict[str, Any],
+    f: HostFacts,
     mine: dict[str, str],
     received: float,
     accel: str,
@@ -213,7 +295,7 @@ def check_facts(
         rep.set(host, "iface", route.get("dev") or route.get("ip") or "?")
 
 
-def check_locks(rep: DoctorReport, per_host: dict[str, list[dict[str, Any]]]) -> None:
+def check_locks(rep: DoctorReport, per_host: dict[str, list[LockFact]]) -> None:
     """A lock is stale when no host reports a holder for it (hosts may share the file system)."""
     held = {lk["path"] for locks in per_host.values() for lk in locks if lk.get("holder")}
     for host, locks in per_host.items():
