@@ -5,10 +5,10 @@ structure (for runs ftkit did not write). Never raises for an unreadable file: t
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from ftkit.checkpoint.checksums import (
     ALGORITHMS,
@@ -67,6 +67,18 @@ class Verdict:
         return self.kind in VerdictKind.INCOMPATIBLE
 
 
+class _MakeVerdict(Protocol):
+    def __call__(
+        self,
+        ok: bool,
+        committed: bool,
+        kind: str,
+        reason: str,
+        step: int | None = ...,
+        record: CommitRecord | None = None,
+    ) -> Verdict: ...
+
+
 def verify(
     ckpt_dir: str | os.PathLike[str],
     checksums: bool = True,
@@ -118,7 +130,7 @@ def _verify(
     require_commit: bool,
     world_size: int | None,
     stage: int | None,
-    verdict: Callable[..., Verdict],
+    verdict: _MakeVerdict,
 ) -> Verdict:
     dir_step = _checkpoint_step(ckpt)
 
@@ -168,7 +180,7 @@ def _verify_committed(
     checksums: bool,
     world_size: int | None,
     stage: int | None,
-    verdict: Callable[..., Verdict],
+    verdict: _MakeVerdict,
 ) -> Verdict:
     bad = VerdictKind.BAD_COMMIT
     try:

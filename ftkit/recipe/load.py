@@ -18,10 +18,10 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import yaml
 
@@ -585,6 +585,12 @@ def load_recipe(path: str | os.PathLike[str] | None, overrides: list[str] | tupl
     return recipe
 
 
+class _Add(Protocol):
+    """Records a problem with ``key`` (``source``: CLI when the value came from the command line)."""
+
+    def __call__(self, key: str, message: str, source: str | None = None) -> None: ...
+
+
 def _field(key: str) -> Field | None:
 
     return FIELD_BY_KEY.get(key)
@@ -597,7 +603,7 @@ def _resolve(
     values: dict[str, Value],
     sources: dict[str, str],
     explicit: set[str],
-    add: Callable[..., None],
+    add: _Add,
     section_line: int | None = None,
 ) -> None:
     if key in given:
@@ -623,7 +629,7 @@ def _resolve(
     sources[key] = DEFAULT
 
 
-def _cross_checks(r: Recipe, add: Callable[..., None]) -> None:
+def _cross_checks(r: Recipe, add: _Add) -> None:
     """Rules that involve more than one field. World-size rules live in :mod:`ftkit.plan.plan` (they need the
     hostfile)."""
 

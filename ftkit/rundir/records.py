@@ -8,7 +8,7 @@ rank that crashed left it half-filled, so readers use ``.get`` and check what th
 from __future__ import annotations
 
 import math
-from typing import TypeAlias, TypedDict
+from typing import Protocol, TypeAlias, TypedDict
 
 JSONScalar: TypeAlias = str | int | float | bool | None
 JSON: TypeAlias = JSONScalar | list["JSON"] | dict[str, "JSON"]  # what json.loads returns, for free-form data
@@ -194,6 +194,13 @@ class StragglerRecord(TypedDict):
     min_steps: int
     hosts: list[HostStepTimes]
     stragglers: list[str]
+
+
+class EventSink(Protocol):
+    """Writes one line of ``events.jsonl`` (``ftkit.supervise.supervisor.Events``); ``message`` is said to the user
+    too."""
+
+    def __call__(self, event: str, message: str | None = None, /, **data: object) -> None: ...
 
 
 class Event(TypedDict, total=False):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import subprocess
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,6 +26,7 @@ from ftkit.cluster.procs import (
 )
 from ftkit.command.engines import LaunchCommand
 from ftkit.rundir.layout import RunDir, atomic_write
+from ftkit.rundir.records import EventSink
 
 if TYPE_CHECKING:
     from ftkit.cluster.fanout import Transport
@@ -40,7 +40,7 @@ class Spawned:
     log: Path
 
 
-def spawn(cmd: LaunchCommand, attempt: int, rd: RunDir, events: Callable[..., None], out: list[Spawned]) -> None:
+def spawn(cmd: LaunchCommand, attempt: int, rd: RunDir, events: EventSink, out: list[Spawned]) -> None:
     """Start every node's process; each is appended to ``out`` as it starts (teardown needs even a partial list)."""
     for path, text in cmd.files.items():
         atomic_write(Path(path), text)
@@ -75,7 +75,7 @@ def teardown_attempt(
     procs: list[Spawned],
     attempt: int,
     rd: RunDir,
-    events: Callable[..., None],
+    events: EventSink,
     *,
     grace_s: float,
     ssh_args: list[str],

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from ftkit.cluster.buildlocks import loading_hint
 from ftkit.cluster.procs import exit_meaning
 from ftkit.rundir.layout import RunDir
-from ftkit.rundir.records import JSON, MetricsRecord, StragglerRecord
+from ftkit.rundir.records import JSON, EventSink, MetricsRecord, StragglerRecord
 from ftkit.supervise.fidelity import FidelityCheck
 from ftkit.supervise.progress import MetricsTail, Progress
 from ftkit.supervise.stragglers import StragglerReport, StragglerWatch, hosts_by_rank
@@ -44,7 +44,7 @@ class Observer:
     def __init__(
         self,
         rd: RunDir,
-        events: Callable[..., None],
+        events: EventSink,
         *,
         max_steps: int | None,
         global_batch: int,

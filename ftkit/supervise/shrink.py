@@ -9,7 +9,6 @@ rest keeping the global batch, and the newest committed checkpoint, saved by mor
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,7 +17,7 @@ from ftkit.checkpoint.verify import Verdict
 from ftkit.cluster.fanout import run_on_hosts
 from ftkit.cluster.hosts import LOCAL_HOSTS
 from ftkit.errors import ExitCode
-from ftkit.rundir.records import CommitRecord
+from ftkit.rundir.records import CommitRecord, EventSink
 from ftkit.supervise.universal import ConversionError, convert_to_universal
 
 if TYPE_CHECKING:
@@ -35,9 +34,7 @@ def probe_hosts(
     return [host for host, r in res.items() if not r.reachable]
 
 
-def convert_newest(
-    sel: Selection, incompatible: list[Verdict], world_size: int, events: Callable[..., None]
-) -> str | int | None:
+def convert_newest(sel: Selection, incompatible: list[Verdict], world_size: int, events: EventSink) -> str | int | None:
     """Convert the newest intact checkpoint saved with another world size (newer than any compatible one) to the
     universal format. Returns its path, an exit code (refused), or None when a compatible checkpoint is newer."""
 

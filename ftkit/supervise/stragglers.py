@@ -28,12 +28,12 @@ from __future__ import annotations
 import bisect
 import os
 import statistics
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ftkit.rundir.layout import RunDir
-from ftkit.rundir.records import RankStepTimes, StragglerRecord, as_number
+from ftkit.rundir.records import EventSink, RankStepTimes, StragglerRecord, as_number
 
 if TYPE_CHECKING:
     from ftkit.rundir.records import Heartbeat
@@ -228,7 +228,7 @@ class StragglerWatch:
         return out
 
 
-def record_step_times(rd: RunDir, attempt: int, events: Callable[..., None]) -> None:
+def record_step_times(rd: RunDir, attempt: int, events: EventSink) -> None:
     """One ``step_times`` event: each rank's compute time per step (its heartbeat's EWMA of the forward passes) and
     each host's median, as :mod:`ftkit.supervise.stragglers` scores them. Nothing when no rank measured a step."""
     try:

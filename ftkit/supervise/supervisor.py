@@ -79,7 +79,7 @@ class Events:
         self.attempt = 0
         self.write_error: OSError | None = None
 
-    def __call__(self, event: str, message: str | None = None, **data: object) -> None:
+    def __call__(self, event: str, message: str | None = None, /, **data: object) -> None:
         rec: dict[str, object] = {"time": round(time.time(), 3), "event": event, "attempt": self.attempt, **data}
         if message:
             rec["message"] = message
@@ -653,7 +653,7 @@ class Supervisor:
         else:
             self.echo(text)
 
-    def _event(self, event: str, message: str | None = None, **data: object) -> None:
+    def _event(self, event: str, message: str | None = None, /, **data: object) -> None:
         self.events(event, message, **data)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:  # noqa: ARG002

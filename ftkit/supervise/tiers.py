@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import shlex
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypedDict, cast
 
@@ -32,6 +31,7 @@ from ftkit.checkpoint.tiers import (
 )
 from ftkit.cluster.fanout import HostResult, run_on_hosts
 from ftkit.rundir.layout import RunDir
+from ftkit.rundir.records import EventSink
 from ftkit.rundir.spec import LocalTierSpec
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ def choose_tier(
     durable_step: int | None,
     max_steps: int | None,
     agents: Agents,
-    events: Callable[..., None],
+    events: EventSink,
 ) -> TierChoice | None:
     """The newest step newer than ``durable_step`` that the attempt on ``hosts`` can resume from, else None."""
     clear_staging(rd.path)  # copies no agent is making any more: never a checkpoint
@@ -153,7 +153,7 @@ def choose_tier(
     return None
 
 
-def discard_stale(rd: RunDir, hosts: list[str], step: int | None, agents: Agents, events: Callable[..., None]) -> None:
+def discard_stale(rd: RunDir, hosts: list[str], step: int | None, agents: Agents, events: EventSink) -> None:
     """Before an attempt resumes from ``step`` (None: from scratch): the local parts, peer copies and set records
     of later steps are an earlier attempt's (perhaps at another world size); the attempt saves those steps anew."""
     discard_set_records_newer(rd.path, step)
@@ -164,9 +164,7 @@ def discard_stale(rd: RunDir, hosts: list[str], step: int | None, agents: Agents
         events("tier_discarded", f"local parts newer than step {step}: {gone}", step=step, discarded=gone)
 
 
-def end_local_tier(
-    rd: RunDir, tier: LocalTierSpec, hosts: list[str], agents: Agents, events: Callable[..., None]
-) -> None:
+def end_local_tier(rd: RunDir, tier: LocalTierSpec, hosts: list[str], agents: Agents, events: EventSink) -> None:
     """The end of a launch, whatever its outcome: the newest step every node committed in its local tier and the
     run directory lacks is copied there (a finished run's last step too: a later launch with a raised step limit
     continues from it), then the run's local tier is removed from every node (nothing of the run is left in
