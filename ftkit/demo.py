@@ -20,6 +20,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from ftkit.run.status import SummaryDict
 
 KILL_AT_STEP = 14
 
@@ -28,7 +32,7 @@ def say(msg: str) -> None:
     print(f"\n==> {msg}", flush=True)
 
 
-def run(argv: list[str], *, show: bool = True) -> subprocess.CompletedProcess:
+def run(argv: list[str], *, show: bool = True) -> subprocess.CompletedProcess[str]:
     print(
         "$ "
         + " ".join(argv[2:] if argv[:3] == [sys.executable, "-m", "ftkit"] else argv).replace(sys.executable, "python"),
@@ -91,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     say("5/5 summary")
     plot = work / "loss.png"
     out = run(ftkit("status", str(run_dir), "--plot", str(plot), "--json"), show=False)
-    s = json.loads(out.stdout.split("\nwrote ")[0])
+    s = cast("SummaryDict", json.loads(out.stdout.split("\nwrote ")[0]))  # ftkit status --json
     print(f"steps:        {s['step']}/{s['max_steps']}")
     print(
         f"restarts:     {s['restarts']}"
@@ -112,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _resumed_words(s: dict) -> str:
+def _resumed_words(s: SummaryDict) -> str:
     """How the restart resumed: from which step and tier, and whether that was the last step the killed attempt
     completed (the local tier's promise: a crash costs at most the step in flight)."""
     _, step, tier = s["resumes"][-1]
@@ -125,7 +129,7 @@ def _resumed_words(s: dict) -> str:
     return f"resumed from step {step} {where}; steps {step + 1}-{done} were recomputed"
 
 
-def _kill_rank_when(run_dir: Path, *, rank: int, step: int, proc: subprocess.Popen) -> int | None:
+def _kill_rank_when(run_dir: Path, *, rank: int, step: int, proc: subprocess.Popen[bytes]) -> int | None:
     """Wait until ``rank`` reports ``step`` in its heartbeat, then SIGKILL it by the pid it recorded."""
     hb = run_dir / "ftkit" / "heartbeat" / f"rank-{rank}.json"
     while proc.poll() is None:

@@ -26,7 +26,7 @@ from ftkit.rundir.spec import RANK_APPLIED
 if TYPE_CHECKING:
     import torch
     from torch.optim.lr_scheduler import LRScheduler
-    from transformers import TrainerCallback
+    from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
     from transformers.trainer_utils import TrainOutput
 
     from ftkit.launch.services import _Rank
@@ -35,7 +35,11 @@ if TYPE_CHECKING:
     class FtkitCallbackType(TrainerCallback):
         """The type checker's view of the class :func:`callback_class` builds on first use."""
 
-        def __init__(self, r: _Rank, fault: Fault | None, exit_after_stop: bool = True) -> None: ...
+        def __init__(self, r: _Rank, fault: Fault, exit_after_stop: bool = True) -> None: ...
+
+
+def _output_dir(args: TrainingArguments) -> str:
+    return cast(str, args.output_dir)  # TrainingArguments.__post_init__ sets it (typed str | None)
 
 
 COMPUTE_EWMA = 0.2  # weight of the newest step in the per-rank compute-time average
@@ -53,7 +57,7 @@ def callback_class() -> type[FtkitCallbackType]:
     class FtkitCallback(TrainerCallback):
         """Heartbeat, metrics, commit records, graceful stop and resume overrides, on HF Trainer's own events."""
 
-        def __init__(self, r: _Rank, fault: Fault | None, exit_after_stop: bool = True):
+        def __init__(self, r: _Rank, fault: Fault, exit_after_stop: bool = True):
             self.r, self.ctx, self.spec, self.fault = r, r.ctx, r.spec, fault
             self.exit_after_stop = exit_after_stop
             self._t0: float | None = None
@@ -63,7 +67,9 @@ def callback_class() -> type[FtkitCallbackType]:
 
         # ------------------------------------------------------------------ lifecycle
 
-        def on_train_begin(self, args, state, control, **kw):  # noqa: ANN001
+        def on_train_begin(
+            self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: object
+        ) -> None:
             if args.max_steps > 0 and state.global_step >= args.max_steps:
                 # Resumed from a checkpoint at the recipe's last step (a crash in the final save, final/ removed):
                 # HF would train one more step before checking. The weights are loaded: stop here, the caller's
@@ -73,11 +79,12 @@ def callback_class() -> type[FtkitCallbackType]:
                 raise AtMaxSteps(state.global_step, args.max_steps)
             overrides = self.spec.resume_overrides
             if self.r.resume and overrides:  # after the checkpoint's optimizer and scheduler state were loaded
-                for line in apply_resume_overrides(overrides, kw.get("optimizer"), kw.get("lr_scheduler")):
+                optimizer = cast("torch.optim.Optimizer", kw.get("optimizer"))  # HF passes the Trainer's own
+                for line in apply_resume_overrides(overrides, optimizer, kw.get("lr_scheduler")):
                     print(f"ftkit: resume override {line}", flush=True)
             if self.spec.backend == "fsdp2":
-                self._prove_fsdp2(kw.get("model"), state.global_step)
-            self._hook_forward(kw.get("model"))
+                self._prove_fsdp2(cast("torch.nn.Module | None", kw.get("model")), state.global_step)
+            self._hook_forward(cast("torch.nn.Module | None", kw.get("model")))
             self.ctx.started_at_step = state.global_step  # in every heartbeat from now on: the resume proof
             self.ctx.heartbeat("train", state.global_step)
             if self.r.trackers is not None:
@@ -90,10 +97,14 @@ def callback_class() -> type[FtkitCallbackType]:
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
-        def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001
+        def on_step_begin(
+            self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: object
+        ) -> None:
             self._compute = 0.0
 
-        def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
+        def on_step_end(
+            self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: object
+        ) -> None:
             if self._hooked and self._compute > 0:
                 c = self._compute
                 e = self.ctx.compute_ewma_s
@@ -110,18 +121,27 @@ def callback_class() -> type[FtkitCallbackType]:
                 print(f"ftkit: stop requested: saving step {state.global_step}, then stopping", flush=True)
             self._before_save(args, state, control)
 
-        def on_epoch_end(self, args, state, control, **kw):  # noqa: ANN001
+        def on_epoch_end(
+            self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: object
+        ) -> None:
             self._before_save(args, state, control)
 
-        def _before_save(self, args, state, control) -> None:  # noqa: ANN001
+        def _before_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl) -> None:
             """The Trainer saves right after these events when ``should_save`` is set (HF's own flow callback ran
             first): record that ftkit began this save, so a torn checkpoint-N is known to be ftkit's own."""
             if control.should_save:
                 self._save_t0 = time.time()  # what a save blocks the ranks for: from here to the commit's end
-                where = self.r.tier.dir if self.r.tier is not None else args.output_dir
+                where = self.r.tier.dir if self.r.tier is not None else _output_dir(args)
                 record_save_begun(where, state.global_step, self.ctx.attempt)
 
-        def on_log(self, args, state, control, logs=None, **kw):  # noqa: ANN001
+        def on_log(
+            self,
+            args: TrainingArguments,
+            state: TrainerState,
+            control: TrainerControl,
+            logs: dict[str, float] | None = None,
+            **kw: object,
+        ) -> None:
             logs = logs or {}
             rec: MetricsRecord | None = None
             if "loss" in logs:
@@ -141,11 +161,11 @@ def callback_class() -> type[FtkitCallbackType]:
             if "loss" in logs:
                 self.fault.after_log(state.global_step)
 
-        def on_save(self, args, state, control, **kw):  # noqa: ANN001
+        def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: object) -> None:
             import torch.distributed as dist
 
             tier = self.r.tier
-            ckpt = (tier.dir if tier is not None else Path(args.output_dir)) / f"checkpoint-{state.global_step}"
+            ckpt = (tier.dir if tier is not None else Path(_output_dir(args))) / f"checkpoint-{state.global_step}"
             if not ckpt.is_dir():  # every rank sees the shared directory: all of them stop, none waits in a gather
                 self._save_wrote_nothing(ckpt)
             if tier is not None:
@@ -161,14 +181,14 @@ def callback_class() -> type[FtkitCallbackType]:
             if self.ctx.rank == 0:
                 write_commit(
                     ckpt,
-                    parts,
+                    cast("list[dict[str, FileEntry]]", parts),  # every rank's, after the gather
                     step=state.global_step,
                     world_size=self.ctx.world_size,
                     stage=self.spec.stage,
                     recipe_hash=self.spec.recipe_hash,
                     extra={"attempt": self.ctx.attempt, "fingerprint": self.spec.fingerprint},
                 )
-                removed = self._rotate(args.output_dir)
+                removed = self._rotate(_output_dir(args))
                 append_jsonl(
                     self.ctx.rd.metrics,
                     {
@@ -185,7 +205,7 @@ def callback_class() -> type[FtkitCallbackType]:
                 dist.barrier()  # nobody trains on (or dies) before the commit is on disk
             self.ctx.heartbeat("train", state.global_step, committed=state.global_step)
 
-        def _commit_local(self, args, state) -> None:  # noqa: ANN001
+        def _commit_local(self, args: TrainingArguments, state: TrainerState) -> None:
             """A save to the node-local tier (ftkit.launch.tier): committed per node; the agents copy it to the run
             directory when due. A graceful stop's save waits (bounded) for that copy before the rank exits."""
             step = state.global_step
@@ -208,7 +228,7 @@ def callback_class() -> type[FtkitCallbackType]:
             self.ctx.heartbeat("train", step, committed=step)
             if stop:
                 timeout = 0.7 * self.r.stop.timeout_s()  # within the supervisor's own bound
-                if self.r.tier.wait_durable(Path(args.output_dir), step, timeout):
+                if self.r.tier.wait_durable(Path(_output_dir(args)), step, timeout):
                     print(f"ftkit: step {step} is durable in the run directory", flush=True)
                 else:
                     print(
@@ -251,7 +271,9 @@ def callback_class() -> type[FtkitCallbackType]:
                 print(f"ftkit: warning: rotation stopped: {e.filename or output_dir}: {e.strerror or e}", flush=True)
                 return []
 
-        def on_train_end(self, args, state, control, **kw):  # noqa: ANN001
+        def on_train_end(
+            self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: object
+        ) -> None:
             if self.r.stop.stopped_at is None:
                 return
             self.ctx.heartbeat("stopped", state.global_step, committed=self.r.stop.stopped_at)

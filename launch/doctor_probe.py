@@ -35,12 +35,12 @@ from ftkit.rundir.layout import RunDir
 MARK = "FTKIT_DOCTOR "
 
 
-def _emit(obj: dict) -> None:
+def _emit(obj: dict[str, object]) -> None:
     sys.stdout.write(MARK + json.dumps(obj) + "\n")
     sys.stdout.flush()
 
 
-def _disk(path: str) -> dict:
+def _disk(path: str) -> dict[str, object]:
     p = path
     while p and not os.path.exists(p):  # the run directory may not exist yet: its nearest existing parent
         p = os.path.dirname(p.rstrip("/")) or "/"
@@ -53,7 +53,7 @@ def _disk(path: str) -> dict:
         return {"path": p, "error": e.strerror or str(e)}
 
 
-def _gpus() -> dict:
+def _gpus() -> dict[str, object]:
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return {"error": "nvidia-smi not found"}
@@ -72,9 +72,9 @@ def _gpus() -> dict:
     return {"count": len(rows), "models": sorted({r[0] for r in rows}), "drivers": sorted({r[-1] for r in rows})}
 
 
-def _route_dev(addr: str) -> dict:
+def _route_dev(addr: str) -> dict[str, object]:
     """The interface (and source address) the kernel routes ``addr`` through here."""
-    out: dict = {}
+    out: dict[str, object] = {}
     try:
         infos = socket.getaddrinfo(addr, 1, socket.AF_INET, socket.SOCK_DGRAM)
         ip = str(infos[0][4][0])  # AF_INET: (address, port)
@@ -95,7 +95,7 @@ def _route_dev(addr: str) -> dict:
     return out
 
 
-def facts(args: argparse.Namespace) -> dict:
+def facts(args: argparse.Namespace) -> dict[str, object]:
 
     # the launch's preflight: the locks a killed rank of this run left here go first (ftkit.rundir.batons)
     released = release_dead(RunDir(args.run_dir).batons) if args.release_dead_batons else []
@@ -139,7 +139,7 @@ def _time_allreduce(dist, torch, t, group, iters: int, sync) -> float:
     return (time.perf_counter() - t0) / iters
 
 
-def _collective(args: argparse.Namespace, store, result: dict) -> None:
+def _collective(args: argparse.Namespace, store, result: dict[str, object]) -> None:
     import datetime
 
     import torch
@@ -191,8 +191,8 @@ def _collective(args: argparse.Namespace, store, result: dict) -> None:
     dist.destroy_process_group()
 
 
-def rendezvous(args: argparse.Namespace) -> dict:
-    result: dict = {"rank": args.rank, "world": args.world, "ok": False}
+def rendezvous(args: argparse.Namespace) -> dict[str, object]:
+    result: dict[str, object] = {"rank": args.rank, "world": args.world, "ok": False}
     t_start = time.monotonic()
     try:
         import datetime
@@ -220,7 +220,7 @@ def rendezvous(args: argparse.Namespace) -> dict:
         watch = dist.TCPStore(args.master_addr, args.port, args.world, is_master=False, timeout=timeout)
     except Exception:  # noqa: BLE001 - the store's host went away already: the collective will say so
         watch = store
-    box: dict = {}
+    box: dict[str, object] = {}
 
     def work() -> None:
         try:
@@ -258,11 +258,13 @@ def rendezvous(args: argparse.Namespace) -> dict:
             pass
     else:
         result["stage"] = "collective"
-        result["error"] = box.get("error") or (
-            "peer(s) failed first" if others else f"timed out after {args.timeout:g}s in the collective"
+        error = str(
+            box.get("error")
+            or ("peer(s) failed first" if others else f"timed out after {args.timeout:g}s in the collective")
         )
+        result["error"] = error
         try:
-            watch.set(f"error/{args.rank}", result["error"])
+            watch.set(f"error/{args.rank}", error)
         except Exception:  # noqa: BLE001
             pass
     if args.rank == 0 or others:

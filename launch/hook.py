@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     import argparse
     import weakref
 
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
     from transformers.trainer_utils import TrainOutput
 
     from ftkit.launch.services import ArgChange
@@ -201,7 +201,9 @@ def _step_watcher_class() -> type[TrainerCallback]:
     class StepWatcher(TrainerCallback):
         """Whether a training step began in this process (an exception before that is a start-up failure)."""
 
-        def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001
+        def on_step_begin(
+            self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: object
+        ) -> None:
             _training["began"] = True
 
     return StepWatcher

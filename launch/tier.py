@@ -49,7 +49,7 @@ class NodeTier:
         self.durable_steps = int(tier.get("durable_steps") or 1)
         self.nodes: list[str] = list(tier.get("nodes") or [host])
         self.host = host
-        self.agent: subprocess.Popen | None = None
+        self.agent: subprocess.Popen[bytes] | None = None
 
     def start(self, ctx: RankContext) -> None:
         """The tier directory, and on the node's first rank its agent (a child: it ends with the rank)."""

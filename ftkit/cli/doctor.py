@@ -47,11 +47,6 @@ def command(recipe: str, overrides: tuple[str, ...], hostfile: str | None, bandw
 
     plan = load_and_plan(recipe, tuple(cli_overrides(overrides, hostfile)))
     report = run_doctor(plan, ssh_args=ssh_args_of(plan), bandwidth=bandwidth)
-    click.echo(json.dumps(report.as_dict(), indent=2) if as_json else _text(report))
+    click.echo(json.dumps(report.as_dict(), indent=2) if as_json else format_report(report))
     if not report.ok:
         raise PreflightError("\n".join(f.line() for f in report.failures))
-
-
-def _text(report) -> str:  # noqa: ANN001
-
-    return format_report(report)

@@ -150,7 +150,7 @@ def _run_one(host: str, line: str, tr: Transport, connect: float, end: float, ca
     return HostResult(host, True, out, proc.returncode, seconds)
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
+def _kill_tree(proc: subprocess.Popen[str]) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

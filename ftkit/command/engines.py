@@ -123,7 +123,9 @@ class LaunchInputs:
         return env
 
 
-def forwarded_env(base_env: Mapping[str, str], accelerator: str, extra: Mapping[str, str] | None = None) -> dict:
+def forwarded_env(
+    base_env: Mapping[str, str], accelerator: str, extra: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """The allow-listed part of ``base_env`` plus what ftkit sets itself (accelerator choice, unbuffered output)."""
     env = {
         k: v

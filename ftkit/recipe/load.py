@@ -166,6 +166,14 @@ class Recipe:
 # Reading YAML with line numbers
 
 
+@dataclass
+class _Open:
+    """A YAML collection not closed yet: its nodes so far (aliases expanded) and its anchor."""
+
+    count: int
+    anchor: str | None
+
+
 def _yaml_limits(text: str, filename: str) -> None:
     """Refuse alias bombs, recursive aliases and deep nesting from the event stream, before anything is composed.
 
@@ -173,13 +181,13 @@ def _yaml_limits(text: str, filename: str) -> None:
     subtree again): linear in the file's size, so a bomb is refused in milliseconds.
     """
     sizes: dict[str, int] = {}  # anchor -> expanded node count of its (finished) subtree
-    stack: list[list] = []  # open collections: [count, anchor]
+    stack: list[_Open] = []  # open collections
     total = 0
     try:
         for ev in yaml.parse(text, Loader=_Loader):
             line = ev.start_mark.line + 1 if ev.start_mark else None
             if isinstance(ev, yaml.AliasEvent):
-                if any(anchor == ev.anchor for _, anchor in stack):
+                if any(o.anchor == ev.anchor for o in stack):
                     raise RecipeError(
                         Problem(f"recursive YAML alias *{ev.anchor} (it refers to itself)", file=filename, line=line)
                     )
@@ -189,7 +197,7 @@ def _yaml_limits(text: str, filename: str) -> None:
                 if ev.anchor:
                     sizes[ev.anchor] = 1
             elif isinstance(ev, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
-                stack.append([1, ev.anchor])
+                stack.append(_Open(1, ev.anchor))
                 if len(stack) > MAX_YAML_DEPTH:
                     raise RecipeError(
                         Problem(
@@ -198,16 +206,16 @@ def _yaml_limits(text: str, filename: str) -> None:
                     )
                 n = 1
             elif isinstance(ev, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
-                count, anchor = stack.pop()
-                if anchor:
-                    sizes[anchor] = count
+                done = stack.pop()
+                if done.anchor:
+                    sizes[done.anchor] = done.count
                 if stack:
-                    stack[-1][0] += count
+                    stack[-1].count += done.count
                 continue
             else:
                 continue
             if stack and not isinstance(ev, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
-                stack[-1][0] += n
+                stack[-1].count += n
             total += n
             if total > MAX_YAML_NODES:
                 raise RecipeError(

@@ -129,7 +129,7 @@ class ReportRefresher:
         self.warn = warn
         self.out = rd.path / REPORT_NAME
         self.log = rd.meta / "report.log"
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
         self._warned = False
         self.waited_s = 0.0  # what the launch spent waiting for renders (measured by the tests)
 

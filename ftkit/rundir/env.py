@@ -8,6 +8,7 @@ import base64
 import json
 import os
 import re
+from typing import TypedDict
 
 RUN_DIR_ENV = "FTKIT_RUN_DIR"  # the run directory (every rank)
 ATTEMPT_ENV = "FTKIT_ATTEMPT"  # the attempt number, counted across launches of the run directory
@@ -58,8 +59,18 @@ def encode_command(kind: str, target: str, args: list[str], workdir: str) -> str
     return base64.b64encode(data.encode()).decode()
 
 
-def decode_command(value: str) -> dict:
-    return json.loads(base64.b64decode(value.encode(), validate=True))
+class CommandRecord(TypedDict):
+    """The user's command as :func:`encode_command` writes it."""
+
+    kind: str
+    target: str
+    args: list[str]
+    workdir: str
+
+
+def decode_command(value: str) -> CommandRecord:
+    record: CommandRecord = json.loads(base64.b64decode(value.encode(), validate=True))
+    return record
 
 
 def path_with_python_first(python: str, path: str | None) -> str:

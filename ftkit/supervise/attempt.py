@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 class Spawned:
     node_rank: int
     host: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     log: Path
 
 
