@@ -9,7 +9,8 @@ and ``NO`` are imported as DeepSpeed without ZeRO (stage 0: the same data-parall
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from ftkit.imports.fsdp import fsdp_version, refuse_fsdp
 from ftkit.imports.mapping import ACCUM, BF16, FP16, NODES, WORLD, Sink, fmt
@@ -44,7 +45,7 @@ PLUGIN_FIELDS = (
 _LAUNCH = "launcher plumbing: ftkit builds the launch command (cluster.*)"
 
 
-def read(sink: Sink, data: dict[str, Any], ctx: Context) -> None:
+def read(sink: Sink, data: Mapping[str, object], ctx: Context) -> None:
     kind = str(data.get("distributed_type", "DEEPSPEED")).upper()
     ds = ds if isinstance(ds := data.get("deepspeed_config"), dict) else {}
     has_file = bool(ds.get("deepspeed_config_file"))
@@ -53,11 +54,11 @@ def read(sink: Sink, data: dict[str, Any], ctx: Context) -> None:
         if key == "distributed_type":
             _distributed_type(sink, key, kind, value, fsdp_version(data.get("fsdp_config") or {}))
         elif key == "deepspeed_config":
-            if to_mapping(sink, key, value) is not None:
-                if kind != "DEEPSPEED" and value:
+            if (block := to_mapping(sink, key, value)) is not None:
+                if kind != "DEEPSPEED" and block:
                     sink.no_effect(key, f"Accelerate ignores it with distributed_type {kind}", NONE)
                 else:
-                    _plugin(sink, value, ctx, has_file)
+                    _plugin(sink, block, ctx, has_file)
         elif key == "fsdp_config":
             if kind == "FSDP":
                 sink.no_effect(key, "the FSDP settings (refused with distributed_type)")
@@ -142,7 +143,7 @@ def read(sink: Sink, data: dict[str, Any], ctx: Context) -> None:
             sink.unknown(key, value, "Accelerate")
 
 
-def _distributed_type(sink: Sink, key: str, kind: str, value: Any, version: int) -> None:
+def _distributed_type(sink: Sink, key: str, kind: str, value: object, version: int) -> None:
     if kind == "DEEPSPEED":
         sink.same(key, "DeepSpeed, what ftkit runs")
     elif kind in ("MULTI_GPU", "NO"):
@@ -161,7 +162,7 @@ def _distributed_type(sink: Sink, key: str, kind: str, value: Any, version: int)
         refuse_fsdp(sink, key, value, version)
 
 
-def _mixed_precision(sink: Sink, key: str, value: Any, has_file: bool) -> None:
+def _mixed_precision(sink: Sink, key: str, value: object, has_file: bool) -> None:
     m = str(value).lower()
     if m == "fp8":
         sink.hard(key, "fp8 training is not supported by ftkit")
@@ -174,7 +175,7 @@ def _mixed_precision(sink: Sink, key: str, value: Any, has_file: bool) -> None:
         sink.map(key, FP16, m == "fp16", origin="ta")
 
 
-def _plugin(sink: Sink, ds: dict[str, Any], ctx: Context, has_file: bool) -> None:
+def _plugin(sink: Sink, ds: Mapping[str, object], ctx: Context, has_file: bool) -> None:
     for sub, value in ds.items():
         key = f"deepspeed_config.{sub}"
         if has_file and sub in PLUGIN_FIELDS:

@@ -13,9 +13,10 @@ Settings that do not change training (DeepSpeed's logging and monitors, the unte
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ftkit.errors import Problem, UserError
 from ftkit.imports.deepspeed import DEFAULTS, canonical, default_clipping, relevant
@@ -27,7 +28,15 @@ from ftkit.render.deepspeed import render_deepspeed
 if TYPE_CHECKING:  # pragma: no cover
     from ftkit.plan.plan import Plan
 
-MISSING: Any = type("Missing", (), {"__repr__": lambda self: "(absent)"})()
+
+class _Missing:
+    """A key one side leaves out."""
+
+    def __repr__(self) -> str:
+        return "(absent)"
+
+
+MISSING = _Missing()
 
 HF_DERIVED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # keys that do not change training: reported as notes
@@ -62,8 +71,8 @@ NOT_TRAINING_PREFIXES = (
 @dataclass(frozen=True)
 class Difference:
     key: str
-    file_value: Any
-    rendered_value: Any
+    file_value: object
+    rendered_value: object
     kind: str  # "differs" | "only in file" | "only rendered" | "auto"
     note: str = ""
 
@@ -79,7 +88,7 @@ class Difference:
         return f"{file} {self.key}: {a} in {file}, the recipe renders {b}{note}"
 
 
-def _show(value: Any) -> str:
+def _show(value: object) -> str:
     if value is MISSING:
         return "(absent)"
     if isinstance(value, str):
@@ -98,8 +107,10 @@ def diff_against(plan: Plan, file: str, ds_path_in_yaml: str = "ds_config.json")
         raise UserError(
             Problem(f"is a {loaded.kind} config: --against compares a DeepSpeed JSON or an Accelerate YAML", file=file)
         )
-    diffs, notes = compare_accelerate(loaded.data, accelerate_dict(plan, ds_path_in_yaml), render_deepspeed(plan))
-    ds = (loaded.data.get("deepspeed_config") or {}).get("deepspeed_config_file")
+    data = loaded.mapping()
+    diffs, notes = compare_accelerate(data, accelerate_dict(plan, ds_path_in_yaml), render_deepspeed(plan))
+    plugin = data.get("deepspeed_config")
+    ds = plugin.get("deepspeed_config_file") if isinstance(plugin, dict) else None
     if ds:
         path = Path(str(ds))
         if not path.is_absolute() and not path.exists():
@@ -113,7 +124,9 @@ def diff_against(plan: Plan, file: str, ds_path_in_yaml: str = "ds_config.json")
     return diffs, notes
 
 
-def compare_deepspeed(file_cfg: Any, rendered: dict[str, Any], plan: Plan | None) -> tuple[list[Difference], list[str]]:
+def compare_deepspeed(
+    file_cfg: object, rendered: Mapping[str, object], plan: Plan | None
+) -> tuple[list[Difference], list[str]]:
     if not isinstance(file_cfg, dict):
         raise UserError(Problem("expected a DeepSpeed config (a JSON object)"))
     fa, fb = canonical(file_cfg), canonical(rendered)
@@ -170,7 +183,7 @@ def _not_training(key: str) -> str | None:
     return None
 
 
-def _value(value: Any, key: str, flat: dict[str, Any]) -> Any:
+def _value(value: object, key: str, flat: Mapping[str, object]) -> object:
     """A side's effective value: its own, or DeepSpeed's default when it leaves the key out."""
     if value is not MISSING:
         return value
@@ -183,7 +196,7 @@ def _value(value: Any, key: str, flat: dict[str, Any]) -> Any:
     return DEFAULTS.get(key, MISSING)
 
 
-def _equal(a: Any, b: Any) -> bool:
+def _equal(a: object, b: object) -> bool:
     if isinstance(a, bool) or isinstance(b, bool):
         return a is b
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
@@ -193,14 +206,14 @@ def _equal(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _auto(key: str, plan: Plan | None, flat: dict[str, Any]) -> tuple[Any, str]:
+def _auto(key: str, plan: Plan | None, flat: Mapping[str, object]) -> tuple[object, str]:
     """What HF Trainer (or Accelerate) fills into ``"auto"`` at ``key`` with the recipe's TrainingArguments and
     model; (None, why) when nobody fills it."""
     if plan is None:
         return None, "no recipe to resolve it with"
     r = plan.recipe
     h = plan.hidden_size
-    filled: dict[str, tuple[Any, str]] = {
+    filled: dict[str, tuple[object, str]] = {
         "train_batch_size": (plan.global_batch_size, "HF: micro x accumulation x world size"),
         "train_micro_batch_size_per_gpu": (plan.micro_batch_size, "HF: per_device_train_batch_size"),
         "gradient_accumulation_steps": (plan.grad_accum, "HF: gradient_accumulation_steps"),
@@ -245,7 +258,7 @@ _PLUGIN_TO_DS = {
 
 
 def compare_accelerate(
-    file_cfg: dict[str, Any], rendered: dict[str, Any], rendered_ds: dict[str, Any]
+    file_cfg: Mapping[str, object], rendered: Mapping[str, object], rendered_ds: Mapping[str, object]
 ) -> tuple[list[Difference], list[str]]:
     diffs: list[Difference] = []
     notes: list[str] = []
@@ -277,10 +290,11 @@ def compare_accelerate(
     for key in sorted(set(file_cfg) - set(_ACCEL_COMPARED) - {"deepspeed_config"}):
         if key in ("main_process_ip", "main_process_port") and key in rendered and file_cfg[key] != rendered[key]:
             notes.append(f"{key}: {_show(file_cfg[key])} vs {_show(rendered[key])} rendered (launch only)")
+    rendered_plugin = rendered["deepspeed_config"]
     for key in ("zero3_init_flag", "deepspeed_multinode_launcher"):
         a, b = (
             plugin.get(key, MISSING) if isinstance(plugin, dict) else MISSING,
-            rendered["deepspeed_config"].get(key, MISSING),
+            rendered_plugin.get(key, MISSING) if isinstance(rendered_plugin, dict) else MISSING,
         )
         if a is not MISSING and b is not MISSING and a != b:
             notes.append(f"deepspeed_config.{key}: {_show(a)} vs {_show(b)} rendered (loading/launch only)")

@@ -5,7 +5,8 @@ local jsonl/json/csv/parquet/txt with text, prompt+completion or messages fields
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from ftkit.imports import trainer_args as ta
 from ftkit.imports.fsdp import refuse_fsdp
@@ -20,12 +21,12 @@ NONE = "no effect on training"
 DATA = "convert it to a local jsonl (text, prompt+completion or messages fields) and set data.train"
 
 
-def _model(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _model(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     if (s := to_str(sink, key, value)) is not None:
         sink.map(key, "model.path", ctx.path_value(s, hub=True), origin="ta")
 
 
-def _adapter(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _adapter(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     name = "" if unset(value) else str(value).lower()
     if name == "":
         sink.map(key, "peft", None, "no adapter: full fine-tuning", origin="ta")
@@ -38,7 +39,7 @@ def _adapter(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None
         sink.refuse(key, f"adapter {value}: ftkit trains LoRA or all parameters", "accepted: full fine-tuning")
 
 
-def _targets(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _targets(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     if unset(value):
         sink.same(key, "unset")
     elif isinstance(value, list) and all(isinstance(x, str) for x in value):
@@ -49,7 +50,7 @@ def _targets(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None
         sink.problem(key, "expected a list of module names")
 
 
-def _linear(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _linear(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     b = to_bool(sink, key, value) if not unset(value) else False
     if b:
         sink.map(key, "peft.target_modules", ["all-linear"], "every linear layer but the output layer", origin="ta")
@@ -58,7 +59,7 @@ def _linear(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
 
 
 def _precision(target: str) -> ta.Handler:
-    def h(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+    def h(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
         if unset(value):
             sink.same(key, "unset")
         elif str(value).lower() == "auto":
@@ -70,7 +71,7 @@ def _precision(target: str) -> ta.Handler:
 
 
 def _unset_or(handler: ta.Handler) -> ta.Handler:
-    def h(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+    def h(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
         if unset(value):
             sink.same(key, "unset")
         else:
@@ -80,7 +81,7 @@ def _unset_or(handler: ta.Handler) -> ta.Handler:
 
 
 def _refuse_if_set(why: str, effect: str) -> ta.Handler:
-    def h(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+    def h(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
         if unset(value) or value is False or str(value).lower() in ("false", "0", "none"):
             sink.same(key, "unset")
         else:
@@ -89,7 +90,7 @@ def _refuse_if_set(why: str, effect: str) -> ta.Handler:
     return h
 
 
-def _fsdp(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _fsdp(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     if unset(value) or value is False:
         sink.same(key, "FSDP off")
     else:
@@ -102,7 +103,7 @@ def _fsdp(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
 _PLAIN_TYPES = {"completion": ("field", "text"), "chat_template": ("field_messages", "messages")}
 
 
-def _datasets(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _datasets(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     """One local file of type completion (a text field) or chat_template (messages) is ftkit's data.train as it
     is; anything else (hub datasets, prompt formats such as alpaca, several datasets) cannot be carried."""
     if unset(value):
@@ -126,7 +127,7 @@ def _datasets(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> Non
         sink.refuse(key, f"Axolotl {what}", DATA)
 
 
-def _sequence_len(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _sequence_len(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     if (n := to_int(sink, key, value, minimum=1)) is not None:
         sink.map(
             key,
@@ -137,7 +138,7 @@ def _sequence_len(sink: Sink, key: str, value: Any, args: dict, ctx: Context) ->
         )
 
 
-def _wandb(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _wandb(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     if unset(value):
         sink.same(key, "unset")
     elif key == "wandb_project":
@@ -146,7 +147,7 @@ def _wandb(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
         sink.no_effect(key, "W&B run details: set WANDB_* in the environment", NONE)
 
 
-def _save_eval_per_epoch(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _save_eval_per_epoch(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     if unset(value):
         sink.same(key, "unset")
     else:
@@ -155,7 +156,7 @@ def _save_eval_per_epoch(sink: Sink, key: str, value: Any, args: dict, ctx: Cont
         )
 
 
-def _train_on_inputs(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _train_on_inputs(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     if unset(value) or to_bool(sink, key, value) is False:
         sink.same(key, "loss on completions only: what ftkit's prompt+completion and messages formats do")
     else:
@@ -262,7 +263,7 @@ KEYS: dict[str, ta.Handler] = {
 }
 
 
-def read(sink: Sink, data: Any, ctx: Context) -> None:
+def read(sink: Sink, data: Mapping[str, object] | Command, ctx: Context) -> None:
 
     if isinstance(data, Command):  # `axolotl train config.yml`, `accelerate launch -m axolotl.cli.train config.yml`
         for path in data.positional:

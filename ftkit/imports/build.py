@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ftkit import __version__
 from ftkit.cluster.hostfile import parse_hostfile
@@ -24,11 +23,11 @@ from ftkit.model.config import hub_config_file, looks_like_hub_id
 from ftkit.model.shape import hidden_size, load_config_file, load_model_config
 from ftkit.recipe.load import load_recipe
 from ftkit.recipe.scaffold import commented_recipe
-from ftkit.recipe.schema import REQUIRED, SECTIONS, TOP_LEVEL
+from ftkit.recipe.schema import REQUIRED, SECTIONS, TOP_LEVEL, Default
 
-READERS = {
+READERS: dict[str, Callable[[Sink, Loaded, Context], None]] = {
     "deepspeed": lambda sink, loaded, ctx: deepspeed.read(sink, loaded.data),
-    "accelerate": lambda sink, loaded, ctx: accelerate.read(sink, loaded.data, ctx),
+    "accelerate": lambda sink, loaded, ctx: accelerate.read(sink, loaded.mapping(), ctx),
     "trainer": lambda sink, loaded, ctx: trainer_args.read(sink, loaded.data, ctx),
     "axolotl": lambda sink, loaded, ctx: axolotl.read(sink, loaded.data, ctx),
     "llamafactory": lambda sink, loaded, ctx: llamafactory.read(sink, loaded.data, ctx),
@@ -104,11 +103,11 @@ class Context:
         sink.map(key, WORLD, hf.world_size, f"{hf.num_nodes} host(s), {hf.world_size} slots")
         sink.map(key, NODES, hf.num_nodes)
 
-    def inline_deepspeed(self, sink: Sink, key: str, value: dict) -> None:
+    def inline_deepspeed(self, sink: Sink, key: str, value: Mapping[str, object]) -> None:
         sink.followed(key, "an inline DeepSpeed config (its keys are listed under it)")
         deepspeed.read(self.report.sink(f"{sink.source} {key}"), value)
 
-    def inline_plugin(self, sink: Sink, ds: dict) -> None:
+    def inline_plugin(self, sink: Sink, ds: Mapping[str, object]) -> None:
         """Accelerate's DeepSpeed plugin without a config file: zero_stage defaults to 2, the rest is "auto"."""
         if "zero_stage" not in ds:
             sink.implied("deepspeed_config.zero_stage", "zero.stage", 2, "Accelerate's default zero_stage 2")
@@ -214,7 +213,11 @@ def _model(report: Report, ctx: Context, model: str | None) -> None:
         sink.map(model, "model.path", ctx.path_value(model, hub=True), "the model to fine-tune")
     chosen = model
     if chosen is None:
-        paths = [c.value for c in report.claims if c.target == "model.path" and c.status == "mapped"]
+        paths = [
+            c.value
+            for c in report.claims
+            if c.target == "model.path" and c.status == "mapped" and isinstance(c.value, str)  # a path_value
+        ]
         local = [p for p in paths if (ctx.out_dir / p).is_dir() or Path(p).is_dir()]
         chosen = str(ctx.out_dir / local[0]) if local else None
     cfg, label = None, ""
@@ -231,7 +234,7 @@ def _model(report: Report, ctx: Context, model: str | None) -> None:
         report.hidden_size = hidden_size(cfg, label)
         report.hidden_from = label
     h = report.hidden_size
-    rules = {
+    rules: dict[str, tuple[str, Callable[[int], int]]] = {
         "zero.reduce_bucket_size": ("hidden_size^2", lambda h: h * h),
         "zero.prefetch_bucket_size": ("int(0.9 x hidden_size^2)", lambda h: int(0.9 * h * h)),
         "zero.param_persistence_threshold": ("10 x hidden_size", lambda h: 10 * h),
@@ -273,8 +276,8 @@ def _stop_if_refused(report: Report, accepted: set[str]) -> None:
         raise UserError(problems)
 
 
-def _recipe_values(report: Report, ctx: Context) -> tuple[dict[str, Any], list[str]]:
-    values: dict[str, Any] = {}
+def _recipe_values(report: Report, ctx: Context) -> tuple[dict[str, Default], list[str]]:
+    values: dict[str, Default] = {}
     for f in TOP_LEVEL:
         values[f.name] = f.default
     for s in SECTIONS:
@@ -291,7 +294,8 @@ def _recipe_values(report: Report, ctx: Context) -> tuple[dict[str, Any], list[s
         if key not in report.values:
             values[key] = placeholder
             placeholders.append(key)
-    if values["cluster.num_nodes"] > 1 and not values["cluster.hostfile"] and not values["cluster.master_addr"]:
+    nodes = values["cluster.num_nodes"]
+    if isinstance(nodes, int) and nodes > 1 and not values["cluster.hostfile"] and not values["cluster.master_addr"]:
         placeholders.append("cluster.master_addr")  # several nodes, no hostfile: rank 0's address is needed
     if "train.output_dir" not in report.values:
         values["train.output_dir"] = f"./runs/{values['name']}"
@@ -303,8 +307,8 @@ def _recipe_values(report: Report, ctx: Context) -> tuple[dict[str, Any], list[s
     return values, placeholders
 
 
-def _nested(values: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {f.name: values[f.name] for f in TOP_LEVEL}
+def _nested(values: Mapping[str, Default]) -> dict[str, object]:
+    out: dict[str, object] = {f.name: values[f.name] for f in TOP_LEVEL}
     for s in SECTIONS:
         if s.name == "peft" and not values["peft"]:
             out["peft"] = None
@@ -316,7 +320,11 @@ def _nested(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def _recipe_text(
-    values: dict[str, Any], sources: list[str], report: Report, accepted: set[str], placeholders: list[str]
+    values: Mapping[str, Default],
+    sources: list[str],
+    report: Report,
+    accepted: set[str],
+    placeholders: list[str],
 ) -> str:
 
     header = [f"# ftkit recipe imported by `ftkit import` (ftkit {__version__}) from:"]

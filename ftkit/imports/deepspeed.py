@@ -14,11 +14,13 @@ deprecated spellings folded in, which ``ftkit check --against`` compares (:mod:`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from ftkit.imports.mapping import ACCUM, BF16, DS_OPTIMIZER, FP16, GLOBAL, MICRO, Sink, fmt
 from ftkit.imports.values import is_auto, to_bool, to_float, to_int, to_mapping, to_str
+from ftkit.recipe.schema import Value
+from ftkit.rundir.records import JSON
 
 # zero_optimization keys: DeepSpeed's aliases and deprecated spellings -> the spelling ftkit renders.
 ZERO_ALIASES = {
@@ -67,7 +69,7 @@ STAGE3_ONLY = {
 }
 
 # DeepSpeed's defaults (0.19) for the keys ftkit renders or maps, by canonical dotted key: what an absent key means.
-DEFAULTS: dict[str, Any] = {
+DEFAULTS: dict[str, JSON] = {
     "gradient_clipping": 0.0,
     "steps_per_print": 10,
     "wall_clock_breakdown": False,
@@ -166,9 +168,10 @@ REFUSED_TOP = {
 ROUNDING = "same update up to floating-point rounding"
 
 
-def read(sink: Sink, cfg: Any) -> None:
+def read(sink: Sink, data: object) -> None:
     """Claims for every key of a DeepSpeed config (a parsed JSON object)."""
-    if to_mapping(sink, None, cfg) is None:  # type: ignore[arg-type]
+    cfg = to_mapping(sink, None, data)
+    if cfg is None:
         return
     zero = cfg.get("zero_optimization")
     stage = 0
@@ -210,20 +213,18 @@ def default_clipping() -> tuple[float, str]:
     return 1.0, "DeepSpeed's (not installed here; 1.0 since PR #8068, 0.0 before)"
 
 
-def absent_defaults(sink: Sink, zero: dict[str, Any], stage: int, prefix: str = "zero_optimization") -> None:
+def absent_defaults(sink: Sink, zero: Mapping[str, object], stage: int, prefix: str = "zero_optimization") -> None:
     """Keys the config leaves out take DeepSpeed's default, which ftkit's rule might not equal (a bucket sized by
     the hidden size, overlap at stage 1/2 when memory allows, 1e8 live parameters when memory is tight): the
     recipe keeps DeepSpeed's value, so the rendered config does what the source did. Write ``auto`` in the recipe
     to let ftkit decide instead."""
     names = {ZERO_ALIASES.get(str(k), str(k)) for k in zero}
-    offload = any(
-        isinstance(zero.get(k), dict) and str(zero[k].get("device", "none")).lower() != "none"
-        for k in ("offload_optimizer", "offload_param")
-    ) or any(zero.get(k) is True for k in ("cpu_offload", "cpu_offload_param"))
-    pinned = any(
-        isinstance(zero.get(k), dict) and "pin_memory" in zero[k] for k in ("offload_optimizer", "offload_param")
+    blocks = [b for k in ("offload_optimizer", "offload_param") if isinstance(b := zero.get(k), dict)]
+    offload = any(str(b.get("device", "none")).lower() != "none" for b in blocks) or any(
+        zero.get(k) is True for k in ("cpu_offload", "cpu_offload_param")
     )
-    wanted: list[tuple[str, str, Any]] = []
+    pinned = any("pin_memory" in b for b in blocks)
+    wanted: list[tuple[str, str, Value]] = []
     if stage in (1, 2):
         wanted += [
             ("reduce_bucket_size", "zero.reduce_bucket_size", 500_000_000),
@@ -249,7 +250,7 @@ def absent_defaults(sink: Sink, zero: dict[str, Any], stage: int, prefix: str = 
             )
 
 
-def _top(sink: Sink, key: str, value: Any, stage: int) -> None:
+def _top(sink: Sink, key: str, value: object, stage: int) -> None:
     if key.startswith("_") or key.lower() in ("comment", "comments", "description"):
         sink.no_effect(key, "a comment; DeepSpeed ignores it")
     elif key == "train_batch_size":
@@ -272,9 +273,9 @@ def _top(sink: Sink, key: str, value: Any, stage: int) -> None:
     elif key == "scheduler":
         _scheduler(sink, key, value)
     elif key == "zero_optimization":
-        if to_mapping(sink, key, value) is not None:
-            for sub, v in value.items():
-                _zero(sink, f"{key}.{sub}", str(sub), v, stage)
+        if (block := to_mapping(sink, key, value)) is not None:
+            for sub, item in block.items():
+                _zero(sink, f"{key}.{sub}", str(sub), item, stage)
     elif key in HARD_TOP:
         if key == "amp" and isinstance(value, dict) and value.get("enabled") is False:
             sink.same(key, "disabled")
@@ -305,14 +306,14 @@ def _top(sink: Sink, key: str, value: Any, stage: int) -> None:
         sink.unknown(key, value, "DeepSpeed")
 
 
-def _int_or_auto(sink: Sink, key: str, value: Any, target: str, minimum: int) -> None:
+def _int_or_auto(sink: Sink, key: str, value: object, target: str, minimum: int) -> None:
     if is_auto(value):
         sink.auto(key, target)
     elif (v := to_int(sink, key, value, minimum=minimum)) is not None:
         sink.map(key, target, v)
 
 
-def _fp16(sink: Sink, key: str, value: Any) -> None:
+def _fp16(sink: Sink, key: str, value: object) -> None:
     block = to_mapping(sink, key, value)
     if block is None:
         return
@@ -344,7 +345,7 @@ def _fp16(sink: Sink, key: str, value: Any) -> None:
             sink.unknown(k, v, "DeepSpeed fp16")
 
 
-def _bf16(sink: Sink, key: str, value: Any) -> None:
+def _bf16(sink: Sink, key: str, value: object) -> None:
     block = to_mapping(sink, key, value)
     if block is None:
         return
@@ -362,7 +363,7 @@ def _bf16(sink: Sink, key: str, value: Any) -> None:
             sink.unknown(k, v, "DeepSpeed bf16")
 
 
-def _enabled(sink: Sink, key: str, value: Any, target: str) -> None:
+def _enabled(sink: Sink, key: str, value: object, target: str) -> None:
     if is_auto(value):
         sink.auto(key, target)
     elif (b := to_bool(sink, key, value)) is not None:
@@ -374,7 +375,7 @@ _OPT_PARAMS = {"lr": "train.learning_rate", "eps": "train.adam_epsilon", "weight
 _OPT_DEFAULTS = {"lr": 1e-3, "eps": 1e-8, "weight_decay": 0.0}
 
 
-def _optimizer(sink: Sink, key: str, value: Any) -> None:
+def _optimizer(sink: Sink, key: str, value: object) -> None:
     block = to_mapping(sink, key, value)
     if block is None:
         return
@@ -382,7 +383,8 @@ def _optimizer(sink: Sink, key: str, value: Any) -> None:
     params = block.get("params", {})
     if "type" not in block:
         sink.problem(key, "has no type: DeepSpeed needs optimizer.type (e.g. AdamW)")
-    adam_w = kind == "adamw" or (kind == "adam" and params.get("adam_w_mode", True) not in (False, "false"))
+    mode = params.get("adam_w_mode", True) if isinstance(params, dict) else True  # not a mapping: reported below
+    adam_w = kind == "adamw" or (kind == "adam" and mode not in (False, "false"))
     for sub, v in block.items():
         k = f"{key}.{sub}"
         if sub == "type":
@@ -392,8 +394,8 @@ def _optimizer(sink: Sink, key: str, value: Any) -> None:
             else:
                 sink.refuse(k, f"optimizer {v}: ftkit trains with AdamW only", "AdamW instead")
         elif sub == "params":
-            if to_mapping(sink, k, v) is not None:
-                _optimizer_params(sink, k, v, adam_w)
+            if (given := to_mapping(sink, k, v)) is not None:
+                _optimizer_params(sink, k, given, adam_w)
         else:
             sink.unknown(k, v, "DeepSpeed optimizer")
     if adam_w and isinstance(params, dict):
@@ -407,7 +409,7 @@ def _optimizer(sink: Sink, key: str, value: Any) -> None:
                     sink.implied(f"{key}.params.{name}", _OPT_PARAMS[name], _OPT_DEFAULTS[name], how)
 
 
-def _optimizer_params(sink: Sink, key: str, params: dict, adam_w: bool) -> None:
+def _optimizer_params(sink: Sink, key: str, params: Mapping[str, object], adam_w: bool) -> None:
     for sub, v in params.items():
         k = f"{key}.{sub}"
         if sub in _OPT_PARAMS:
@@ -451,12 +453,12 @@ def _optimizer_params(sink: Sink, key: str, params: dict, adam_w: bool) -> None:
 _SCHEDULES = {"warmuplr": "constant_with_warmup", "warmupdecaylr": "linear", "warmupcosinelr": "cosine"}
 
 
-def _scheduler(sink: Sink, key: str, value: Any) -> None:
+def _scheduler(sink: Sink, key: str, value: object) -> None:
     block = to_mapping(sink, key, value)
     if block is None:
         return
     kind = str(block.get("type", ""))
-    params = block.get("params", {}) if isinstance(block.get("params", {}), dict) else {}
+    params = given if isinstance(given := block.get("params", {}), dict) else {}
     closest = _SCHEDULES.get(kind.lower())
     linear = str(params.get("warmup_type", "log")).lower() == "linear"
     cos_ok = kind.lower() != "warmupcosinelr" or (
@@ -480,9 +482,9 @@ def _scheduler(sink: Sink, key: str, value: Any) -> None:
                 c = sink.refuse(k, f"DeepSpeed scheduler {kind}: ftkit uses HF's schedules", "accepted: linear")
                 c.target, c.value = "train.lr_scheduler", "linear"
         elif sub == "params":
-            if to_mapping(sink, k, v) is None:
+            if (given := to_mapping(sink, k, v)) is None:
                 continue
-            for name, pv in v.items():
+            for name, pv in given.items():
                 pk = f"{k}.{name}"
                 if name == "warmup_max_lr":
                     if is_auto(pv):
@@ -512,7 +514,7 @@ def _scheduler(sink: Sink, key: str, value: Any) -> None:
             sink.unknown(k, v, "DeepSpeed scheduler")
 
 
-def _zero(sink: Sink, key: str, sub: str, value: Any, stage: int) -> None:
+def _zero(sink: Sink, key: str, sub: str, value: object, stage: int) -> None:
     name = ZERO_ALIASES.get(sub, sub)
     spelled = f" ({sub} is DeepSpeed's {'deprecated' if 'fp16' in sub else 'other'} spelling of {name})"
     spelled = spelled if name != sub else ""
@@ -587,7 +589,7 @@ def _zero(sink: Sink, key: str, sub: str, value: Any, stage: int) -> None:
 
 _COMM = "same update; other memory use or communication"
 # zero keys ftkit leaves at DeepSpeed's default: (default, what a other value does, refuse|no effect, effect)
-_ZERO_SAME: dict[str, tuple[Any, str, str, str]] = {
+_ZERO_SAME: dict[str, tuple[JSON, str, str, str]] = {
     "reduce_scatter": (True, "all-reduce instead of reduce-scatter", "no effect", _COMM),
     "allgather_partitions": (True, "all-gather per partition", "no effect", _COMM),
     "ignore_unused_parameters": (True, "fails on unused parameters", "no effect", "no effect on training"),
@@ -618,7 +620,7 @@ _ZERO_SAME: dict[str, tuple[Any, str, str, str]] = {
 }
 
 
-def _offload(sink: Sink, key: str, name: str, value: Any) -> None:
+def _offload(sink: Sink, key: str, name: str, value: object) -> None:
     block = to_mapping(sink, key, value)
     if block is None:
         return
@@ -661,13 +663,13 @@ def _offload(sink: Sink, key: str, name: str, value: Any) -> None:
 # Canonical form, for comparing two configs
 
 
-def canonical(cfg: dict[str, Any]) -> dict[str, Any]:
+def canonical(cfg: Mapping[str, object]) -> dict[str, object]:
     """``cfg`` flattened to dotted keys in the spelling ftkit renders: zero aliases and deprecated spellings folded
     in, ``bfloat16`` as ``bf16``, numbers as ints when whole, ``"true"``/``"false"`` as booleans, the optimizer type
     lower-cased (``adam`` with adam_w_mode is ``adamw``), an offload block with device none dropped."""
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
 
-    def put(key: str, value: Any) -> None:
+    def put(key: str, value: object) -> None:
         out[key] = _norm(value)
 
     for key, value in cfg.items():
@@ -707,13 +709,13 @@ def canonical(cfg: dict[str, Any]) -> dict[str, Any]:
             kind = "adamw"
         out["optimizer.type"] = kind
         out.pop("optimizer.params.adam_w_mode", None)
-    if isinstance(out.get("scheduler.type"), str):
-        out["scheduler.type"] = out["scheduler.type"].lower()
+    if isinstance(scheduler := out.get("scheduler.type"), str):
+        out["scheduler.type"] = scheduler.lower()
     return out
 
 
-def _flatten(value: dict[str, Any], prefix: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _flatten(value: Mapping[str, object], prefix: str) -> dict[str, object]:
+    out: dict[str, object] = {}
     for k, v in value.items():
         key = f"{prefix}.{k}"
         if isinstance(v, dict) and v:
@@ -723,7 +725,7 @@ def _flatten(value: dict[str, Any], prefix: str) -> dict[str, Any]:
     return out
 
 
-def _norm(value: Any) -> Any:
+def _norm(value: object) -> object:
     if isinstance(value, bool):
         return value
     if isinstance(value, str):
@@ -743,12 +745,12 @@ def _norm(value: Any) -> Any:
     return value
 
 
-def stage_of(flat: dict[str, Any]) -> int:
+def stage_of(flat: Mapping[str, object]) -> int:
     stage = flat.get("zero_optimization.stage", 0)
     return stage if isinstance(stage, int) and not isinstance(stage, bool) else 0
 
 
-def relevant(key: str, flat: dict[str, Any]) -> str | None:
+def relevant(key: str, flat: Mapping[str, object]) -> str | None:
     """None when ``key`` matters in a config like ``flat``; else why DeepSpeed ignores it there."""
     stage = stage_of(flat)
     if key.startswith("zero_optimization.") and key != "zero_optimization.stage":

@@ -9,14 +9,12 @@ else changes.
 
 from __future__ import annotations
 
-from typing import Any
-
 from ftkit.imports.mapping import Sink
 
 WHY = "FSDP (version {v}) is not supported: ftkit supports DeepSpeed only so far"
 
 
-def fsdp_version(value: Any) -> int:
+def fsdp_version(value: object) -> int:
     """The FSDP version a config asks for: ``fsdp_version: 2`` (Accelerate, Axolotl), else 1."""
     if isinstance(value, dict):
         v = value.get("fsdp_version", value.get("version", 1))
@@ -24,6 +22,6 @@ def fsdp_version(value: Any) -> int:
     return 1
 
 
-def refuse_fsdp(sink: Sink, key: str, value: Any, version: int | None = None) -> None:
+def refuse_fsdp(sink: Sink, key: str, value: object, version: int | None = None) -> None:
     """One line for an FSDP setting: refused (hard) until the FSDP mapping exists."""
     sink.hard(key, WHY.format(v=version or fsdp_version(value)))

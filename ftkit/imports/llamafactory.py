@@ -8,12 +8,14 @@ than ``cutoff_len`` are cut (data.truncate: true). Datasets and prompt templates
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from ftkit.imports import trainer_args as ta
 from ftkit.imports.mapping import Sink
 from ftkit.imports.read import Command
 from ftkit.imports.values import to_bool, to_int, to_str, unset
+from ftkit.recipe.schema import Value
 
 if TYPE_CHECKING:  # pragma: no cover
     from ftkit.imports.build import Context
@@ -22,12 +24,12 @@ NONE = "no effect on training"
 DATA = "convert it to a local jsonl (text, prompt+completion or messages fields) and set data.train"
 
 
-def _model(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _model(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     if (s := to_str(sink, key, value)) is not None:
         sink.map(key, "model.path", ctx.path_value(s, hub=True), origin="ta")
 
 
-def _stage(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _stage(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     stage = str(value).lower()
     if stage == "sft":
         sink.same(key, "supervised fine-tuning: what ftkit trains")
@@ -37,7 +39,7 @@ def _stage(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
         sink.hard(key, f"stage {value} (a preference/reward objective): ftkit trains supervised fine-tuning only")
 
 
-def _finetuning_type(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _finetuning_type(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     kind = str(value).lower()
     if kind == "lora":
         sink.map(key, "peft.method", "lora", origin="ta")
@@ -47,7 +49,7 @@ def _finetuning_type(sink: Sink, key: str, value: Any, args: dict, ctx: Context)
         sink.hard(key, f"finetuning_type {value}: ftkit trains LoRA or all parameters")
 
 
-def _lora_target(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _lora_target(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     names = [x.strip() for x in (value if isinstance(value, list) else str(value).split(",")) if str(x).strip()]
     if names == ["all"]:
         sink.map(key, "peft.target_modules", ["all-linear"], "every linear layer but the output layer", origin="ta")
@@ -57,19 +59,19 @@ def _lora_target(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> 
         sink.problem(key, "expected module names or all")
 
 
-def _cutoff(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _cutoff(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     if (n := to_int(sink, key, value, minimum=1)) is not None:
         sink.map(key, "data.max_seq_len", n, origin="ta")
         sink.map(key, "data.truncate", True, "LLaMA-Factory cuts longer examples", origin="ta")
 
 
-def _no_gc(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _no_gc(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     if (b := to_bool(sink, key, value)) is not None:
         sink.map(key, "model.gradient_checkpointing", not b, origin="ta")
 
 
 def _refuse_if_set(why: str, effect: str) -> ta.Handler:
-    def h(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+    def h(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
         if unset(value) or value is False or str(value).lower() in ("false", "0", "none"):
             sink.same(key, "unset")
         else:
@@ -78,7 +80,7 @@ def _refuse_if_set(why: str, effect: str) -> ta.Handler:
     return h
 
 
-def _val_size(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _val_size(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     if unset(value) or str(value) in ("0", "0.0"):
         sink.same(key, "no held-out split")
     else:
@@ -136,7 +138,7 @@ KEYS: dict[str, ta.Handler] = {
 }
 
 
-def read(sink: Sink, data: Any, ctx: Context) -> None:
+def read(sink: Sink, data: Mapping[str, object] | Command, ctx: Context) -> None:
 
     if isinstance(data, Command) and data.launcher == "llamafactory-cli":
         for path in data.positional:
@@ -153,9 +155,13 @@ def read(sink: Sink, data: Any, ctx: Context) -> None:
         if "finetuning_type" not in args:
             sink.implied("finetuning_type", "peft.method", "lora", "LLaMA-Factory's default: LoRA")
         rank = args.get("lora_rank", 8)
-        defaults = (
+        defaults: tuple[tuple[str, str, Value], ...] = (
             ("lora_rank", "peft.r", 8),
-            ("lora_alpha", "peft.alpha", float(rank) * 2 if str(rank).isdigit() else 16.0),
+            (
+                "lora_alpha",
+                "peft.alpha",
+                float(rank) * 2 if isinstance(rank, (int, str)) and str(rank).isdigit() else 16.0,
+            ),
             ("lora_dropout", "peft.dropout", 0.0),
             ("lora_target", "peft.target_modules", ["all-linear"]),
         )

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Any
+from typing import cast
 
 from ftkit.errors import Problem
+from ftkit.recipe.schema import Value
 
 MAPPED, DEFAULT, AUTO, NO_EFFECT, REFUSED, HARD = "mapped", "default", "auto", "no effect", "refused", "hard"
 FOLLOWED = "followed"  # a key naming another file, read as a source of its own
@@ -34,7 +36,7 @@ ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw", "adamw_
 
 # Targets HF Trainer fills into DeepSpeed's "auto" (and checks a concrete DeepSpeed value against): the
 # TrainingArguments name and its default (transformers 5).
-HF_FILLED: dict[str, tuple[str, Any]] = {
+HF_FILLED: dict[str, tuple[str, Value]] = {
     MICRO: ("per_device_train_batch_size", 8),
     ACCUM: ("gradient_accumulation_steps", 1),
     "train.max_grad_norm": ("max_grad_norm", 1.0),
@@ -48,7 +50,7 @@ HF_FILLED: dict[str, tuple[str, Any]] = {
     "train.warmup_steps": ("warmup_steps", 0),
 }
 # What an HF Trainer run does for training-math settings no source states: TrainingArguments' defaults.
-HF_UNSTATED: dict[str, tuple[str, Any]] = {
+HF_UNSTATED: dict[str, tuple[str, Value]] = {
     **HF_FILLED,
     "train.lr_scheduler": ("lr_scheduler_type", "linear"),
     "train.epochs": ("num_train_epochs", 3.0),
@@ -66,7 +68,7 @@ class Claim:
     key: str  # the key as the source spells it (dotted for nested blocks)
     status: str
     target: str | None = None
-    value: Any = None
+    value: Value = None
     how: str = ""  # how it was mapped, or why it is not carried
     effect: str = ""  # what dropping it changes in training (refused, no effect)
     origin: str = "ds"  # "ds": a DeepSpeed-config value; "ta": a TrainingArguments value (HF fills "auto" from it)
@@ -97,7 +99,7 @@ class Report:
 
     claims: list[Claim] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
-    values: dict[str, Any] = field(default_factory=dict)  # resolved recipe values (dotted keys)
+    values: dict[str, Value] = field(default_factory=dict)  # resolved recipe values (dotted keys)
     notes: list[str] = field(default_factory=list)  # lines about values no source states
     trainer_sources: list[str] = field(default_factory=list)  # sources whose values are TrainingArguments
     hidden_size: int | None = None
@@ -173,7 +175,7 @@ class Report:
         for c in ds_opt:
             c.target, c.how = None, "DeepSpeed's AdamW, what ftkit configures" + (f" ({c.how})" if c.how else "")
 
-    def _agreed(self, target: str, claims: list[Claim]) -> Any:
+    def _agreed(self, target: str, claims: list[Claim]) -> Value:
         """The value the claims agree on; a problem naming each source when they do not."""
         values = {_key(c.value) for c in claims}
         if len(values) > 1:
@@ -199,7 +201,8 @@ class Report:
         ds = [c for c in self.on(target) if c.origin == "ds"]
         ta = [c for c in self.on(target) if c.origin == "ta"]
         autos = self.on(target, (AUTO,))
-        ta_value, ta_from = None, ""
+        ta_value: Value = None
+        ta_from = ""
         if ta:
             ta_value = self._agreed(target, ta)
             ta_from = f"{ta[0].source} {ta[0].key}"
@@ -257,15 +260,16 @@ class Report:
                 c.shown += f"; train.precision = {precision}"
 
     def _resolve_batch(self, world_default: tuple[int, int]) -> None:
-        micro, accum = self.values.pop(MICRO, None), self.values.pop(ACCUM, None)
+        # readers claim the batch triple, the world size and the node count as whole numbers only (to_int)
+        micro, accum = _whole(self.values.pop(MICRO, None)), _whole(self.values.pop(ACCUM, None))
         glob = self.on(GLOBAL)
-        glob_value = self._agreed(GLOBAL, glob) if glob else None
+        glob_value = _whole(self._agreed(GLOBAL, glob)) if glob else None
         world_claims = self.on(WORLD)
-        world = self._agreed(WORLD, world_claims) if world_claims else None
+        world = _whole(self._agreed(WORLD, world_claims)) if world_claims else None
         nodes_claims = self.on(NODES)
-        nodes = self._agreed(NODES, nodes_claims) if nodes_claims else None
+        nodes = _whole(self._agreed(NODES, nodes_claims)) if nodes_claims else None
         if micro is None:
-            micro = HF_FILLED[MICRO][1]
+            micro = cast(int, HF_FILLED[MICRO][1])
             self.notes.append(
                 f"train.micro_batch_size = {micro}: no source states it; an HF Trainer run uses TrainingArguments' "
                 f"default (per_device_train_batch_size={micro})"
@@ -286,7 +290,7 @@ class Report:
         if accum is None and glob_value is not None and glob_value % (micro * world) == 0:
             accum = glob_value // (micro * world)  # DeepSpeed derives the missing one of the triple
         if accum is None:
-            accum = HF_FILLED[ACCUM][1]
+            accum = cast(int, HF_FILLED[ACCUM][1])
             self.notes.append(f"gradient accumulation {accum}: no source states it; TrainingArguments' default")
         computed = micro * accum * world
         if glob_value is not None and glob_value != computed:
@@ -339,11 +343,11 @@ class Report:
 
     # -- reporting -------------------------------------------------------------------------------------------
 
-    def refusals(self, accepted: set[str]) -> list[Claim]:
+    def refusals(self, accepted: AbstractSet[str]) -> list[Claim]:
         """Claims that stop the import: hard ones always, refused ones unless accepted."""
         return [c for c in self.claims if c.status == HARD or (c.status == REFUSED and not _accepted(c, accepted))]
 
-    def lines(self, accepted: set[str] = frozenset()) -> list[str]:  # type: ignore[assignment]
+    def lines(self, accepted: AbstractSet[str] = frozenset()) -> list[str]:
         """One line per source key (claims on several targets from one key, e.g. betas, share it)."""
         out: list[str] = []
         last: Claim | None = None
@@ -361,13 +365,18 @@ class Report:
         return out + [n if n.startswith("(derived)") else f"(not in any source) {n}" for n in self.notes]
 
 
-def _accepted(c: Claim, accepted: set[str]) -> bool:
+def _accepted(c: Claim, accepted: AbstractSet[str]) -> bool:
     """Whether ``--accept`` names this key: as the report spells it (leading dashes optional), or a block above it."""
     key = c.key.lstrip("-")
     return any(key == a.lstrip("-") or key.startswith(a.lstrip("-") + ".") for a in accepted)
 
 
-def _key(value: Any) -> Any:
+def _whole(value: Value) -> int | None:
+    """A batch, world or node value: an int (or None when no source states it), as the readers claim them."""
+    return cast("int | None", value)
+
+
+def _key(value: object) -> object:
     if isinstance(value, float) and value.is_integer():
         return int(value)
     if isinstance(value, list):
@@ -375,13 +384,13 @@ def _key(value: Any) -> Any:
     return value
 
 
-def _equal(a: Any, b: Any) -> bool:
+def _equal(a: object, b: object) -> bool:
     if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
         return math.isclose(float(a), float(b), rel_tol=1e-12, abs_tol=0.0)
     return _key(a) == _key(b)
 
 
-def _fmt(value: Any) -> str:
+def _fmt(value: object) -> str:
     if isinstance(value, bool) or value is None:
         return {True: "true", False: "false", None: "null"}[value]
     if isinstance(value, float):
@@ -402,20 +411,42 @@ class Sink:
         self.source = source
         self.lines = lines
 
-    def _add(self, key: str, status: str, **kw: Any) -> Claim:
-        c = Claim(self.source, key, status, line=self.lines.get(key), **kw)
+    def _add(
+        self,
+        key: str,
+        status: str,
+        *,
+        target: str | None = None,
+        value: Value = None,
+        how: str = "",
+        effect: str = "",
+        origin: str = "ds",
+        checked: bool = True,
+    ) -> Claim:
+        c = Claim(
+            self.source,
+            key,
+            status,
+            target=target,
+            value=value,
+            how=how,
+            effect=effect,
+            origin=origin,
+            checked=checked,
+            line=self.lines.get(key),
+        )
         self.report.claims.append(c)
         return c
 
-    def map(self, key: str, target: str, value: Any, how: str = "", *, origin: str = "ds") -> Claim:
+    def map(self, key: str, target: str, value: Value, how: str = "", *, origin: str = "ds") -> Claim:
         """The source states ``value`` for ``target``."""
         return self._add(key, MAPPED, target=target, value=value, how=how, origin=origin)
 
-    def implied(self, key: str, target: str, value: Any, how: str) -> Claim:
+    def implied(self, key: str, target: str, value: Value, how: str) -> Claim:
         """A key the source leaves out, whose absence decides a value (e.g. no gradient_clipping: no clipping)."""
         return self._add(f"{key} (absent)", MAPPED, target=target, value=value, how=how, checked=False)
 
-    def auto(self, key: str, target: str, how: str = "", value: Any = None) -> Claim:
+    def auto(self, key: str, target: str, how: str = "", value: Value = None) -> Claim:
         """A DeepSpeed "auto": HF fills it (from TrainingArguments when ``target`` is one HF fills)."""
         return self._add(key, AUTO, target=target, how=how, value=value)
 
@@ -439,7 +470,7 @@ class Sink:
         """Cannot be imported at all (ftkit cannot run it: FSDP, fp8, TPU/XPU)."""
         return self._add(key, HARD, how=why)
 
-    def unknown(self, key: str, value: Any, kind: str) -> Claim:
+    def unknown(self, key: str, value: object, kind: str) -> Claim:
         return self.refuse(
             key,
             f"unknown {kind} key (= {_fmt(value)})",

@@ -13,10 +13,11 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypeAlias, cast
 
 from ftkit.errors import Problem, RecipeError, UserError
 from ftkit.recipe.load import _compose, _to_python, _walk
+from ftkit.rundir.records import JSON, JSONObject
 
 KINDS = ("deepspeed", "accelerate", "trainer", "axolotl", "llamafactory")
 MAX_BYTES = 1 << 20  # a config is a few KiB
@@ -83,15 +84,18 @@ _TRAINER = {
 }
 
 
+Option: TypeAlias = str | bool | list[str]  # a command-line option's value: --key v, --flag (true), --key a b
+
+
 @dataclass
 class Command:
     """A training command line: the launcher's options (world size), the script and its ``--key value`` arguments."""
 
     launcher: str | None = None  # torchrun | deepspeed | accelerate | python | llamafactory-cli | axolotl
-    launcher_opts: dict[str, Any] = field(default_factory=dict)
+    launcher_opts: dict[str, Option] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     script: str | None = None
-    args: dict[str, Any] = field(default_factory=dict)
+    args: dict[str, Option] = field(default_factory=dict)
     positional: list[str] = field(default_factory=list)
 
 
@@ -100,8 +104,14 @@ class Loaded:
     label: str  # the file as the user (or the file naming it) wrote it
     path: Path
     kind: str
-    data: Any  # the parsed mapping, or a Command
+    data: JSONObject | Command  # the parsed mapping, or a Command
     lines: dict[str, int] = field(default_factory=dict)  # dotted key -> line (YAML)
+
+    def mapping(self) -> JSONObject:
+        """The parsed mapping of a config file (DeepSpeed and Accelerate sources are never read as a command line)."""
+        if isinstance(self.data, Command):
+            raise TypeError(f"{self.label}: a {self.kind} command line, not a config file")
+        return self.data
 
 
 def split_spec(spec: str) -> tuple[str | None, str]:
@@ -155,15 +165,15 @@ def _looks_like_command(path: Path, text: str) -> bool:
     return bool(re.search(r"(^|\s)--[A-Za-z]", stripped)) or path.suffix.lower() in (".sh", ".cmd", ".txt")
 
 
-def _parse(path: Path, text: str, label: str) -> tuple[Any, dict[str, int]]:
+def _parse(path: Path, text: str, label: str) -> tuple[JSON, dict[str, int]]:
     if path.suffix.lower() == ".json" or text.lstrip().startswith("{"):
         return _parse_json(text, label), {}
     return _parse_yaml(text, label)
 
 
-def _parse_json(text: str, label: str) -> Any:
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+def _parse_json(text: str, label: str) -> JSON:
+    def pairs(items: list[tuple[str, JSON]]) -> JSONObject:
+        out: JSONObject = {}
         for k, v in items:
             if k in out:
                 raise UserError(Problem("duplicate key; JSON readers keep only the last one: remove one", label, key=k))
@@ -171,14 +181,14 @@ def _parse_json(text: str, label: str) -> Any:
         return out
 
     try:
-        return json.loads(text, object_pairs_hook=pairs)
+        return cast("JSON", json.loads(text, object_pairs_hook=pairs))
     except json.JSONDecodeError as e:
         raise UserError(Problem(f"invalid JSON: {e.msg}", file=label, line=e.lineno)) from None
     except RecursionError:
         raise UserError(Problem("invalid JSON: nested too deeply", file=label)) from None
 
 
-def _parse_yaml(text: str, label: str) -> tuple[Any, dict[str, int]]:
+def _parse_yaml(text: str, label: str) -> tuple[JSON, dict[str, int]]:
 
     try:
         node = _compose(text, label)
@@ -201,12 +211,12 @@ def _parse_yaml(text: str, label: str) -> tuple[Any, dict[str, int]]:
     import yaml
 
     try:
-        return _to_python(node), lines
+        return cast("JSON", _to_python(node)), lines  # safe_load's shapes: JSON's
     except yaml.YAMLError as e:
         raise UserError(Problem(f"invalid YAML: {e}", file=label)) from None
 
 
-def detect(data: dict[str, Any], label: str) -> str:
+def detect(data: JSONObject, label: str) -> str:
     """Which format a parsed mapping is, from the keys only that format uses."""
     keys = {str(k) for k in data}
     if keys & {"distributed_type", "compute_environment"} or isinstance(data.get("deepspeed_config"), dict):
@@ -285,7 +295,7 @@ def _command(words: list[str], label: str) -> Command:
     elif head in ("llamafactory-cli", "axolotl", "lmf") and rest[:1] == ["train"]:
         cmd.launcher = "llamafactory-cli" if head != "axolotl" else "axolotl"
         cmd.positional = [w for w in rest[1:] if not w.startswith("-") and "=" not in w]
-        cmd.args = dict(_overrides(rest[1:]))
+        cmd.args = dict[str, Option](_overrides(rest[1:]))
         return cmd
     cmd.launcher = head if head in LAUNCHERS else None
     if cmd.launcher in (None, "python", "python3"):
@@ -317,9 +327,9 @@ def _script_index(words: list[str]) -> int:
     return -1
 
 
-def _options(words: list[str], positional: list[str] | None = None) -> dict[str, Any]:
+def _options(words: list[str], positional: list[str] | None = None) -> dict[str, Option]:
     """``--key value``, ``--key=value``, ``--flag`` (true), ``--key a b`` (a list), names with '-' read as '_'."""
-    out: dict[str, Any] = {}
+    out: dict[str, Option] = {}
     i = 0
     while i < len(words):
         w = words[i]
@@ -344,7 +354,7 @@ def _options(words: list[str], positional: list[str] | None = None) -> dict[str,
 
 
 def _overrides(words: list[str]) -> list[tuple[str, str]]:
-    return [tuple(w.split("=", 1)) for w in words if "=" in w and not w.startswith("-")]  # type: ignore[misc]
+    return [(k, v) for k, _, v in (w.partition("=") for w in words if "=" in w and not w.startswith("-"))]
 
 
 def _number(word: str) -> bool:

@@ -9,24 +9,26 @@ table (:data:`ARGUMENTS`) is shared with LLaMA-Factory, whose YAML is TrainingAr
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 from ftkit.imports.fsdp import refuse_fsdp
 from ftkit.imports.mapping import ACCUM, BF16, FP16, MICRO, NODES, TA_OPTIM, WORLD, Sink, fmt
 from ftkit.imports.read import Command
 from ftkit.imports.values import to_bool, to_float, to_int, to_str, unset
+from ftkit.rundir.records import JSONScalar
 
 if TYPE_CHECKING:  # pragma: no cover
     from ftkit.imports.build import Context
 
-Handler = Callable[[Sink, str, Any, dict, "Context"], object]  # what it returns is ignored (a Sink method's Claim)
+# (sink, key, the value as the source writes it, all the source's arguments, context); what it returns is ignored
+Handler = Callable[[Sink, str, object, Mapping[str, object], "Context"], object]
 ROUNDING = "same update up to floating-point rounding"
 NONE = "no effect on training"
 
 
 def _int(target: str, minimum: int = 0) -> Handler:
-    def h(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+    def h(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
         if (v := to_int(sink, key, value, minimum=minimum)) is not None:
             sink.map(key, target, v, origin="ta")
 
@@ -34,7 +36,7 @@ def _int(target: str, minimum: int = 0) -> Handler:
 
 
 def _float(target: str, minimum: float = 0) -> Handler:
-    def h(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+    def h(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
         if (v := to_float(sink, key, value, minimum=minimum)) is not None:
             sink.map(key, target, v, origin="ta")
 
@@ -42,7 +44,7 @@ def _float(target: str, minimum: float = 0) -> Handler:
 
 
 def _bool(target: str) -> Handler:
-    def h(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+    def h(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
         if (v := to_bool(sink, key, value)) is not None:
             sink.map(key, target, v, origin="ta")
 
@@ -50,16 +52,16 @@ def _bool(target: str) -> Handler:
 
 
 def _none(why: str, effect: str = NONE) -> Handler:
-    def h(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+    def h(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
         sink.no_effect(key, why, effect)
 
     return h
 
 
-def _default_or(default: Any, why: str, effect: str, refuse: bool = True) -> Handler:
+def _default_or(default: JSONScalar, why: str, effect: str, refuse: bool = True) -> Handler:
     """Equal to TrainingArguments' default: nothing to carry; another value: refused (or not carried)."""
 
-    def h(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+    def h(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
         if _same(value, default):
             sink.same(key, f"TrainingArguments' default ({fmt(default)}), what ftkit's run uses")
         elif refuse:
@@ -70,24 +72,22 @@ def _default_or(default: Any, why: str, effect: str, refuse: bool = True) -> Han
     return h
 
 
-def _same(value: Any, default: Any) -> bool:
+def _same(value: object, default: JSONScalar) -> bool:
     if unset(value) and unset(default):
         return True
     if isinstance(default, bool):
         return str(value).lower() == str(default).lower()
     if isinstance(default, (int, float)):
-        try:
-            return float(value) == float(default)
-        except (TypeError, ValueError):
-            return False
+        number = _number(value)
+        return number is not None and number == float(default)
     return str(value).lower() == str(default).lower()
 
 
-def _shown(key: str, value: Any) -> str:
+def _shown(key: str, value: object) -> str:
     return "value hidden" if any(s in key.lower() for s in ("token", "secret", "password", "key")) else fmt(value)
 
 
-def _epochs(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _epochs(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     if (v := to_float(sink, key, value, minimum=0)) is None:
         return
     steps = _get(args, "max_steps")
@@ -97,7 +97,7 @@ def _epochs(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
         sink.map(key, "train.epochs", v, origin="ta")
 
 
-def _max_steps(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _max_steps(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     if (v := to_int(sink, key, value, minimum=-1)) is None:
         return
     if v <= 0:
@@ -106,21 +106,29 @@ def _max_steps(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> No
         sink.map(key, "train.max_steps", v, origin="ta")
 
 
-def _positive(value: Any) -> bool:
+def _number(value: object) -> float | None:
+    """``float(value)``, or None where float() refuses the value (TypeError, ValueError)."""
+    if not isinstance(value, (str, bytes, int, float)):
+        return None
     try:
-        return float(value) > 0
-    except (TypeError, ValueError):
-        return False
+        return float(value)
+    except ValueError:
+        return None
 
 
-def _get(args: dict, name: str) -> Any:
+def _positive(value: object) -> bool:
+    number = _number(value)
+    return number is not None and number > 0
+
+
+def _get(args: Mapping[str, object], name: str) -> object:
     return args.get(name, args.get(name.replace("_", "-")))
 
 
 SCHEDULES = ("linear", "cosine", "constant", "constant_with_warmup")
 
 
-def _scheduler(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _scheduler(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     name = to_str(sink, key, value)
     if name is None:
         return
@@ -131,7 +139,7 @@ def _scheduler(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> No
         c.target, c.value, c.origin = "train.lr_scheduler", "cosine", "ta"
 
 
-def _warmup(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _warmup(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     """warmup_steps (an int, or in transformers 5 a float below 1: a ratio) and the older warmup_ratio."""
     v = to_float(sink, key, value, minimum=0)
     if v is None:
@@ -147,8 +155,8 @@ def _warmup(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
         sink.same(key, "no warm-up")
         return
     steps = _get(args, "max_steps")
-    if steps is not None and _positive(steps):
-        n = math.ceil(float(steps) * v)
+    if steps is not None and (total := _number(steps)) is not None and total > 0:
+        n = math.ceil(total * v)
         sink.map(
             key, "train.warmup_steps", n, f"ratio {fmt(v)} x max_steps {fmt(steps)}, rounded up as HF does", origin="ta"
         )
@@ -161,7 +169,7 @@ def _warmup(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
         c.target, c.value, c.origin = "train.warmup_steps", 0, "ta"
 
 
-def _report_to(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _report_to(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     items = value if isinstance(value, list) else [x for x in str(value).replace(",", " ").split() if x]
     items = [str(x).lower() for x in items]
     if items in ([], ["none"]):
@@ -177,12 +185,12 @@ def _report_to(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> No
         sink.no_effect(key, f"reporting to {', '.join(x for x in items if x not in kept)}: not supported", NONE)
 
 
-def _output_dir(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _output_dir(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     if (s := to_str(sink, key, value)) is not None:
         sink.map(key, "train.output_dir", ctx.path_value(s), "the run directory", origin="ta")
 
 
-def _run_name(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _run_name(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     import re
 
     s = str(value)
@@ -192,7 +200,7 @@ def _run_name(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> Non
         sink.no_effect(key, "not a valid ftkit run name (letters, digits, '.', '_', '-')", NONE)
 
 
-def _deepspeed(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _deepspeed(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     if isinstance(value, dict):
         ctx.inline_deepspeed(sink, key, value)
     elif not unset(value):
@@ -201,7 +209,7 @@ def _deepspeed(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> No
         sink.same(key, "no DeepSpeed config named")
 
 
-def _fsdp(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _fsdp(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
 
     if unset(value) or value is False or str(value).strip().lower() in ("", "false", "none", "[]"):
         sink.same(key, "FSDP off")
@@ -210,7 +218,7 @@ def _fsdp(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
 
 
 def _hard(why: str) -> Handler:
-    def h(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+    def h(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
         if unset(value) or str(value).lower() in ("false", "0", "none", "no"):
             sink.same(key, "unset")
         else:
@@ -219,12 +227,12 @@ def _hard(why: str) -> Handler:
     return h
 
 
-def _use_cpu(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _use_cpu(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     if (b := to_bool(sink, key, value)) is not None:
         sink.map(key, "cluster.accelerator", "cpu" if b else "cuda", origin="ta")
 
 
-def _data_seed(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _data_seed(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     seed = _get(args, "seed")
     if unset(value) or (seed is not None and str(value) == str(seed)):
         sink.same(key, "ftkit sets data_seed = train.seed")
@@ -232,14 +240,14 @@ def _data_seed(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> No
         sink.refuse(key, f"data_seed {fmt(value)} unlike seed: ftkit sets data_seed = train.seed", "another data order")
 
 
-def _gc(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _gc(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     if unset(value):
         sink.same(key, "unset")
     elif (b := to_bool(sink, key, value)) is not None:
         sink.map(key, "model.gradient_checkpointing", b, origin="ta")
 
 
-def _eval_steps(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _eval_steps(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     if unset(value):
         sink.same(key, "unset")
     elif (v := to_float(sink, key, value, minimum=0)) is not None and v.is_integer() and v >= 1:
@@ -249,7 +257,7 @@ def _eval_steps(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> N
 
 
 def _cadence(target: str) -> Handler:
-    def h(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+    def h(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
         v = to_float(sink, key, value, minimum=0)
         if v is not None and v.is_integer() and v >= 1:
             sink.map(key, target, int(v), origin="ta")
@@ -259,7 +267,7 @@ def _cadence(target: str) -> Handler:
     return h
 
 
-def _save_total_limit(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _save_total_limit(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     if unset(value) or str(value).lower() == "none":
         sink.no_effect(key, "keep every checkpoint: ftkit keeps train.save_total_limit committed ones", NONE)
     elif (v := to_int(sink, key, value, minimum=1)) is not None:
@@ -267,7 +275,7 @@ def _save_total_limit(sink: Sink, key: str, value: Any, args: dict, ctx: Context
 
 
 def _refuse_set(why: str, effect: str) -> Handler:
-    def h(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+    def h(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
         if unset(value):
             sink.same(key, "unset")
         else:
@@ -276,7 +284,7 @@ def _refuse_set(why: str, effect: str) -> Handler:
     return h
 
 
-def _train_file(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _train_file(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     text = str(value)
     if text.rsplit(".", 1)[-1].lower() in ("jsonl", "json", "csv", "parquet", "txt"):
         sink.map(key, "data.train", ctx.path_value(text), "fields text, prompt+completion or messages", origin="ta")
@@ -284,7 +292,7 @@ def _train_file(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> N
         sink.refuse(key, f"training data {text}: ftkit reads jsonl/json/csv/parquet/txt", DATA)
 
 
-def _eval_file(sink: Sink, key: str, value: Any, args: dict, ctx: Context) -> None:
+def _eval_file(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
     if unset(value):
         sink.same(key, "unset")
     else:
@@ -414,11 +422,16 @@ ARGUMENTS["per_gpu_train_batch_size"] = _int(MICRO, 1)
 
 
 def read(
-    sink: Sink, data: Any, ctx: Context, extra: dict[str, Handler] | None = None, kind: str = "TrainingArguments"
+    sink: Sink,
+    data: Mapping[str, object] | Command,
+    ctx: Context,
+    extra: dict[str, Handler] | None = None,
+    kind: str = "TrainingArguments",
 ) -> None:
     """Claims for a TrainingArguments mapping or command line (``extra``: another tool's own keys)."""
     ctx.report.trainer_sources.append(sink.source)
     table = {**ARGUMENTS, **(extra or {})}
+    args: Mapping[str, object]
     if isinstance(data, Command):
         _launcher(sink, data, ctx)
         args, dash = data.args, "--"
@@ -492,7 +505,7 @@ def _launcher(sink: Sink, cmd: Command, ctx: Context) -> None:
         sink.map(nodes_key, NODES, nodes)
     if launcher == "python" and not opts and cmd.script and not ctx.world_named():
         sink.map(f"python {cmd.script}", WORLD, 1, "a plain python command runs one process")
-    lf = {}  # llamafactory-cli's torchrun variables
+    lf: dict[str, tuple[str, int]] = {}  # llamafactory-cli's torchrun variables
     for env, value in cmd.env.items():
         key = f"{env}= (environment)"
         if env in ("NPROC_PER_NODE", "NNODES") and cmd.launcher == "llamafactory-cli":

@@ -7,7 +7,8 @@ returns None, so a malformed source ends with one line per bad value, never a tr
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     from ftkit.imports.mapping import Sink
@@ -15,11 +16,11 @@ if TYPE_CHECKING:  # pragma: no cover
 AUTO = "auto"
 
 
-def is_auto(value: Any) -> bool:
+def is_auto(value: object) -> bool:
     return isinstance(value, str) and value.strip().lower() == AUTO
 
 
-def _describe(value: Any) -> str:
+def _describe(value: object) -> str:
     if isinstance(value, bool):
         return f"boolean {str(value).lower()}"
     if isinstance(value, (int, float)):
@@ -33,7 +34,7 @@ def _describe(value: Any) -> str:
     return "nothing" if value is None else type(value).__name__
 
 
-def to_float(sink: Sink, key: str, value: Any, minimum: float | None = None) -> float | None:
+def to_float(sink: Sink, key: str, value: object, minimum: float | None = None) -> float | None:
     number: float | None = None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         number = float(value)
@@ -51,7 +52,7 @@ def to_float(sink: Sink, key: str, value: Any, minimum: float | None = None) -> 
     return number
 
 
-def to_int(sink: Sink, key: str, value: Any, minimum: int | None = 0) -> int | None:
+def to_int(sink: Sink, key: str, value: object, minimum: int | None = 0) -> int | None:
     """An integer, also from a float literal such as 2e8 or 5.0e8 (JSON and YAML write bucket sizes that way)."""
     number = to_float(sink, key, value) if not isinstance(value, bool) else None
     if isinstance(value, bool):
@@ -68,7 +69,7 @@ def to_int(sink: Sink, key: str, value: Any, minimum: int | None = 0) -> int | N
     return int(number)
 
 
-def to_bool(sink: Sink, key: str, value: Any) -> bool | None:
+def to_bool(sink: Sink, key: str, value: object) -> bool | None:
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
@@ -79,7 +80,7 @@ def to_bool(sink: Sink, key: str, value: Any) -> bool | None:
     return None
 
 
-def to_str(sink: Sink, key: str, value: Any) -> str | None:
+def to_str(sink: Sink, key: str, value: object) -> str | None:
     if isinstance(value, str) and value.strip():
         return value.strip()
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -88,13 +89,14 @@ def to_str(sink: Sink, key: str, value: Any) -> str | None:
     return None
 
 
-def to_mapping(sink: Sink, key: str, value: Any) -> dict | None:
+def to_mapping(sink: Sink, key: str | None, value: object) -> Mapping[str, object] | None:
+    """The value when it is a mapping (keys as the file writes them), else one problem and None."""
     if isinstance(value, dict):
         return value
     sink.problem(key, f"expected a mapping of settings, got {_describe(value)}")
     return None
 
 
-def unset(value: Any) -> bool:
+def unset(value: object) -> bool:
     """YAML's empty value, or an empty string/list/mapping: the key is there but says nothing."""
     return value is None or (isinstance(value, (str, list, dict)) and not value)

@@ -20,21 +20,22 @@ from typing import TypeAlias
 Value: TypeAlias = str | int | float | bool | list[str] | None  # a field's value, once the loader checked its type
 
 
-class _Required:
-    """The type of :data:`REQUIRED`."""
+class RequiredDefault:
+    """The type of :data:`REQUIRED`: a field without a default."""
 
     def __repr__(self) -> str:
         return "REQUIRED"
 
 
-REQUIRED = _Required()  # sentinel: the field has no default and must be given
+REQUIRED = RequiredDefault()  # sentinel: the field has no default and must be given
+Default: TypeAlias = Value | RequiredDefault  # what a field declares as its default
 
 
 @dataclass(frozen=True)
 class Field:
     name: str
     type: str
-    default: Value | _Required
+    default: Default
     doc: str
     choices: tuple[str, ...] = ()
     minimum: float | None = None  # inclusive lower bound for numbers
@@ -52,7 +53,7 @@ class Field:
     def default_value(self) -> Value:
         """The default as a value of its own (a list is copied); None for a required field."""
         d = self.default
-        if isinstance(d, _Required):
+        if isinstance(d, RequiredDefault):
             return None
         return list(d) if isinstance(d, list) else d
 
@@ -79,7 +80,7 @@ class Section:
         return [f.name for f in self.fields]
 
 
-def _f(name: str, type_: str, default: Value | _Required, doc: str, **kw: object) -> Field:
+def _f(name: str, type_: str, default: Default, doc: str, **kw: object) -> Field:
     return Field(name, type_, default, doc, **kw)  # type: ignore[arg-type]
 
 

@@ -394,6 +394,11 @@ MALFORMED = [
         "acc.yaml:2 deepspeed_config: expected a mapping",
     ),
     ("args.yaml", "per_device_train_batch_size: lots\n", "args.yaml:1 per_device_train_batch_size: expected a number"),
+    (  # a traceback (AttributeError) before the importer's values were typed
+        "opt.json",
+        '{"optimizer": {"type": "Adam", "params": 5}, "zero_optimization": {"stage": 2}}',
+        "opt.json optimizer.params: expected a mapping of settings, got number 5",
+    ),
     ("latin1.json", b'{"a": "\xe9"}', "latin1.json: not UTF-8 text"),
 ]
 
@@ -498,6 +503,15 @@ def test_check_against_an_accelerate_yaml_compares_its_deepspeed_file_too(here, 
     bad = _cli("check", str(out), "cluster.num_nodes=1", "cluster.gpus_per_node=4", "--against",
                "accelerate_ds_file.yaml")  # fmt: skip
     assert bad.exit_code == 1 and "num_processes: 16 in accelerate_ds_file.yaml, the recipe renders 4" in bad.output
+
+
+def test_check_against_an_accelerate_yaml_whose_deepspeed_config_is_not_a_mapping(here, tmp_path, model_dir):
+    """A traceback (AttributeError) before the importer's values were typed: now the rest is compared."""
+    _, out = _import(tmp_path, model_dir, "ds_z3.json")
+    acc = tmp_path / "acc.yaml"
+    acc.write_text("distributed_type: DEEPSPEED\ndeepspeed_config: nonsense\nnum_processes: 4\n")
+    r = _cli("check", str(out), "--against", str(acc))
+    assert r.exit_code in (0, 1) and "Traceback" not in r.output, r.output
 
 
 def test_check_against_refuses_other_kinds_in_one_line(here, tmp_path, model_dir):
