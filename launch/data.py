@@ -225,21 +225,18 @@ def _read_parquet(p: Path, problems: _Problems) -> tuple[list[JSONObject], list[
 # --------------------------------------------------------------------------------------------------- checking
 
 
-def _row_kind(row: JSONObject) -> tuple[str | None, str | None]:
+def _row_kind(row: JSONObject) -> tuple[Kind | None, str | None]:
     """(kind, None) for a well-formed row, (None, what is wrong) otherwise."""
     has = {k for k in ("text", "prompt", "completion", "messages") if row.get(k) is not None}
     # Parquet/JSON rows can carry a field as null (a column another row fills): report it as such, not as present.
     nulls = sorted(k for k, v in row.items() if v is None)
     found = f"found keys {sorted(k for k in row if k not in nulls)}" + (f" (null: {nulls})" if nulls else "")
-    kinds = [
-        k
-        for k, ok in (
-            ("text", "text" in has),
-            ("prompt_completion", "prompt" in has or "completion" in has),
-            ("messages", "messages" in has),
-        )
-        if ok
-    ]
+    candidates: tuple[tuple[Kind, bool], ...] = (
+        ("text", "text" in has),
+        ("prompt_completion", "prompt" in has or "completion" in has),
+        ("messages", "messages" in has),
+    )
+    kinds = [k for k, ok in candidates if ok]
     if not kinds:
         return None, f"{FIELDS_HINT}; {found}"
     if len(kinds) > 1:
@@ -276,7 +273,7 @@ def detect_kind(rows: list[JSONObject], path: str | Path | None = None) -> Kind:
     if not rows:
         problems.add("no rows")
         problems.raise_if_any()
-    kind: str | None = None
+    kind: Kind | None = None
     first = 0
     for i, row in enumerate(rows):
         this, error = _row_kind(row)
@@ -290,7 +287,7 @@ def detect_kind(rows: list[JSONObject], path: str | Path | None = None) -> Kind:
             problems.at(rows, i, f"row is '{this}' but {ref} is '{kind}'; all rows must be of one kind")
     problems.raise_if_any()
     assert kind is not None  # invariant: rows is non-empty and every row passed
-    return kind  # type: ignore[return-value]
+    return kind
 
 
 # --------------------------------------------------------------------------------------------------- tokenizing

@@ -18,8 +18,17 @@ def default_out_dir(recipe: Recipe) -> Path:
     return recipe.base_dir / "configs"
 
 
-def load_and_plan(recipe_path: str, overrides: tuple[str, ...] | list[str], **kw: object) -> Plan:
-    return build_plan(load_recipe(recipe_path, list(overrides)), **kw)  # type: ignore[arg-type]
+def load_and_plan(
+    recipe_path: str,
+    overrides: tuple[str, ...] | list[str],
+    *,
+    include: str | None = None,
+    exclude: str | None = None,
+    strict: bool = True,
+    with_memory: bool = True,
+) -> Plan:
+    recipe = load_recipe(recipe_path, list(overrides))
+    return build_plan(recipe, include=include, exclude=exclude, strict=strict, with_memory=with_memory)
 
 
 def sized_for_model(text: str) -> tuple[str, str]:

@@ -80,8 +80,7 @@ class Section:
         return [f.name for f in self.fields]
 
 
-def _f(name: str, type_: str, default: Default, doc: str, **kw: object) -> Field:
-    return Field(name, type_, default, doc, **kw)  # type: ignore[arg-type]
+_f = Field  # the table below reads as name, type, default, doc, then the bounds by name
 
 
 TOP_LEVEL = (
