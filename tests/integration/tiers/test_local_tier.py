@@ -79,12 +79,13 @@ def test_a_storm_of_sigkills_costs_at_most_a_step_each_and_every_resume_is_local
                 what = f"attempt {attempt} trains (seed {seed})"
                 wait_for(lambda a=attempt: heartbeat_step(run, 0, a) >= 0, 180, what)
                 started.append(heartbeat_step(run, 0, attempt))
-                # A kill one step after the resume may land before that step's commit, and then the next attempt
-                # resumes from the same step. Three failures at one point with no new commit is the supervisor's
-                # crash loop (it gives up, by design): after one such repeat, kill only once a new step is committed
-                # (the heartbeat of step s+2 comes after step s+1's save).
+                # A kill one step after the start may land before that step's commit. Before the first commit that
+                # is a fresh start (nothing to resume: not the local resume this test is about); after a resume the
+                # next attempt resumes from the same step, and three failures at one point with no new commit is
+                # the supervisor's crash loop (it gives up, by design). So the first kill, and the one after such a
+                # repeat, wait for a new commit: the heartbeat of step s+2 comes after step s+1's save.
                 repeat = len(started) > 1 and started[-1] == started[-2]
-                target = started[-1] + (2 if repeat else rng.randint(1, 2))
+                target = started[-1] + (2 if repeat or started[-1] <= 0 else rng.randint(1, 2))
                 wait_for(lambda a=attempt, t=target: heartbeat_step(run, 0, a) >= t, 120, f"step {target}", poll=0.02)
                 time.sleep(rng.uniform(0, 0.25))  # anywhere in the next step: its forward, its save, a copy
                 rank = rng.randrange(2)
