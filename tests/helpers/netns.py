@@ -371,6 +371,17 @@ class NetnsCluster:
         left = _wait_gone(pids, timeout)
         if left and sig == signal.SIGKILL:
             raise RuntimeError(f"{n.alias}: pids {left} survived SIGKILL")
+        # A process forked after the list was taken (sshd starting a session for a peer's copy) is not in it and
+        # would go on writing into the node's memory after the test wiped it: kill until the namespace is empty.
+        for _ in range(5 if sig == signal.SIGKILL else 0):
+            late = [p for p in namespace_pids(n.namespace) if p not in pids]
+            if not late:
+                break
+            for pid in late:
+                _kill(pid, sig)
+            pids += late
+            if left := _wait_gone(late, timeout):
+                raise RuntimeError(f"{n.alias}: pids {left} survived SIGKILL")
         release_stale_pyenv_lock()
         if not pid_alive(n.sshd_pid or -1):
             self._reap(n)
