@@ -42,6 +42,7 @@ from pathlib import Path
 
 from ftkit.cluster.hosts import is_local
 from ftkit.cluster.slurm import require_allocation, slurm_env
+from ftkit.cluster.toolchain import arch_problem, sanitize_arch_list
 from ftkit.command.user_command import UserCommand
 from ftkit.errors import Problem, UserError
 from ftkit.rundir.env import (
@@ -51,7 +52,7 @@ from ftkit.rundir.env import (
     NODE_ENV,
     RESUME_ENV,
     RUN_DIR_ENV,
-    SECRET,
+    Redactor,
     encode_command,
     path_with_python_first,
 )
@@ -86,6 +87,9 @@ class LaunchCommand:
     nodes: tuple[NodeCommand, ...]
     files: Mapping[str, str] = field(default_factory=dict)  # files to write before spawning (path -> text)
     notes: tuple[str, ...] = ()  # what --dry-run also shows: the remote shell line an engine builds itself
+    # masks the secrets of the environments above wherever the command is printed or recorded (--dry-run, the
+    # spawn events)
+    redactor: Redactor = field(default_factory=Redactor, compare=False)
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,13 @@ class LaunchInputs:
     inject: bool = True  # put ftkit's import hook on a user command's PYTHONPATH (--no-inject: off)
     inject_path: str | None = None  # the hook's directory (inject_dir()); needed when command and inject
     workdir: str | None = None  # where a user command runs (the directory ftkit launch ran in)
+    # cluster.env: NAME (this machine's value) or NAME=VALUE, for the ranks on every host
+    cluster_env: tuple[str, ...] = ()
+    # DeepSpeed's .deepspeed_env convention (~/.deepspeed_env, then ./.deepspeed_env): what remote hosts also get
+    deepspeed_env: Mapping[str, str] = field(default_factory=dict)
+    # a directory only this user can read, for the files that hold environment values (DeepSpeed's env file):
+    # None puts them in the attempt's directory (tests, --dry-run)
+    private_dir: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -123,27 +134,78 @@ class LaunchInputs:
         return env
 
 
+def cluster_env_values(items: tuple[str, ...] | list[str], base_env: Mapping[str, str]) -> dict[str, str]:
+    """``cluster.env``'s items as variables: NAME=VALUE sets VALUE, NAME forwards this machine's value (a NAME that
+    is not set here forwards nothing)."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if eq:
+            out[name] = value
+        elif name in base_env:
+            out[name] = base_env[name]
+    return out
+
+
 def forwarded_env(
-    base_env: Mapping[str, str], accelerator: str, extra: Mapping[str, str] | None = None
+    base_env: Mapping[str, str],
+    accelerator: str,
+    extra: Mapping[str, str] | None = None,
+    *,
+    local: bool = False,
+    cluster_env: tuple[str, ...] | list[str] = (),
+    deepspeed_env: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """The allow-listed part of ``base_env`` plus what ftkit sets itself (accelerator choice, unbuffered output)."""
+    """The environment of the ranks on one host. On this machine (``local``): all of ``base_env``, as torchrun,
+    ``deepspeed`` and ``accelerate launch`` pass it (CUDA_HOME, LD_LIBRARY_PATH, proxies, what a script reads).
+    On another host: the allow-list (:data:`ftkit.rundir.env.ENV_ALLOW`; a stale or secret variable must not leak
+    into a remote job by accident), then DeepSpeed's ``.deepspeed_env`` values. Then ``cluster.env`` everywhere, and
+    what ftkit sets itself (accelerator, unbuffered output, an arch list DeepSpeed can parse, ``extra``)."""
     env = {
         k: v
         for k, v in sorted(base_env.items())
-        if _ENV_NAME.fullmatch(k) and any(fnmatch.fnmatchcase(k, pat) for pat in ENV_ALLOW)
+        if _ENV_NAME.fullmatch(k) and (local or any(fnmatch.fnmatchcase(k, pat) for pat in ENV_ALLOW))
     }
+    if not local:
+        env.update(deepspeed_env or {})
+    env.update(cluster_env_values(cluster_env, base_env))
     env["PYTHONUNBUFFERED"] = "1"
     if accelerator == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
         env.setdefault("OMP_NUM_THREADS", "1")  # every engine the same: CPU ranks share the cores
     else:
         env.pop("DS_ACCELERATOR", None)
+    arch = env.get("TORCH_CUDA_ARCH_LIST")
+    if arch is not None and arch_problem(arch):  # DeepSpeed 0.19 cannot parse it: its op builds would fail
+        clean = sanitize_arch_list(arch)
+        if clean:
+            env["TORCH_CUDA_ARCH_LIST"] = clean
+        else:
+            env.pop("TORCH_CUDA_ARCH_LIST")
     env.update(extra or {})
     return env
 
 
+def arch_note(base_env: Mapping[str, str], cluster_env: tuple[str, ...] | list[str] = ()) -> str | None:
+    """The one line ftkit says when the ranks get another TORCH_CUDA_ARCH_LIST than this machine's (None: same)."""
+    arch = {**base_env, **cluster_env_values(cluster_env, base_env)}.get("TORCH_CUDA_ARCH_LIST")
+    if arch is None or not arch_problem(arch):
+        return None
+    clean = sanitize_arch_list(arch)
+    given = f"TORCH_CUDA_ARCH_LIST={clean}" if clean else "no TORCH_CUDA_ARCH_LIST (DeepSpeed reads the GPUs)"
+    return (
+        f"the ranks get {given} instead of {arch!r}: DeepSpeed 0.19 cannot parse arch suffixes or names in it and "
+        "would fail to build its ops (DeepSpeed PR #8619); the same kernels are built"
+    )
+
+
+def launch_redactor(inp: LaunchInputs, base_env: Mapping[str, str]) -> Redactor:
+    """Masks every secret the ranks' environments of ``inp`` can hold."""
+    return Redactor({**base_env, **inp.deepspeed_env}, extra=inp.cluster_env)
+
+
 def redact(env: Mapping[str, str]) -> dict[str, str]:
-    return {k: ("***" if SECRET.search(k) else v) for k, v in env.items()}
+    return Redactor(env).env(env)
 
 
 def _entry_args(inp: LaunchInputs) -> list[str]:
@@ -277,8 +339,21 @@ def build_launch(inp: LaunchInputs, base_env: Mapping[str, str]) -> LaunchComman
     raise ValueError(f"unknown engine {inp.engine!r}")
 
 
+def _env(inp: LaunchInputs, base_env: Mapping[str, str], local: bool, extra: Mapping[str, str]) -> dict[str, str]:
+    """The ranks' environment on this machine (``local``) or another host."""
+    return forwarded_env(
+        base_env,
+        inp.accelerator,
+        extra,
+        local=local,
+        cluster_env=inp.cluster_env,
+        deepspeed_env=inp.deepspeed_env,
+    )
+
+
 def _deepspeed(inp: LaunchInputs, base_env: Mapping[str, str], attempt_dir: Path) -> LaunchCommand:
-    env = forwarded_env(base_env, inp.accelerator, run_env(inp, base_env))
+    redactor = launch_redactor(inp, base_env)
+    env = _env(inp, base_env, True, run_env(inp, base_env))
     flags, program = program_argv(inp, "deepspeed")
     if len(inp.hosts) == 1 and is_local(inp.hosts[0][0]):
         # DeepSpeed's per-node launcher, started exactly as its runner starts it for one local host: the runner's
@@ -288,11 +363,11 @@ def _deepspeed(inp: LaunchInputs, base_env: Mapping[str, str], attempt_dir: Path
         argv = _in_workdir(inp, [*launch, *_launch_args(inp, flags, node_rank=None), "--log_level=info", *program])
         node = NodeCommand(inp.hosts[0][0], 0, tuple(argv), env, remote=False)
         note = f"deepspeed.launcher.launch --world_info: {json.dumps(_world(inp))}"  # which devices, readable
-        return LaunchCommand("deepspeed", (node,), notes=(note,))
+        return LaunchCommand("deepspeed", (node,), notes=(note,), redactor=redactor)
     if pdsh_problems(inp.run_dir, inp.python, inp.master_addr):  # preflight said so already
         raise UserError([Problem(m) for m in pdsh_problems(inp.run_dir, inp.python, inp.master_addr)])
     hostfile = attempt_dir / "hostfile"
-    env_file = attempt_dir / "ds_env"
+    env_file = Path(inp.private_dir or attempt_dir) / "ds_env"  # values of the environment: not in the run directory
     argv = [
         inp.python,
         "-u",
@@ -317,9 +392,11 @@ def _deepspeed(inp: LaunchInputs, base_env: Mapping[str, str], attempt_dir: Path
         argv.append("--force_multi")  # one remote host is still reached over pdsh, never started locally
     if inp.ssh_port:
         argv += ["--ssh_port", str(inp.ssh_port)]
-    # Remote ranks get exactly this environment: a fresh file per attempt, never ~/.deepspeed_env. PATH too, as over
-    # ssh for the other engines (its first entry, the ranks' Python's directory, picks the ninja of their op builds).
-    remote_env = {k: v for k, v in env.items() if k not in ("HOME", "USER")}
+    # Remote ranks get exactly this environment: a fresh file per attempt (DeepSpeed's runner then reads no
+    # .deepspeed_env itself; ftkit read them into inp.deepspeed_env). PATH too, as over ssh for the other engines (its
+    # first entry, the ranks' Python's directory, picks the ninja of their op builds).
+    remote = _env(inp, base_env, False, run_env(inp, base_env))
+    remote_env = {k: v for k, v in remote.items() if k not in ("HOME", "USER")}
     files = {
         str(hostfile): hostfile_text(inp.hosts, inp.devices),
         str(env_file): "".join(f"{k}={ds_env_value(v)}\n" for k, v in remote_env.items()),
@@ -347,7 +424,7 @@ def _deepspeed(inp: LaunchInputs, base_env: Mapping[str, str], attempt_dir: Path
     line = pdsh_line(inp, files[str(env_file)], flags, program)
     notes = (f"remote shell line (DeepSpeed's pdsh runner, on each host): {line}", *notes)
     node = NodeCommand(inp.hosts[0][0], 0, tuple(argv), env, remote=False)
-    return LaunchCommand("deepspeed", (node,), files, notes)
+    return LaunchCommand("deepspeed", (node,), files, notes, redactor=redactor)
 
 
 def _launch_args(inp: LaunchInputs, flags: list[str], node_rank: str | None) -> list[str]:
@@ -387,7 +464,7 @@ def pdsh_line(inp: LaunchInputs, env_file: str, flags: list[str], program: list[
 def _accelerate(inp: LaunchInputs, base_env: Mapping[str, str], meta: Path) -> LaunchCommand:
     nodes = []
     for i, (host, _) in enumerate(inp.hosts):
-        env = forwarded_env(base_env, inp.accelerator, {**run_env(inp, base_env), **inp.node_env(host)})
+        env = _env(inp, base_env, is_local(host), {**run_env(inp, base_env), **inp.node_env(host)})
         flags, program = program_argv(inp, "accelerate")
         argv = [
             inp.python,
@@ -406,7 +483,7 @@ def _accelerate(inp: LaunchInputs, base_env: Mapping[str, str], meta: Path) -> L
             *program,
         ]
         nodes.append(_node_command(inp, i, host, argv, env))
-    return LaunchCommand("accelerate", tuple(nodes))
+    return LaunchCommand("accelerate", tuple(nodes), redactor=launch_redactor(inp, base_env))
 
 
 def torchrun_argv(inp: LaunchInputs, nnodes: int, nproc: int, rdzv_id: str) -> list[str]:
@@ -438,7 +515,7 @@ def _torchrun(inp: LaunchInputs, base_env: Mapping[str, str]) -> LaunchCommand:
     nodes = []
     n = len(inp.hosts)
     for i, (host, slots) in enumerate(inp.hosts):
-        env = forwarded_env(base_env, inp.accelerator, {**run_env(inp, base_env), **inp.node_env(host)})
+        env = _env(inp, base_env, is_local(host), {**run_env(inp, base_env), **inp.node_env(host)})
         argv = torchrun_argv(inp, n, slots, f"{inp.name}-{inp.attempt}")
         if n > 1 or not is_local(host):
             # Hosts may share a hostname (containers, namespaces): say explicitly which agent hosts the store, and
@@ -448,7 +525,7 @@ def _torchrun(inp: LaunchInputs, base_env: Mapping[str, str]) -> LaunchCommand:
         flags, program = program_argv(inp, "torchrun")
         argv += [*flags, *program]
         nodes.append(_node_command(inp, i, host, argv, env))
-    return LaunchCommand("torchrun", tuple(nodes))
+    return LaunchCommand("torchrun", tuple(nodes), redactor=launch_redactor(inp, base_env))
 
 
 def _srun(inp: LaunchInputs, base_env: Mapping[str, str]) -> LaunchCommand:
@@ -461,7 +538,8 @@ def _srun(inp: LaunchInputs, base_env: Mapping[str, str]) -> LaunchCommand:
     slots = {n for _, n in inp.hosts}
     if len(slots) != 1:  # plan refuses it earlier; torchrun needs one count per node
         raise UserError(Problem("the srun engine needs the same processes on every node", key="cluster.gpus_per_node"))
-    env = forwarded_env(base_env, inp.accelerator, run_env(inp, base_env))
+    # srun --export=ALL hands this environment to every node, as Slurm users expect of their jobs
+    env = _env(inp, base_env, True, run_env(inp, base_env))
     env.update(slurm_env(base_env))
     n = len(hosts)
     torchrun = torchrun_argv(inp, n, slots.pop(), f"{inp.name}-slurm{job}-{inp.attempt}")
@@ -486,36 +564,23 @@ def _srun(inp: LaunchInputs, base_env: Mapping[str, str]) -> LaunchCommand:
         "ftkit-node",
         *torchrun,
     ]
-    return LaunchCommand("slurm", (NodeCommand(hosts[0], 0, tuple(argv), env, remote=False),))
-
-
-def describe(cmd: LaunchCommand) -> str:
-    """The human-readable form ``--dry-run`` prints: per node, the environment (secrets redacted) and argv."""
-    lines = [f"engine: {cmd.engine}"]
-    for path, text in cmd.files.items():
-        lines.append(f"file {path}:")
-        lines += [f"    {line}" for line in redact_file(text).splitlines()]
-    for node in cmd.nodes:
-        where = f"node {node.node_rank} ({node.host})" + (" over ssh" if node.remote else "")
-        lines.append(f"{where}:")
-        for k, v in redact(node.env).items():
-            lines.append(f"    {k}={v}")
-        lines.append("    " + shlex.join(redact_argv(node.argv)))
-    lines += [redact_file(note) for note in cmd.notes]
-    return "\n".join(lines)
-
-
-def redact_argv(argv: tuple[str, ...]) -> list[str]:
-    return [_redact_assignments(a) for a in argv]
-
-
-def _redact_assignments(text: str) -> str:
-    return re.sub(
-        r"(\b[A-Za-z_][A-Za-z0-9_]*)=(\S+)",
-        lambda m: f"{m.group(1)}=***" if SECRET.search(m.group(1)) else m.group(0),
-        text,
+    return LaunchCommand(
+        "slurm", (NodeCommand(hosts[0], 0, tuple(argv), env, remote=False),), redactor=launch_redactor(inp, base_env)
     )
 
 
-def redact_file(text: str) -> str:
-    return "\n".join(_redact_assignments(line) for line in text.splitlines())
+def describe(cmd: LaunchCommand) -> str:
+    """The human-readable form ``--dry-run`` prints: per node, the environment and argv, secrets masked."""
+    r = cmd.redactor
+    lines = [f"engine: {cmd.engine}"]
+    for path, text in cmd.files.items():
+        lines.append(f"file {path}:")
+        lines += [f"    {line}" for line in r.text(text).splitlines()]
+    for node in cmd.nodes:
+        where = f"node {node.node_rank} ({node.host})" + (" over ssh" if node.remote else "")
+        lines.append(f"{where}:")
+        for k, v in r.env(node.env).items():
+            lines.append(f"    {k}={v}")
+        lines.append("    " + r.text(shlex.join(node.argv)))
+    lines += [r.text(note) for note in cmd.notes]
+    return "\n".join(lines)

@@ -48,6 +48,7 @@ NOT_TRAINING = {
     "zero_allow_untested_optimizer": "ftkit configures DeepSpeed's own AdamW",
     "zero_force_ds_cpu_optimizer": "ftkit configures DeepSpeed's own AdamW",
     "optimizer.params.torch_adam": "the AdamW implementation (same update up to rounding)",
+    "optimizer.params.fused": "the AdamW kernel (same update up to rounding)",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": "saving only",
     "zero_optimization.ignore_unused_parameters": "an error check only",
 }

@@ -104,10 +104,7 @@ def decide_config_knobs(plan: Plan) -> None:
     if r.train.precision == "fp16":
         for name, rule, why in FP16_LOSS_SCALING:
             _rule_or_recipe(plan, f"fp16.{name}", f"train.fp16_{name}", rule, why)
-    if plan.offload_optimizer == "none" and r.cluster.accelerator == "cpu":
-        # FusedAdam is a CUDA kernel; on the cpu accelerator without offload use torch's AdamW.
-        plan.note("optimizer.torch_adam", True, "cpu accelerator without offload")
-    plan.note("optimizer", "AdamW", "DeepSpeed's optimizer (CPU Adam when offloading); params equal TrainingArguments")
+    decide_optimizer(plan)
     offload = plan.offload_optimizer != "none"
     if plan.stage in (1, 2):
         _rule_or_recipe(plan, "contiguous_gradients", "zero.contiguous_gradients", True, "always: less fragmentation")
@@ -133,6 +130,70 @@ def decide_config_knobs(plan: Plan) -> None:
         plan.stage == 3,
         "stage 3: partition weights while loading" if plan.stage == 3 else "stage < 3",
     )
+
+
+# What steps the optimizer, as ``optimizer.impl`` records it (ftkit explain; docs/design.md, Rendering rules)
+IMPL_TORCH_FUSED = "torch-fused"  # torch.optim.AdamW(fused=True) where the weights are
+IMPL_CPU_ADAM = "cpu-adam"  # deepspeed.ops.adam.DeepSpeedCPUAdam (optimizer offload)
+IMPL_TORCH_CPU = "torch-cpu"  # torch.optim.AdamW(fused=True) on the offloaded CPU states
+
+
+def decide_optimizer(plan: Plan) -> None:
+    """The optimizer block of ds_config.json: always AdamW with TrainingArguments' values; which implementation
+    DeepSpeed builds from it is the choice (docs/design.md, Rendering rules).
+
+    Nothing is compiled unless the plan needs it: without optimizer offload DeepSpeed builds torch's fused AdamW
+    (``torch_adam``: DeepSpeed's own FusedAdam is a just-in-time nvcc build on every rank, which failed on a GPU
+    machine without the CUDA toolkit and with an arch list DeepSpeed cannot parse). With offload the step runs on
+    the CPU: DeepSpeed's CPU Adam (a build, checked on every host before the ranks start) or torch's AdamW
+    (``zero.cpu_adam``)."""
+    r = plan.recipe
+    plan.note("optimizer", "AdamW", "params equal TrainingArguments (learning rate, betas, epsilon, weight decay)")
+    if plan.offload_optimizer == "none":
+        plan.note(
+            "optimizer.torch_adam",
+            True,
+            "torch's AdamW, nothing to compile (DeepSpeed's FusedAdam is a just-in-time nvcc build on every rank)",
+        )
+        plan.note("optimizer.fused", True, "torch's fused AdamW kernel (HF's adamw_torch_fused)")
+        plan.note(
+            "optimizer.impl", IMPL_TORCH_FUSED, "torch.optim.AdamW(fused=True) where the weights are (no offload)"
+        )
+        return
+    cpu_adam = r.zero.cpu_adam
+    if cpu_adam is True or (cpu_adam == "auto" and plan.cpu_adam_ok):
+        why = (
+            "zero.cpu_adam true: DeepSpeedCPUAdam (every host must have it prebuilt or be able to build it)"
+            if cpu_adam is True
+            else "zero.cpu_adam auto: DeepSpeedCPUAdam, prebuilt or buildable on every host (checked by the launch)"
+        )
+        plan.note("optimizer.impl", IMPL_CPU_ADAM, why)
+        return
+    why = (
+        "zero.cpu_adam false: torch's AdamW steps on the CPU, nothing to compile"
+        if cpu_adam is False
+        else "zero.cpu_adam auto: a host cannot build DeepSpeed's CPU Adam (the launch's preflight), so torch's "
+        "AdamW steps on the CPU"
+        if plan.cpu_adam_ok is False
+        else "zero.cpu_adam auto: torch's AdamW on the CPU (nothing to compile); ftkit launch uses DeepSpeedCPUAdam "
+        "instead where every host has it prebuilt or can build it"
+    )
+    plan.note("optimizer.torch_adam", True, why)
+    plan.note("optimizer.fused", True, "torch's fused AdamW kernel for the offloaded CPU states")
+    plan.note("optimizer.impl", IMPL_TORCH_CPU, why)
+
+
+def compiled_ops(plan: Plan) -> list[str]:
+    """The DeepSpeed ops (``OpBuilder.name``) the ranks must load for this plan: each is prebuilt or a just-in-time
+    build on every host (``ftkit.run.ops`` checks and warms them up before any rank starts). FSDP2 needs none."""
+    if plan.recipe.train.backend != "deepspeed":
+        return []
+    ops = []
+    if "optimizer.impl" in plan.knobs and plan.knobs["optimizer.impl"].value == IMPL_CPU_ADAM:
+        ops.append("cpu_adam")
+    if "nvme" in (plan.offload_optimizer, plan.offload_params):
+        ops.append("async_io")
+    return ops
 
 
 def _pin_memory(plan: Plan, what: str) -> None:

@@ -72,6 +72,10 @@ class Plan:
     local_tier_off: str = ""  # why it is off
     # train.backend auto: the memory and step-time plan across both backends that chose this plan's backend
     backend_report: MemoryReport | None = None
+    # whether every host of the launch can load DeepSpeed's CPU Adam (prebuilt, or a C++ compiler, ninja and, on a
+    # CUDA host, nvcc to build it), as ftkit launch's preflight found (ftkit.run.ops); None: not checked (render,
+    # plan): zero.cpu_adam auto then renders torch's AdamW, which needs nothing compiled
+    cpu_adam_ok: bool | None = None
 
     @property
     def world_size(self) -> int:
@@ -170,8 +174,12 @@ def build_plan(
     with_memory: bool = True,
     strict: bool = True,
     unknown_model_ok: bool = False,
+    cpu_adam_ok: bool | None = None,
 ) -> Plan:
     """Compute every derived value of the run; raises RecipeError naming the numbers when they do not fit.
+
+    ``cpu_adam_ok`` (ftkit launch, after its preflight probed every host): whether DeepSpeed's CPU Adam loads
+    everywhere, for ``zero.cpu_adam: auto`` (:attr:`Plan.cpu_adam_ok`).
 
     ``strict=False`` (``ftkit plan``) keeps going when ``auto`` finds nothing that fits: the plan then carries
     the slowest candidate so the table and the suggestions can still be printed. ``unknown_model_ok`` (a user
@@ -263,6 +271,7 @@ def build_plan(
         model_config_file=source.file if source else "",
         model_config_label=source.label if source else "",
         devices=devices,
+        cpu_adam_ok=cpu_adam_ok,
     )
     plan.note(
         "world_size",
@@ -347,6 +356,7 @@ def _resolve_backend(plan: Plan, with_memory: bool, strict: bool, unknown_model_
         with_memory=with_memory,
         strict=strict,
         unknown_model_ok=unknown_model_ok,
+        cpu_adam_ok=plan.cpu_adam_ok,
     )
     why = f"auto: {report.choice_reason}"
     out.note("backend", values["train.backend"], why)

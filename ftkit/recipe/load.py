@@ -40,6 +40,7 @@ from ftkit.recipe.sections import (
     TrainSection,
     ZeroSection,
 )
+from ftkit.rundir.env import mask_items
 from ftkit.rundir.records import JSON, JSONObject
 
 try:  # the C loader is ~10x faster; fall back quietly where libyaml is missing
@@ -154,6 +155,9 @@ class Recipe:
                 out["peft"] = None
                 continue
             out[s.name] = {f.name: _json(self.values[f"{s.name}.{f.name}"]) for f in s.fields}
+        cluster, env = out.get("cluster"), self.values.get("cluster.env")
+        if isinstance(cluster, dict) and isinstance(env, list):  # secrets never reach a record
+            cluster["env"] = list[JSON](mask_items(env))
         return out
 
     def hash(self) -> str:

@@ -368,6 +368,15 @@ SECTIONS: tuple[Section, ...] = (
             ),
             _f("nvme_path", "path|null", None, "Local NVMe directory for nvme offload (required with nvme)."),
             _f(
+                "cpu_adam",
+                "bool|auto",
+                "auto",
+                "With optimizer offload, the optimizer that steps on the CPU: true: DeepSpeed's CPU Adam (fastest; "
+                "a just-in-time build with a C++ compiler, and nvcc on a CUDA host, unless DeepSpeed was installed "
+                "with it prebuilt); false: torch's AdamW (nothing to compile, a slower step); auto: CPU Adam where "
+                "every host has it prebuilt or can build it (checked before any rank starts), else torch's AdamW.",
+            ),
+            _f(
                 "overlap_comm",
                 "bool|auto",
                 "auto",
@@ -545,6 +554,16 @@ SECTIONS: tuple[Section, ...] = (
                 "Address of rank 0, a host name or IP address; null: the first host (127.0.0.1 when local).",
             ),
             _f("ssh_config", "path|null", None, "ssh client config passed as -F to ssh and pdsh; null: ~/.ssh/config."),
+            _f(
+                "env",
+                "list[str]|null",
+                None,
+                "Environment for the ranks on other hosts, besides ftkit's allow-list: NAME forwards this machine's "
+                "value, NAME=VALUE sets one (ranks on this machine get its whole environment, as torchrun does); "
+                "secrets stay redacted wherever an environment is printed or recorded.",
+                pattern=r"[A-Za-z_][A-Za-z0-9_]*(=.*)?",
+                pattern_doc="must be NAME or NAME=VALUE (NAME: letters, digits, _)",
+            ),
             _f(
                 "master_port",
                 "int",

@@ -96,6 +96,7 @@ class ZeroSection:
     offload_optimizer: str
     offload_params: str
     nvme_path: str | None
+    cpu_adam: bool | str
     overlap_comm: bool | str
     reduce_bucket_size: int | str
     allgather_bucket_size: int | str
@@ -133,6 +134,7 @@ class ClusterSection:
     engine: str
     master_addr: str | None
     ssh_config: str | None
+    env: list[str] | None
     master_port: int
     min_nodes: int | None
     gpu: str

@@ -53,8 +53,9 @@ def render_deepspeed(plan: Plan) -> dict[str, object]:
         "eps": r.train.adam_epsilon,
         "weight_decay": r.train.weight_decay,
     }
-    if "optimizer.torch_adam" in k:
-        params["torch_adam"] = k["optimizer.torch_adam"].value
+    for key in ("torch_adam", "fused"):  # torch's (fused) AdamW instead of a DeepSpeed op that needs a build
+        if f"optimizer.{key}" in k:
+            params[key] = k[f"optimizer.{key}"].value
     cfg["optimizer"] = {"type": k["optimizer"].value, "params": params}
 
     stage = plan.stage

@@ -31,7 +31,7 @@ safe            train.save_steps, train.save_total_limit,            when checkp
 safe            resilience.*                                         how the supervisor reacts to failures
 safe            train.report_to                                      where metrics are reported
 safe            name, cluster.engine, cluster.master_addr,           how processes are started and find each other
-                cluster.master_port, cluster.ssh_config
+                cluster.master_port, cluster.ssh_config, cluster.env
 safe            cluster.gpu_memory_gb, cluster.host_memory_gb        inputs to ftkit plan only; what it decides
                                                                      (stage, batch) is compared on its own
 safe            model.gradient_checkpointing, zero.overlap_comm,     the same update, computed with other memory or
@@ -62,7 +62,7 @@ allowable       data.eval, train.eval_steps                          each evalua
                                                                      the global generator: dropout after it differs
 allowable       train.command                                        another program may compute another step
 allowable       zero.offload_optimizer, zero.offload_params,         change the optimizer implementation or the
-                cluster.accelerator                                  device (other kernels, other rounding)
+                zero.cpu_adam, cluster.accelerator                   device (other kernels, other rounding)
 impossible      model.path (config or weights differ)                the checkpoint holds weights for the recorded
                                                                      model
 impossible      peft (on/off), peft.method, peft.r,                  the checkpoint's trainable weights have the
@@ -99,6 +99,7 @@ from ftkit.cluster.pkgversions import versions as installed_versions
 from ftkit.errors import Problem, UserError
 from ftkit.model.config import config_source
 from ftkit.recipe.schema import FIELD_BY_KEY
+from ftkit.rundir.env import mask_items
 from ftkit.rundir.records import JSON, Fingerprint
 
 if TYPE_CHECKING:
@@ -125,7 +126,7 @@ POLICY: tuple[tuple[str, tuple[str, ...], str], ...] = (
     (SAFE, ("train.report_to",), "where metrics are reported, not how a step is computed"),
     (
         SAFE,
-        ("name", "cluster.engine", "cluster.master_addr", "cluster.master_port", "cluster.ssh_config"),
+        ("name", "cluster.engine", "cluster.master_addr", "cluster.master_port", "cluster.ssh_config", "cluster.env"),
         "launch plumbing, not the math",
     ),
     (
@@ -193,7 +194,7 @@ POLICY: tuple[tuple[str, tuple[str, ...], str], ...] = (
     (ALLOWABLE, ("train.command",), "another training program may compute another step"),
     (
         ALLOWABLE,
-        ("zero.offload_optimizer", "zero.offload_params", "cluster.accelerator"),
+        ("zero.offload_optimizer", "zero.offload_params", "zero.cpu_adam", "cluster.accelerator"),
         "changes the optimizer implementation or device (other rounding)",
     ),
     (
@@ -399,6 +400,9 @@ def compute(plan: Plan) -> Fingerprint:
     r = plan.recipe
     has_peft = bool(getattr(r, "has_peft", False))
     recipe = {k: (v if has_peft or not k.startswith("peft.") else None) for k, v in r.values.items()}
+    env = recipe.get("cluster.env")
+    if isinstance(env, list):  # secrets never reach a record
+        recipe["cluster.env"] = mask_items(env)
     model_path = r.model.path
     fp: Fingerprint = {
         "format": FORMAT,

@@ -19,7 +19,7 @@ from types import FrameType
 
 from ftkit.checkpoint.directory import select_resume
 from ftkit.cluster.slurm import require_allocation, transport_for
-from ftkit.command.engines import LaunchInputs, build_launch, describe
+from ftkit.command.engines import LaunchInputs, arch_note, build_launch, describe
 from ftkit.command.user_command import UserCommand, builtin_only_keys, inject_dir, module_exists, parse_command
 from ftkit.errors import ExitCode, FtkitError, NoSpace, RecipeError, UserError
 from ftkit.model.config import checked_in_drift
@@ -32,6 +32,7 @@ from ftkit.run.fingerprint import compare, compute
 from ftkit.run.owner import Ownership, owner_state, stop_leftovers
 from ftkit.run.prepare import prepare_run
 from ftkit.run.status import format_summary, summarize
+from ftkit.rundir.env import read_deepspeed_env
 from ftkit.rundir.layout import RunDir
 from ftkit.rundir.owner import read_owner
 from ftkit.rundir.records import JSON, Fingerprint
@@ -61,6 +62,8 @@ def launch_inputs(
         inject=inject,
         inject_path=inject_dir() if command is not None and inject else None,
         workdir=os.getcwd() if command is not None else None,
+        cluster_env=tuple(r.cluster.env or ()),
+        deepspeed_env=read_deepspeed_env([Path.home(), os.getcwd()]),
     )
 
 
@@ -142,6 +145,9 @@ def launch(req: LaunchRequest, echo: Callable[[str], None] = print, warn: Callab
     for line in plan.unknown:
         (warn or echo)(f"ftkit: warning: the plan could not estimate everything: {line}")
     echo(plan_summary(plan))
+    note = arch_note(os.environ, recipe.cluster.env or ())
+    if note:
+        echo(f"ftkit: note: {note}")
     _check_inputs(plan, command)
     if req.dry_run:
         code = _dry_run_verdict(plan, req, echo)

@@ -68,6 +68,9 @@ def training_arguments(plan: Plan, output_dir: str, ds_config_path: str) -> Trai
         "adam_beta1": r.train.adam_beta1,
         "adam_beta2": r.train.adam_beta2,
         "adam_epsilon": r.train.adam_epsilon,
+        # torch's fused AdamW, as ds_config.json's optimizer block has DeepSpeed build it (HF uses that block and
+        # ignores optim under DeepSpeed; FSDP2 builds this one): nothing to compile (docs/design.md, Rendering rules)
+        "optim": "adamw_torch_fused",
         "max_grad_norm": r.train.max_grad_norm,
         "logging_steps": r.train.logging_steps,
         "save_strategy": "steps",

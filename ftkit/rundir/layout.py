@@ -178,7 +178,9 @@ def _read_bytes(path: str) -> bytes:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: str | bytes, *, fsync: bool = True, sync_dir: bool = False) -> None:
+def atomic_write(
+    path: Path, data: str | bytes, *, fsync: bool = True, sync_dir: bool = False, mode: int | None = None
+) -> None:
     """Replace ``path`` in one step: readers see the old or the new content, never a torn one. The one way ftkit
     writes a file others read while it changes (heartbeats, records, commit records).
 
@@ -186,7 +188,7 @@ def atomic_write(path: Path, data: str | bytes, *, fsync: bool = True, sync_dir:
     directory), for a record that must survive a crash of the machine (a commit record). The temp file is
     ``.<name>.tmp-*`` beside it. The file gets the mode a plain ``open()`` would give it (0666 less the umask;
     mkstemp alone makes 0600). On any error the temp file is removed; an OSError from writing or renaming names
-    ``path`` (not the temp file).
+    ``path`` (not the temp file). ``mode``: the file's mode instead (0o600 for a file only its user may read).
     """
     path.parent.mkdir(parents=True, exist_ok=True)  # an error here names the directory that could not be made
     try:
@@ -195,7 +197,7 @@ def atomic_write(path: Path, data: str | bytes, *, fsync: bool = True, sync_dir:
         raise OSError(e.errno, e.strerror, str(path)) from e
     try:
         with os.fdopen(fd, "wb") as fh:
-            os.fchmod(fh.fileno(), creation_mode())
+            os.fchmod(fh.fileno(), creation_mode() if mode is None else mode)
             fh.write(data.encode() if isinstance(data, str) else data)
             if fsync:
                 fh.flush()

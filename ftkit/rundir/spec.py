@@ -62,6 +62,7 @@ class TrainingArgs(TypedDict, total=False):
     adam_beta1: float
     adam_beta2: float
     adam_epsilon: float
+    optim: str
     max_grad_norm: float
     logging_steps: int
     save_strategy: str

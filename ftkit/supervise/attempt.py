@@ -43,7 +43,7 @@ class Spawned:
 def spawn(cmd: LaunchCommand, attempt: int, rd: RunDir, events: EventSink, out: list[Spawned]) -> None:
     """Start every node's process; each is appended to ``out`` as it starts (teardown needs even a partial list)."""
     for path, text in cmd.files.items():
-        atomic_write(Path(path), text)
+        atomic_write(Path(path), text, mode=0o600)  # DeepSpeed's env file holds the environment's values
     log_dir = rd.log_dir(attempt)
     log_dir.mkdir(parents=True, exist_ok=True)
     for node in cmd.nodes:
@@ -67,7 +67,7 @@ def spawn(cmd: LaunchCommand, attempt: int, rd: RunDir, events: EventSink, out: 
             pid=proc.pid,
             start_time=proc_start_time(proc.pid),  # ftkit stop --force and --takeover find the launcher by it
             remote=node.remote,
-            argv=list(node.argv),
+            argv=cmd.redactor.argv(node.argv),  # an ssh line carries the environment inline: secrets masked
         )
 
 

@@ -28,6 +28,7 @@ import json
 import random
 import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -373,6 +374,10 @@ class Supervisor:
         """The whole job. ``first``: the choice the launcher already made (and checked) for the first attempt."""
         old = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         code: int | None = None
+        # files holding the ranks' environment (DeepSpeed's env file) live outside the run directory, readable by
+        # this user only, for this launch only
+        private = tempfile.mkdtemp(prefix="ftkit-env-")
+        self.inputs = LaunchInputs(**{**self.inputs.__dict__, "private_dir": private})
         try:
             code = self._run(first)
             return code
@@ -384,6 +389,7 @@ class Supervisor:
             code = ExitCode.NO_SPACE
             return code
         finally:
+            shutil.rmtree(private, ignore_errors=True)
             self._end_local_tier()
             self.observer.finish()
             for s, h in old.items():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import json
 
+import pytest
+
 from ftkit.cluster.procs import exit_meaning
 from ftkit.command.engines import LaunchInputs, build_launch, describe, forwarded_env
 
@@ -314,3 +316,127 @@ def test_module_lookup_finds_what_python_m_would_without_importing(tmp_path) -> 
     for name in ("missing_xyz", "pkg.nope", "pkg.sub.run.deeper", "json.nope", "mymod.sub"):
         assert not module_exists(name, search), name
     assert "pkg" not in sys.modules and "mymod" not in sys.modules and str(tmp_path) not in sys.path
+
+
+# ------------------------------------------------------------------------------------------------ issue 35: environment
+
+
+def _node_env(node) -> dict[str, str]:
+    """A node's environment: its env, or for an ssh node the assignments inlined in the remote shell line."""
+    import shlex
+
+    if not node.remote:
+        return dict(node.env)
+    words = shlex.split(node.argv[-1])
+    start = words.index("env") + 1
+    out = {}
+    for w in words[start:]:
+        if "=" not in w:
+            break
+        k, _, v = w.partition("=")
+        out[k] = v
+    return out
+
+
+def test_local_ranks_get_the_whole_environment_remote_ones_the_allow_list_and_cluster_env():
+    """Issue 35: a local launch passes the user's whole environment to the ranks (as torchrun, deepspeed and
+    accelerate launch do); other hosts get the allow-list, DeepSpeed's .deepspeed_env and cluster.env."""
+    base = {**BASE_ENV, "LD_LIBRARY_PATH": "/opt/cuda/lib64", "MY_DATA_DIR": "/data", "CUDA_HOME": "/opt/cuda"}
+    items = ("MY_DATA_DIR", "FOO=1", "NOT_SET_HERE")
+    ds_env = {"NCCL_IB_DISABLE": "1", "FROM_DS_ENV": "yes"}
+    for engine in ("deepspeed", "accelerate", "torchrun"):
+        cmd = build_launch(_inputs(engine, cluster_env=items, deepspeed_env=ds_env), base)
+        env = _node_env(cmd.nodes[0])
+        for k in ("LD_LIBRARY_PATH", "MY_DATA_DIR", "CUDA_HOME", "RANDOM_VAR", "HF_TOKEN"):
+            assert env[k] == base[k], (engine, k)
+        assert env["FOO"] == "1" and "NOT_SET_HERE" not in env and "FROM_DS_ENV" not in env, engine
+    for engine in ("accelerate", "torchrun"):
+        cmd = build_launch(_inputs(engine, hosts=(("n0", 1), ("n1", 1)), master_addr="10.0.0.1", cluster_env=items,
+                                   deepspeed_env=ds_env), base)  # fmt: skip
+        for node in cmd.nodes:
+            env = _node_env(node)
+            assert "LD_LIBRARY_PATH" not in env and "RANDOM_VAR" not in env and "CUDA_HOME" not in env, engine
+            assert env["MY_DATA_DIR"] == "/data" and env["FOO"] == "1" and env["FROM_DS_ENV"] == "yes", engine
+            assert env["HF_TOKEN"] == "hf_secret" and env["NCCL_DEBUG"] == "INFO", engine  # allow-listed
+    cmd = build_launch(_inputs("deepspeed", hosts=(("n0", 1), ("n1", 1)), master_addr="10.0.0.1", cluster_env=items,
+                               deepspeed_env=ds_env, private_dir="/tmp/ftkit-env-x"), base)  # fmt: skip
+    text = cmd.files["/tmp/ftkit-env-x/ds_env"]  # outside the run directory: it holds the environment's values
+    assert "MY_DATA_DIR=/data\n" in text and "FOO=1\n" in text and "FROM_DS_ENV=yes\n" in text, text
+    assert "LD_LIBRARY_PATH" not in text and "RANDOM_VAR" not in text
+    assert cmd.nodes[0].env["LD_LIBRARY_PATH"] == "/opt/cuda/lib64"  # the runner itself runs here
+
+
+def test_an_arch_list_deepspeed_cannot_parse_reaches_the_ranks_as_one_it_can():
+    """Issue 35: TORCH_CUDA_ARCH_LIST=9.0a (CUDA images set such values) made DeepSpeed 0.19's op builds fail on
+    every rank; the ranks get 9.0 (the same kernels) and the launch says so once."""
+    from ftkit.command.engines import arch_note
+
+    for given, want in (("9.0a", "9.0"), ("8.0 9.0+PTX", "8.0 9.0+PTX"), ("10.0f+PTX;9.0a", "10.0+PTX;9.0"),
+                        ("Hopper", "9.0+PTX"), ("9.0", "9.0")):  # fmt: skip
+        for engine, hosts in (("deepspeed", (("localhost", 2),)), ("torchrun", (("n0", 1), ("n1", 1)))):
+            cmd = build_launch(_inputs(engine, hosts=hosts, master_addr="10.0.0.1"),
+                               {**BASE_ENV, "TORCH_CUDA_ARCH_LIST": given})  # fmt: skip
+            for node in cmd.nodes:
+                assert _node_env(node)["TORCH_CUDA_ARCH_LIST"] == want, (given, engine)
+        note = arch_note({"TORCH_CUDA_ARCH_LIST": given})
+        assert (note is None) == (given == want), (given, note)
+    assert "TORCH_CUDA_ARCH_LIST" not in forwarded_env({"TORCH_CUDA_ARCH_LIST": "junk"}, "cuda")
+    assert "TORCH_CUDA_ARCH_LIST=9.0 instead of '9.0a'" in arch_note({"TORCH_CUDA_ARCH_LIST": "9.0a"})
+
+
+@pytest.mark.heavy
+def test_deepspeed_s_own_arch_parser_fails_on_the_given_value_and_reads_the_sanitised_one(monkeypatch):
+    """The parse check against DeepSpeed's real op builder (FusedAdamBuilder.compute_capability_args in JIT mode,
+    the path the GPU log shows): the raw value raises, what ftkit gives the ranks parses."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+
+    from ftkit.cluster.toolchain import arch_problem, sanitize_arch_list
+
+    def parses(value: str) -> bool:
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", value)
+        b = FusedAdamBuilder()
+        b.jit_mode = True
+        try:
+            b.compute_capability_args()
+        except ValueError:
+            return False
+        return True
+
+    for value in ("9.0a", "10.0f+PTX;9.0a", "8.0 9.0+PTX", "8.0;8.6;9.0", "Hopper"):
+        assert parses(value) == (arch_problem(value) is None), value
+        assert parses(sanitize_arch_list(value)), value
+
+
+# ------------------------------------------------------------------------------------------------ issue 41: redaction
+
+# One variable per word of the secret pattern, with values of every shape a token or password takes
+SECRETS = {
+    "HF_TOKEN": "hf-ab.cd-123",
+    "MLFLOW_TRACKING_PASSWORD": "p@ss:word",
+    "DB_PASSWD": "pa$$ w'rd\"x",
+    "AWS_SECRET_ACCESS_KEY": "wJalr/XUtnFEMI+K7MDENG==",
+    "WANDB_API_KEY": "0123456789abcdef",
+    "SSH_KEY": "-----BEGIN KEY-----",
+    "GOOGLE_APPLICATION_CREDENTIALS_JSON": '{"k": "v1v2v3"}',
+    "MY_SECRET": "s3cr3t;rm -rf",
+}
+
+
+@pytest.mark.parametrize("engine", ["deepspeed", "accelerate", "torchrun", "slurm"])
+@pytest.mark.parametrize("where", ["local", "remote"])
+def test_no_secret_value_is_printed_whatever_its_name_or_shape(engine, where):
+    """Issue 41: --dry-run's text and the spawn event's argv (the ssh line carries the environment inline) mask every
+    variable the secret pattern names, for values of any shape; cluster.env's NAME=VALUE secrets too."""
+    from ftkit.rundir.env import MASK, is_secret
+
+    assert all(is_secret(k) for k in SECRETS)
+    hosts = (("localhost", 2),) if where == "local" else (("n0", 1), ("n1", 1))
+    base = {**BASE_ENV, **SECRETS, "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[0-1]"}
+    inp = _inputs(engine, hosts=hosts, master_addr="10.0.0.1", cluster_env=("HF_TOKEN", "EXTRA_TOKEN=tok.en-456"))
+    cmd = build_launch(inp, base)
+    recorded = describe(cmd) + "\n" + "\n".join(" ".join(cmd.redactor.argv(n.argv)) for n in cmd.nodes)
+    for value in [*SECRETS.values(), "tok.en-456"]:
+        for i in range(len(value) - 5):  # no 6 characters of it either (a mask of its word characters only is a leak)
+            assert value[i : i + 6] not in recorded, (value, recorded)
+    assert f"HF_TOKEN={MASK}" in recorded

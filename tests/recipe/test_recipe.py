@@ -48,7 +48,7 @@ def test_unknown_key_has_line_and_suggestion(write_recipe):
         load_recipe(p)
     assert e.value.lines() == [
         f"{p}:5 zero.stag: unknown key (did you mean 'stage'?); zero has stage, "
-        "offload_optimizer, offload_params, nvme_path, overlap_comm, reduce_bucket_size, "
+        "offload_optimizer, offload_params, nvme_path, cpu_adam, overlap_comm, reduce_bucket_size, "
         "allgather_bucket_size, contiguous_gradients, round_robin_gradients, pin_memory, sub_group_size, "
         "prefetch_bucket_size, param_persistence_threshold, max_live_parameters, max_reuse_distance"
     ]
