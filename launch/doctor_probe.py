@@ -2,7 +2,8 @@
 
 ``facts`` (standard library only, well under a second): versions, GPU model and driver (cuda), free space in the
 run directory, /dev/shm size and free space, this host's clock, the network interface the collectives will use
-and whether it exists here, torch extension build locks (``ftkit.cluster.buildlocks``). With
+and whether it exists here, torch extension build locks (``ftkit.cluster.buildlocks``), and what DeepSpeed's
+compiled ops need here (``ftkit.cluster.toolchain``). With
 ``--release-dead-batons`` (the launch's preflight) it first removes the locks a killed rank of the run left here
 (``ftkit.rundir.batons``).
 
@@ -29,6 +30,7 @@ import time
 
 from ftkit.cluster.buildlocks import lock_states
 from ftkit.cluster.pkgversions import versions
+from ftkit.cluster.toolchain import toolchain_facts
 from ftkit.rundir.batons import release_dead
 from ftkit.rundir.layout import RunDir
 
@@ -114,6 +116,7 @@ def facts(args: argparse.Namespace) -> dict[str, object]:
         "route": _route_dev(args.master_addr),
         "locks": [{"path": str(p), "holder": pid} for p, pid in lock_states()],
         "locks_released": released,
+        "toolchain": toolchain_facts(),  # DeepSpeed's compiled ops: prebuilt, or what a build needs here
     }
     if args.accelerator == "cuda":
         out["gpu"] = _gpus()

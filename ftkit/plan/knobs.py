@@ -196,6 +196,16 @@ def compiled_ops(plan: Plan) -> list[str]:
     return ops
 
 
+def ops_reason(plan: Plan) -> str:
+    """What makes :func:`compiled_ops` need its ops, for the preflight's lines."""
+    parts = []
+    if "optimizer.impl" in plan.knobs and plan.knobs["optimizer.impl"].value == IMPL_CPU_ADAM:
+        parts.append(f"zero.cpu_adam {str(plan.recipe.zero.cpu_adam).lower()}")
+    if "nvme" in (plan.offload_optimizer, plan.offload_params):
+        parts.append("nvme offload")
+    return ", ".join(parts)
+
+
 def _pin_memory(plan: Plan, what: str) -> None:
     if plan.recipe.zero.pin_memory != "auto":
         plan.note(f"{what}.pin_memory", plan.recipe.zero.pin_memory, "zero.pin_memory")

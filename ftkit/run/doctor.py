@@ -44,8 +44,10 @@ from typing import TYPE_CHECKING, TypedDict, cast
 
 from ftkit.cluster.fanout import run_on_hosts
 from ftkit.cluster.hosts import LOCAL_HOSTS
+from ftkit.command.engines import forwarded_env
 from ftkit.errors import PreflightError
 from ftkit.plan.comm import BANDWIDTH_FILE_VERSION, DEFAULT_NETWORK, NETWORK_PRESETS, bandwidth_file
+from ftkit.plan.knobs import compiled_ops, ops_reason
 from ftkit.plan.tiers import shm_bytes
 from ftkit.run.doctor_checks import (
     AllReduceTiming,
@@ -57,8 +59,10 @@ from ftkit.run.doctor_checks import (
     PairTiming,
     check_facts,
     check_locks,
+    check_ops,
 )
 from ftkit.run.preflight import PreflightReport, local_versions, run_preflight
+from ftkit.rundir.env import path_with_python_first, read_deepspeed_env
 from ftkit.rundir.layout import atomic_write
 from ftkit.rundir.records import JSONObject
 
@@ -71,6 +75,7 @@ RENDEZVOUS_TIMEOUT_S = 10.0
 BANDWIDTH_BUDGET_S = 60.0
 MARK = "FTKIT_DOCTOR "
 FORWARD = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TORCH_EXTENSIONS_DIR", "XDG_CACHE_HOME", "PYTHONPATH")
+TOOLCHAIN_ENV = ("CUDA_HOME", "CUDA_PATH", "TORCH_CUDA_ARCH_LIST", "CXX", "TORCH_EXTENSIONS_DIR")
 
 
 class RankPairTiming(AllReduceTiming):
@@ -116,8 +121,23 @@ def _parse(out: str) -> JSONObject | None:
     return None
 
 
-def _probe_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: env[k] for k in FORWARD if env.get(k)}
+def build_env(env: dict[str, str], plan: Plan | None = None, python: str = sys.executable) -> dict[str, str]:
+    """What the probes run with: doctor's own variables, and (``plan``) those of the ranks' environment that decide
+    their op builds, as a remote host's ranks get them (a local host's probe also inherits this machine's, as its
+    ranks do): the sanitised arch list, CUDA_HOME where cluster.env names it, the PATH with the ranks' Python first."""
+    out = {k: env[k] for k in FORWARD if env.get(k)}
+    if plan is not None:
+        r = plan.recipe
+        ranks = forwarded_env(
+            env,
+            r.cluster.accelerator,
+            local=False,
+            cluster_env=r.cluster.env or (),
+            deepspeed_env=read_deepspeed_env([Path.home(), os.getcwd()]),
+        )
+        out.update({k: ranks[k] for k in TOOLCHAIN_ENV if ranks.get(k)})
+        out["PATH"] = path_with_python_first(python, env.get("PATH"))
+    return out
 
 
 def _facts(
@@ -137,10 +157,11 @@ def _facts(
     args += ["--accelerator", r.cluster.accelerator]
     if release_dead_batons:
         args.append("--release-dead-batons")
-    line = _probe_line(python, args, _probe_env(env))
+    line = _probe_line(python, args, build_env(env, plan, python))
     results = run_on_hosts(
         hosts, line, ssh_args, deadline_s=FACTS_DEADLINE_S, connect_timeout_s=FACTS_DEADLINE_S - 2, transport=transport
     )
+    ops, why = compiled_ops(plan), ops_reason(plan)
     mine = local_versions()
     unreachable: set[str] = set()
     locks: dict[str, list[LockFact]] = {}
@@ -162,6 +183,8 @@ def _facts(
             continue
         rep.set(host, "ssh", "local" if host in LOCAL_HOSTS else f"{res.seconds:.1f}s")
         check_facts(rep, host, f, mine, time.time(), r.cluster.accelerator, tier_bytes=shm_bytes(plan.local_tier))
+        rep.toolchain[host] = f.get("toolchain") or {}
+        check_ops(rep, host, rep.toolchain[host], ops, r.cluster.accelerator, why)
         locks[host] = f.get("locks", [])
         rep.released += [
             f"host {host}: removed {lock}: a build lock a killed rank of this run left"
@@ -215,7 +238,7 @@ def _rendezvous(
     hosts = rep.hosts
     backend = "nccl" if r.cluster.accelerator == "cuda" else "gloo"
     world = len(hosts)
-    penv = _probe_env(env)
+    penv = build_env(env)
 
     def line(host: str) -> str:
         args = [
@@ -384,10 +407,12 @@ def cheap_checks(
     if blocking or rep.preflight is None:
         raise PreflightError("\n".join(f.line() for f in blocking) or "preflight failed")
     report = rep.preflight
+    report.toolchain = rep.toolchain
     report.checks.extend(f"warning: {f.line()}" for f in advisory)
     report.checks.extend(rep.released)
     report.checks.append(
-        f"doctor: versions, run-directory space, /dev/shm, clock, interface, build locks ok on {len(rep.hosts)} host(s)"
+        f"doctor: versions, run-directory space, /dev/shm, clock, interface, build locks, compiled ops ok on "
+        f"{len(rep.hosts)} host(s)"
     )
     return report
 

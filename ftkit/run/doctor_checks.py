@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypedDict
 
+from ftkit.cluster.toolchain import OPS, ToolchainFacts, op_problems
+
 if TYPE_CHECKING:
     from ftkit.run.preflight import PreflightReport
 
@@ -16,7 +18,7 @@ MIN_FREE_RUN_DIR = 1 << 30  # bytes free in the run directory below which doctor
 MIN_SHM = 512 << 20  # bytes of /dev/shm (size and free) below which doctor fails (NCCL/DeepSpeed shm buffers)
 MAX_SKEW_S = 5.0  # clock skew against this machine above which doctor fails (logs and events disagree)
 
-COLUMNS = ("ssh", "versions", "gpu", "run_dir", "shm", "clock", "iface", "locks", "rendezvous")
+COLUMNS = ("ssh", "versions", "gpu", "run_dir", "shm", "clock", "iface", "locks", "ops", "rendezvous")
 
 
 # ------------------------------------------------------------------------------- what the probes print
@@ -70,6 +72,7 @@ class HostFacts(TypedDict, total=False):
     locks: list[LockFact]
     locks_released: list[str]
     gpu: GpuFacts
+    toolchain: ToolchainFacts
     time: float
 
 
@@ -124,6 +127,7 @@ class DoctorReport:
     released: list[str] = field(default_factory=list)  # build locks a killed rank of the run left, removed
     seconds: float = 0.0
     preflight: PreflightReport | None = None  # when preflight passed
+    toolchain: dict[str, ToolchainFacts] = field(default_factory=dict)  # host -> its facts for DeepSpeed's ops
 
     @property
     def ok(self) -> bool:
@@ -293,6 +297,26 @@ def check_facts(
         rep.fail(host, "iface", route["error"], "fix cluster.master_addr or the routes on that host")
     else:
         rep.set(host, "iface", route.get("dev") or route.get("ip") or "?")
+
+
+def check_ops(rep: DoctorReport, host: str, facts: ToolchainFacts, ops: list[str], accel: str, why: str = "") -> None:
+    """The compiled DeepSpeed ops the run needs (``ops``, :func:`ftkit.plan.knobs.compiled_ops`) on one host: each
+    prebuilt there, or buildable (one failure per cause, naming the op, the cause and the fix). ``why``: what needs
+    them (``zero.cpu_adam true``)."""
+    if not ops:
+        rep.set(host, "ops", "none needed")
+        return
+    cells = []
+    for op in ops:
+        problems = op_problems(op, facts, accel)
+        for p in problems:
+            rep.fail(host, "ops", f"{op} ({OPS.get(op, op)}{', ' + why if why else ''}) cannot be built: {p}")
+        if op in facts.get("ds_prebuilt", []) and facts.get("ds_accelerator") == accel:
+            cells.append(f"{op} prebuilt")
+        elif not problems:
+            cells.append(f"{op} {'built' if op in facts.get('jit_cached', []) else 'buildable'}")
+    if cells:
+        rep.set(host, "ops", ", ".join(cells))
 
 
 def check_locks(rep: DoctorReport, per_host: dict[str, list[LockFact]]) -> None:

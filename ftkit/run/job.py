@@ -27,8 +27,9 @@ from ftkit.plan.memory import zero_label
 from ftkit.plan.plan import Plan, build_plan
 from ftkit.recipe.load import Recipe, load_recipe
 from ftkit.report.live import ReportRefresher, plan_record
-from ftkit.run.doctor import cheap_checks
+from ftkit.run.doctor import build_env, cheap_checks
 from ftkit.run.fingerprint import compare, compute
+from ftkit.run.ops import settle_optimizer, warm_up
 from ftkit.run.owner import Ownership, owner_state, stop_leftovers
 from ftkit.run.prepare import prepare_run
 from ftkit.run.status import format_summary, summarize
@@ -156,8 +157,14 @@ def launch(req: LaunchRequest, echo: Callable[[str], None] = print, warn: Callab
     # Until the supervisor installs its own handlers, a signal ends the launch at once (subprocess.run kills a
     # running ssh probe when the exception passes through it): exit 128+N, nothing started.
     old = {s: signal.signal(s, _raise_interrupted) for s in STOP_SIGNALS}
+
+    def replan(cpu_adam_ok: bool) -> Plan:  # the same plan, with what the preflight found on every host
+        return build_plan(
+            recipe, include=req.include, exclude=req.exclude, unknown_model_ok=custom, cpu_adam_ok=cpu_adam_ok
+        )
+
     try:
-        return _owned_launch(plan, req, echo, command)
+        return _owned_launch(plan, req, echo, command, replan)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -250,7 +257,11 @@ def _user_command(
 
 
 def _owned_launch(
-    plan: Plan, req: LaunchRequest, echo: Callable[[str], None], command: UserCommand | None = None
+    plan: Plan,
+    req: LaunchRequest,
+    echo: Callable[[str], None],
+    command: UserCommand | None = None,
+    replan: Callable[[bool], Plan] | None = None,
 ) -> int:
 
     r = plan.recipe
@@ -262,7 +273,22 @@ def _owned_launch(
         # preflight plus doctor's cheap checks on every host at once (versions, space, /dev/shm, clock, interface,
         # stale build locks); `ftkit doctor` adds the rendezvous and all-reduce
 
-        report = cheap_checks(plan, ssh_args, transport=transport_for(r.cluster.engine, os.environ))
+        transport = transport_for(r.cluster.engine, os.environ)
+        report = cheap_checks(plan, ssh_args, transport=transport)
+        # DeepSpeed's compiled ops: what the optimizer needs, as every host allows; what must be built, once per host
+        if replan is not None:
+            plan, note = settle_optimizer(plan, report.toolchain, replan)
+            if note:
+                echo(f"ftkit: {note}")
+        report.checks += warm_up(
+            plan,
+            report.toolchain,
+            env=build_env(dict(os.environ), plan),
+            python=sys.executable,
+            ssh_args=ssh_args,
+            deadline_s=float(r.resilience.startup_timeout_s),
+            transport=transport,
+        )
         sup = _supervisor(plan, rd, ssh_args, echo, command, req.inject)
         choice = sup.select(step_limits(plan))
         if choice.exit_code is not None:
@@ -357,7 +383,7 @@ def _supervisor(
         ssh_args=ssh_args,
         echo=echo,
         min_nodes=r.cluster.min_nodes,
-        replan=lambda hosts: build_plan(r, hosts=hosts),
+        replan=lambda hosts: build_plan(r, hosts=hosts, cpu_adam_ok=plan.cpu_adam_ok),
         prepare=lambda p, universal: prepare_run(
             p, load_universal=universal, command=command.display() if command else None
         ),

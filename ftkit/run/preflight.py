@@ -10,13 +10,14 @@ import shlex
 import socket
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ftkit.cluster.fanout import run_on_hosts
 from ftkit.cluster.hosts import LOCAL_HOSTS, is_local_address
 from ftkit.cluster.pkgversions import PACKAGES, probe_source, versions
 from ftkit.cluster.slurm import transport_for
+from ftkit.cluster.toolchain import ToolchainFacts
 from ftkit.command.engines import pdsh_problems
 from ftkit.errors import PreflightError, Problem
 
@@ -60,6 +61,7 @@ def resolves(addr: str, port: int) -> str | None:
 class PreflightReport:
     versions: dict[str, dict[str, str]]  # host -> name -> version
     checks: list[str]
+    toolchain: dict[str, ToolchainFacts] = field(default_factory=dict)  # host -> facts for DeepSpeed's ops (doctor)
 
 
 def local_versions() -> dict[str, str]:
