@@ -42,13 +42,14 @@ import os
 import sys
 import traceback
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn, TypedDict
 
 from ftkit.errors import ScriptFailed
 from ftkit.launch import services as hf
 from ftkit.launch.rank import on_import
 from ftkit.rundir.env import HOOK_PID_ENV, RUN_DIR_ENV
+from ftkit.rundir.failures import COMM, EXCEPTION, SCRIPT_EXIT, FailureClass, classify
 
 if TYPE_CHECKING:
     import argparse
@@ -60,9 +61,6 @@ if TYPE_CHECKING:
     from ftkit.launch.services import ArgChange
 
 TRACEBACK_LINES = 20  # the last lines of a traceback kept in the error record
-# A collective failing because a peer died: an echo of that peer's failure, not this rank's (no record: the
-# supervisor finds the rank that really failed; the text stays in this rank's log).
-PEER_ECHO = ("by peer", "Connection closed", "Connection reset", "Broken pipe", "Socket Timeout", "NCCL communicator")
 
 
 class _Training(TypedDict):
@@ -218,12 +216,15 @@ def _step_watcher() -> TrainerCallback:
 
 def _install_error_hooks() -> None:
     import argparse
+    import builtins
 
     previous = sys.excepthook
 
     def excepthook(tp: type[BaseException], value: BaseException, tb: types.TracebackType | None) -> None:
         try:
-            record_failure(traceback.format_exception(tp, value, tb), f"{tp.__name__}: {value}")
+            frames = [f.filename for f in traceback.extract_tb(tb)]
+            names = [c.__name__ for c in tp.__mro__]
+            record_failure(traceback.format_exception(tp, value, tb), f"{tp.__name__}: {value}", names, frames)
         finally:
             previous(tp, value, tb)
 
@@ -232,21 +233,51 @@ def _install_error_hooks() -> None:
 
     @functools.wraps(original_error)
     def error(self: argparse.ArgumentParser, message: str) -> NoReturn:
-        record_failure([f"{self.prog}: error: {message}"], f"argument error: {self.prog}: {message}")
+        record_failure(
+            [f"{self.prog}: error: {message}"], f"argument error: {self.prog}: {message}", exit_class=SCRIPT_EXIT
+        )
         original_error(self, message)  # exits
 
     argparse.ArgumentParser.error = error  # type: ignore[method-assign]
 
+    # sys.exit("dataset not found") / sys.exit(3) before the first step: SystemExit never reaches the excepthook, so
+    # the supervisor saw only an exit status, restarted the script until its budget ran out and never showed why
+    def exiting(original: Callable[..., NoReturn]) -> Callable[..., NoReturn]:
+        @functools.wraps(original)
+        def exit(status: object = None) -> NoReturn:
+            if status not in (None, 0) and not _training["began"]:
+                text = f"SystemExit: {status}" if isinstance(status, str) else f"SystemExit: exit status {status}"
+                record_failure([text], text, exit_class=SCRIPT_EXIT)
+            original(status)
 
-def record_failure(text: list[str], summary: str) -> bool:
-    """The rank's error record (exit code 14) with the traceback's last lines and the last step this process
-    completed (None: it failed before its first step, which a restart would not fix). Returns whether written."""
-    if any(s in summary for s in PEER_ECHO):
-        return False
+        return exit
+
+    sys.exit = exiting(sys.exit)
+    for name in ("exit", "quit"):
+        if callable(getattr(builtins, name, None)):
+            setattr(builtins, name, exiting(getattr(builtins, name)))
+
+
+def record_failure(
+    text: list[str],
+    summary: str,
+    type_names: list[str] | None = None,
+    frames: list[str] | None = None,
+    exit_class: FailureClass | None = None,
+) -> bool:
+    """The rank's error record (exit code 14) with the traceback's last lines, the failure's class and the last step
+    this process completed (None: it failed before its first step). A peer's echo (a collective failing because
+    another rank died) gets no record: the supervisor finds the rank that really failed. Returns whether written.
+
+    Before the first step a wrapped script's failure is not restartable unless its class is (a collective, a GPU
+    fault): the script would meet its own exception again (``restartable`` in the record)."""
     step = None
     if _training["began"]:
         trainer = _training["trainer"]() if _training["trainer"] is not None else None
         step = int(trainer.state.global_step) if trainer is not None else -1
+    cls = exit_class or classify(type_names or [], summary, frames or [], before_first_step=step is None)
+    if cls is COMM:
+        return False
     when = "before its first step" if step is None else f"after step {step}"
     try:
         lines = [x for chunk in text for x in chunk.rstrip("\n").splitlines()]
@@ -255,6 +286,9 @@ def record_failure(text: list[str], summary: str) -> bool:
             ScriptFailed(f"rank {ctx.rank}: the script failed {when}: {summary}"),
             traceback=lines[-TRACEBACK_LINES:],
             step=step,
+            failure_class=cls.name,
+            restartable=cls.restartable and cls is not EXCEPTION,
+            summary=summary,
         )
         return True
     except Exception as e:  # noqa: BLE001 - never hide the script's own error behind ours

@@ -146,10 +146,18 @@ class RankContext:
         atomic_write(self.rd.pid_file(self.attempt, self.rank), json.dumps(rec), fsync=False)
 
     def record_error(
-        self, err: FtkitError, step: int | None = None, repeats: bool = False, traceback: list[str] | None = None
+        self,
+        err: FtkitError,
+        step: int | None = None,
+        repeats: bool = False,
+        traceback: list[str] | None = None,
+        failure_class: str | None = None,
+        restartable: bool | None = None,
+        summary: str | None = None,
     ) -> None:
         """Report a user error to the supervisor. STEP: the step it happened after; REPEATS: a restart would meet
-        it again; TRACEBACK: the script's own last lines."""
+        it again; TRACEBACK: the script's own last lines; FAILURE_CLASS, RESTARTABLE, SUMMARY: why, in
+        :mod:`ftkit.rundir.failures`' words, and the exception's own line."""
         rec: ErrorRecord = {
             "rank": self.rank,
             "host": self.host,
@@ -162,6 +170,12 @@ class RankContext:
             rec["repeats"] = repeats
         if traceback is not None:
             rec["traceback"] = traceback
+        if failure_class is not None:
+            rec["failure_class"] = failure_class
+        if restartable is not None:
+            rec["restartable"] = restartable
+        if summary is not None:
+            rec["summary"] = summary
         atomic_write(self.rd.error_file(self.attempt, self.rank), json.dumps(rec))
 
 

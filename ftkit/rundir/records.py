@@ -87,6 +87,10 @@ class ErrorRecord(TypedDict, total=False):
     step: int | None
     repeats: bool  # the same error would recur on a restart
     traceback: list[str]
+    failure_class: str  # ftkit.rundir.failures: why, in the supervisor's and events.jsonl's words
+    restartable: bool  # whether a restart may change it (a wrapped script's own exception before its first step
+    # is not: the script meets it again)
+    summary: str  # the exception's own line: "ModuleNotFoundError: No module named 'x'"
 
 
 class AgentRecord(TypedDict, total=False):

@@ -67,6 +67,12 @@ class Situation:
     nodes: int = 1  # nodes of the attempt that failed
     min_nodes: int | None = None  # cluster.min_nodes (None: every node must stay)
     detail: str = ""  # the failure's own one line, where the decision repeats it (NOT_RESUMED)
+    # why it failed (ftkit.rundir.failures): whether a restart can change it, and what makes a repeat "the same"
+    cause: str = ""  # the failure class's name
+    restartable: bool = True
+    signature: str | None = None
+    cause_line: str = ""  # who failed and how, with the log: "rank 0 on node0: OSError: ... (log: ...)"
+    hint: str = ""
 
 
 @dataclass
@@ -81,6 +87,7 @@ class RestartPolicy:
     used: int = 0
     no_progress: int = 0
     last_failure: tuple[int | None, int | None] | None = None  # (step at failure, newest commit then)
+    last_startup: str | None = None  # the signature of the previous attempt's failure before its first step
 
     def backoff(self) -> float:
         """Exponential backoff with jitter: base x 2^k, capped, then scaled by a random 0.5-1.0."""
@@ -133,6 +140,13 @@ def decide(s: Situation, policy: RestartPolicy) -> Decision:
             where = "nothing was saved (no step had finished); ftkit launch starts over"
         return Decision(Action.STOP, f"stopped on request ({name}): {where}", ExitCode.STOPPED)
     if s.kind is FailureKind.SCRIPT_ERROR:
+        if s.cause_line:
+            return Decision(
+                Action.STOP,
+                f"not restarting: {s.cause_line}: a restart cannot change it ({s.cause})"
+                + (f" [{s.hint}]" if s.hint else ""),
+                ExitCode.SCRIPT_FAILED,
+            )
         return Decision(
             Action.STOP,
             "not restarting: the training script's failure above would repeat on every attempt",
@@ -148,6 +162,22 @@ def decide(s: Situation, policy: RestartPolicy) -> Decision:
         )
     if s.kind is FailureKind.NOT_RESUMED:
         return Decision(Action.STOP, f"not restarting: {s.detail}", ExitCode.RESUME_MISMATCH)
+    if s.kind in (FailureKind.EXIT, FailureKind.HANG, FailureKind.STARTUP) and s.step is None and not s.lost_hosts:
+        repeated = s.signature is not None and s.signature == policy.last_startup
+        policy.last_startup = s.signature
+        if not s.restartable or repeated:
+            why = (
+                f"a restart cannot change it ({s.cause})"
+                if not s.restartable
+                else "the previous attempt failed the same way before its first step"
+            )
+            return Decision(
+                Action.STOP,
+                f"not restarting: {s.cause_line or s.detail}: {why}" + (f" [{s.hint}]" if s.hint else ""),
+                ExitCode.SCRIPT_FAILED,
+            )
+    else:
+        policy.last_startup = None
     if s.kind is FailureKind.RESUME_MISMATCH:
         return Decision(
             Action.STOP,

@@ -23,6 +23,7 @@ At the end, whatever the outcome, the local tier's newest step is copied to the 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import random
@@ -45,9 +46,11 @@ from ftkit.cluster.procs import exit_meaning, is_alive
 from ftkit.cluster.slurm import transport_for
 from ftkit.command.engines import LaunchCommand, LaunchInputs, build_launch
 from ftkit.errors import ExitCode, UserError
+from ftkit.rundir.failures import BY_NAME, SCRIPT_EXIT
 from ftkit.rundir.layout import NEARLY_FULL, STOP_FILE, RunDir, append_jsonl, atomic_write, read_metrics
 from ftkit.rundir.spec import LocalTierSpec, RunSpec
 from ftkit.supervise.attempt import Spawned, spawn, teardown_attempt
+from ftkit.supervise.cause import Cause, attempt_cause
 from ftkit.supervise.choose import Choice, StepLimits, select
 from ftkit.supervise.decide import Action, Decision, FailureKind, Progress, RestartPolicy, Situation, decide
 from ftkit.supervise.fidelity import FidelityCheck
@@ -100,6 +103,12 @@ class Failure:
     exit_code: int | None = None
     lines: list[str] = field(default_factory=list)  # what the ranks reported (user errors, no space)
     traceback: list[str] = field(default_factory=list)  # the last lines of a failing script's traceback
+    cause: Cause | None = None  # why, when the ranks' records or logs say (ftkit.supervise.cause)
+
+    @property
+    def failure_class(self) -> str:
+        """events.jsonl's name for why it failed (ftkit.rundir.failures), else the kind of failure."""
+        return self.cause.cls.name if self.cause is not None else self.kind.value
 
     def with_traceback(self, tb: list[str]) -> Failure:
         self.traceback = tb
@@ -288,6 +297,7 @@ class Supervisor:
                     f"node {p.node_rank} ({p.host}) engine ended: {exit_meaning(c)}" + root_cause(p.log),
                     step=self._step(attempt),
                     exit_code=c,
+                    cause=attempt_cause(self.rd, attempt, c),
                 )
             if all(c == 0 for c in codes):
                 if self._stop_sent_at is not None and not self._final_committed(attempt):
@@ -314,11 +324,27 @@ class Supervisor:
             e = script[0]
             tb = [str(x) for x in (e.get("traceback") or [])]
             where = f"rank {e.get('rank')} on {e.get('host')}"
+            cls = BY_NAME.get(str(e.get("failure_class")), SCRIPT_EXIT)
+            log = str(self.rd.rank_log(attempt, int(e.get("rank") or 0)))
+            cause = Cause(cls, e.get("summary"), e.get("rank"), e.get("host"), log)
             if e.get("repeats"):  # deterministic at any step (a save that writes nothing): stop at once
-                return Failure(FailureKind.SCRIPT_ERROR, f"the training script on {where}", lines=lines, exit_code=14)
-            if e.get("step") is None:  # before the first step: the same will happen again
                 return Failure(
-                    FailureKind.SCRIPT_ERROR, f"the training script failed on {where}", lines=lines, exit_code=14
+                    FailureKind.SCRIPT_ERROR, f"the training script on {where}", lines=lines, exit_code=14, cause=cause
+                )
+            if e.get("step") is None and not e.get("restartable"):  # before the first step: it would happen again
+                return Failure(
+                    FailureKind.SCRIPT_ERROR,
+                    f"the training script failed on {where}",
+                    lines=lines,
+                    exit_code=14,
+                    cause=cause,
+                ).with_traceback(tb)
+            if e.get("step") is None:  # a cause a restart may change (a peer, the network): restarted
+                return Failure(
+                    FailureKind.EXIT,
+                    f"the training script failed on {where} before its first step",
+                    exit_code=ExitCode.SCRIPT_FAILED,
+                    cause=cause,
                 ).with_traceback(tb)
             # after it: an ordinary failure (restarted; the no-progress rule stops a repeating one)
             return Failure(
@@ -326,6 +352,7 @@ class Supervisor:
                 f"the training script raised on {where} at step {e.get('step')}",
                 step=self._step(attempt),
                 exit_code=ExitCode.SCRIPT_FAILED,
+                cause=cause,
             ).with_traceback(tb)
         return Failure(FailureKind.USER_ERROR, "a rank reported an error a restart cannot fix", lines=lines)
 
@@ -489,6 +516,9 @@ class Supervisor:
             "failure",
             f"attempt {attempt} failed: {failure.message}",
             kind=failure.kind.value,
+            failure_class=failure.failure_class,
+            restartable=failure.cause.cls.restartable if failure.cause is not None else None,
+            cause=failure.cause.describe() if failure.cause is not None and failure.cause.line else None,
             step=failure.step,
             exit_code=failure.exit_code,
             exit_meaning=exit_meaning(failure.exit_code) if failure.exit_code is not None else None,
@@ -526,6 +556,15 @@ class Supervisor:
             nodes=len(self.inputs.hosts),
             min_nodes=self.min_nodes,
         )
+        if failure.cause is not None:
+            situation = dataclasses.replace(
+                situation,
+                cause=failure.cause.cls.name,
+                restartable=failure.cause.cls.restartable,
+                signature=failure.cause.signature,
+                cause_line=failure.cause.describe(),
+                hint=failure.cause.cls.hint,
+            )
         return decide(situation, self.policy)
 
     def _stop(self, decision: Decision) -> int:

@@ -201,6 +201,7 @@ def test_report_row_per_host_and_a_line_per_failure_with_its_fix():
         "clock",
         "iface",
         "locks",
+        "ops",
         "rendezvous",
     ]
     assert table[1].split()[0] == "node0" and "FAIL" not in table[1] and "-0.2s" in table[1]

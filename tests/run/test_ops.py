@@ -92,10 +92,13 @@ def test_facts_read_deepspeed_s_install_record_and_the_build_cache(tmp_path):
     import subprocess
     import sys
 
-    code = "import json; from deepspeed.git_version_info import installed_ops as o, accelerator_name as a; " \
-           "print(json.dumps([sorted(k for k, v in o.items() if v), a]))"  # fmt: skip
-    prebuilt, acc = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                              env={**os.environ, "DS_ACCELERATOR": "cpu"}).stdout.splitlines()[-1])  # fmt: skip
+    code = (
+        "import json; from deepspeed.git_version_info import installed_ops as o, accelerator_name as a; "
+        "print(json.dumps([sorted(k for k, v in o.items() if v), a]))"
+    )
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout
+    prebuilt, acc = json.loads(out.splitlines()[-1])
     ext = tmp_path / "ext"
     (ext / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / "cpu_adam").mkdir(parents=True)
     (ext / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / "cpu_adam" / "cpu_adam.so").write_text("")

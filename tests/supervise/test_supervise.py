@@ -261,3 +261,39 @@ def test_messages_never_say_step_none_and_a_stop_before_any_save_starts_over():
     prog.observe([{"rank": 0, "phase": "train", "step": 3, "time": 1}], now=1.0)
     kind, message = prog.failure(now=10.0, step=None)  # the heartbeats were gone by the time it was named
     assert kind is FailureKind.HANG and "None" not in message and "before the first step" in message
+
+
+# ------------------------------------------------------------------------------------------------ issue 35: causes
+
+
+def _startup(cause: str, restartable: bool, signature: str | None, step: int | None = None) -> Situation:
+    line = f"rank 0 on node0: {signature or cause} (log: /run/logs/attempt-0/rank-0.log)"
+    return Situation(FailureKind.EXIT, step=step, cause=cause, restartable=restartable, signature=signature,
+                     cause_line=line, hint="the hint")  # fmt: skip
+
+
+def test_a_start_up_failure_a_restart_cannot_change_stops_at_once_with_the_rank_s_line():
+    p = policy()
+    d = decide(_startup("op_build", False, "OSError: CUDA_HOME environment variable is not set"), p)
+    assert d.action is Action.STOP and d.exit_code == ExitCode.SCRIPT_FAILED and p.used == 0
+    assert d.reason == (
+        "not restarting: rank 0 on node0: OSError: CUDA_HOME environment variable is not set (log: "
+        "/run/logs/attempt-0/rank-0.log): a restart cannot change it (op_build) [the hint]"
+    )
+
+
+def test_a_restartable_start_up_failure_restarts_once_and_stops_when_it_repeats_word_for_word():
+    p = policy()
+    assert decide(_startup("exception", True, "RuntimeError: boom"), p).restart
+    assert decide(_startup("exception", True, "RuntimeError: other"), p).restart  # another cause: a new incident
+    d = decide(_startup("exception", True, "RuntimeError: other"), p)
+    assert d.action is Action.STOP and d.exit_code == ExitCode.SCRIPT_FAILED and p.used == 2
+    assert d.reason.endswith("the previous attempt failed the same way before its first step [the hint]")
+
+
+@pytest.mark.parametrize("cause", ["killed", "comm_error", "gpu_error", "hang"])
+def test_transient_causes_restart_even_when_they_repeat(cause):
+    p = policy(max_restarts=5, backoff_s=0, backoff_max_s=0)
+    assert all(decide(_startup(cause, True, None), p).restart for _ in range(2))  # no signature: never "the same"
+    p = policy(max_restarts=5, backoff_s=0, backoff_max_s=0)
+    assert decide(_startup(cause, False, "X: y", step=7), p).restart  # after the first step: restarted

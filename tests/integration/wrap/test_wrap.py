@@ -206,6 +206,12 @@ def test_script_failing_at_import_stops_at_once_with_its_error(fx, tmp_path):
     records = [json.loads(p.read_text()) for p in (run / "ftkit" / "attempts" / "0" / "errors").glob("rank-*.json")]
     assert records and all(rec["exit_code"] == ExitCode.SCRIPT_FAILED and rec["step"] is None for rec in records)
     assert any("raise_at_import.py" in line for line in records[0]["traceback"]), records[0]
+    # issue 35: its class in events.jsonl, and one line quoting the rank's own exception, where, its log, a hint
+    (failure,) = named(run, "failure")
+    assert failure["failure_class"] == "import_error" and failure["restartable"] is False, failure
+    line = "ModuleNotFoundError: No module named 'no_such_module_for_ftkit_tests'"
+    log = run / "logs" / "attempt-0" / "rank-0.log"
+    assert f": {line} (log: {log}): a restart cannot change it (import_error) [install it" in r.stdout, r.stdout
     assert_no_process_left(run)
 
 
