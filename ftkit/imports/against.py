@@ -19,8 +19,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ftkit.errors import Problem, UserError
-from ftkit.imports.deepspeed import DEFAULTS, canonical, default_clipping, relevant
-from ftkit.imports.mapping import fmt
+from ftkit.imports import deepspeed
+from ftkit.imports.deepspeed import (
+    DEFAULTS,
+    SCHEDULE_PARAMS,
+    canonical,
+    canonical_key,
+    default_clipping,
+    relevant,
+    schedule_name,
+)
+from ftkit.imports.mapping import NO_EFFECT, Report, fmt
 from ftkit.imports.read import load
 from ftkit.render.accelerate import accelerate_dict
 from ftkit.render.deepspeed import render_deepspeed
@@ -48,6 +57,7 @@ NOT_TRAINING = {
     "zero_allow_untested_optimizer": "ftkit configures DeepSpeed's own AdamW",
     "zero_force_ds_cpu_optimizer": "ftkit configures DeepSpeed's own AdamW",
     "optimizer.params.torch_adam": "the AdamW implementation (same update up to rounding)",
+    "optimizer.params.fused": "the AdamW implementation (same update up to rounding)",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": "saving only",
     "zero_optimization.ignore_unused_parameters": "an error check only",
 }
@@ -132,6 +142,9 @@ def compare_deepspeed(
     fa, fb = canonical(file_cfg), canonical(rendered)
     diffs: list[Difference] = []
     notes: list[str] = []
+    not_carried = _not_carried(file_cfg)
+    _schedule_defaults(fa)
+    _schedule_defaults(fb)
     if plan is not None:
         for key in HF_DERIVED:  # absent: HF and DeepSpeed derive them from TrainingArguments, as for "auto"
             if key not in fa:
@@ -142,7 +155,7 @@ def compare_deepspeed(
             notes.append('optimizer: absent: HF Trainer builds AdamW from TrainingArguments (compared as "auto")')
     for key in sorted(set(fa) | set(fb)):
         a, b = fa.get(key, MISSING), fb.get(key, MISSING)
-        why = _not_training(key)
+        why = _not_training(key) or _reported(key, not_carried)
         if why:
             if _value(a, key, fa) != _value(b, key, fb):
                 notes.append(f"{key}: {_show(a)} vs {_show(b)} rendered: not compared ({why}; no effect on training)")
@@ -151,6 +164,9 @@ def compare_deepspeed(
         if skip_a and skip_b:
             continue
         note = ""
+        if a == "auto" and b == "auto":  # the one value a rendered config leaves to HF (the step count of epochs)
+            notes.append(f'{key}: "auto" in both: HF fills it at run time')
+            continue
         if a == "auto":
             resolved, how = _auto(key, plan, fa)
             if resolved is None:
@@ -173,6 +189,42 @@ def compare_deepspeed(
         elif note:
             notes.append(f"{key}: {note} = {fmt(vb)} rendered")
     return diffs, notes
+
+
+def _schedule_defaults(flat: dict[str, object]) -> None:
+    """A DeepSpeed schedule's parameters a config leaves out, as DeepSpeed's class fills them (WarmupLR's peak: the
+    optimizer's lr)."""
+    kind = schedule_name(flat.get("scheduler.type"))
+    if kind is None:
+        return
+    for name, default in SCHEDULE_PARAMS[kind].items():
+        key = f"scheduler.params.{name}"
+        if key in flat:
+            continue
+        if name == "warmup_max_lr" and default is None:
+            flat[key] = flat.get("optimizer.params.lr", "auto")
+        elif default is not None:
+            flat[key] = default
+
+
+def _not_carried(file_cfg: Mapping[str, object]) -> dict[str, str]:
+    """The keys ``ftkit import`` reports as not carried for this file (no effect on training, or the same update up
+    to rounding), by canonical key: check compares what import carries, so an imported recipe never fails check
+    against its own source."""
+    report = Report()
+    deepspeed.read(report.sink("--against"), file_cfg)
+    out: dict[str, str] = {}
+    for c in report.claims:
+        if c.status == NO_EFFECT and not c.key.endswith("(absent)"):
+            out[canonical_key(c.key)] = "not carried by ftkit import: " + "; ".join(x for x in (c.how, c.effect) if x)
+    return out
+
+
+def _reported(key: str, not_carried: Mapping[str, str]) -> str | None:
+    for name, why in not_carried.items():
+        if key == name or key.startswith(name + "."):
+            return why
+    return None
 
 
 def _not_training(key: str) -> str | None:
@@ -272,6 +324,11 @@ def compare_accelerate(
             continue
         if a is MISSING:
             diffs.append(Difference(key, a, b, "only rendered"))
+        elif b is MISSING and key == "mixed_precision" and not _config_file(file_cfg):
+            # Accelerate's DeepSpeed plugin turns mixed_precision into the config's bf16/fp16 blocks
+            b = _ds_precision(rendered_ds)
+            if str(a).lower().replace("none", "no").replace("false", "no") != b:
+                diffs.append(Difference(key, a, b, "differs", "rendered as ds_config.json's bf16/fp16 blocks"))
         elif b is MISSING:
             note = "Accelerate refuses it next to a deepspeed_config_file" if key == "mixed_precision" else ""
             diffs.append(Difference(key, a, b, "only in file", note))
@@ -299,6 +356,17 @@ def compare_accelerate(
         if a is not MISSING and b is not MISSING and a != b:
             notes.append(f"deepspeed_config.{key}: {_show(a)} vs {_show(b)} rendered (loading/launch only)")
     return diffs, notes
+
+
+def _config_file(file_cfg: Mapping[str, object]) -> bool:
+    plugin = file_cfg.get("deepspeed_config")
+    return isinstance(plugin, dict) and bool(plugin.get("deepspeed_config_file"))
+
+
+def _ds_precision(rendered_ds: Mapping[str, object]) -> str:
+    """Accelerate's mixed_precision of a DeepSpeed config: bf16, fp16 or no."""
+    flat = canonical(rendered_ds)
+    return "bf16" if flat.get("bf16.enabled") is True else "fp16" if flat.get("fp16.enabled") is True else "no"
 
 
 def check_against(plan: Plan, files: tuple[str, ...] | list[str]) -> tuple[list[str], int]:

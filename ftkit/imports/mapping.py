@@ -159,18 +159,19 @@ class Report:
         for c in self.claims:
             if c.origin != "ta" or c.status not in (MAPPED, DEFAULT):
                 continue
+            said = f"{c.how}; " if c.how else ""  # e.g. "Axolotl's default": kept in front
             if c.target == "train.lr_scheduler" and ds_sched:
                 c.status, c.target = NO_EFFECT, None
-                c.how = "the DeepSpeed config's scheduler block is used instead (HF ignores lr_scheduler_type then)"
+                c.how = said + "the DeepSpeed config's scheduler block is used instead (HF ignores lr_scheduler_type)"
             elif c.target == TA_OPTIM and ds_opt:
                 c.status, c.target = NO_EFFECT, None
-                c.how = "the DeepSpeed config's optimizer block is used instead (HF ignores optim then)"
+                c.how = said + "the DeepSpeed config's optimizer block is used instead (HF ignores optim then)"
             elif c.target == TA_OPTIM and str(c.value).lower() in ADAMW_OPTIMS:
                 c.status, c.target = DEFAULT, None
-                c.how = "AdamW: ftkit configures DeepSpeed's AdamW with the same hyperparameters (same update rule)"
+                c.how = said + "AdamW: ftkit configures DeepSpeed's AdamW with the same hyperparameters (same update)"
             elif c.target == TA_OPTIM:
                 c.status, c.target = REFUSED, None
-                c.how = f"optimizer {c.value}: ftkit trains with AdamW only"
+                c.how = said + f"optimizer {c.value}: ftkit trains with AdamW only"
                 c.effect = "accepted, the run uses AdamW"
         for c in ds_opt:
             c.target, c.how = None, "DeepSpeed's AdamW, what ftkit configures" + (f" ({c.how})" if c.how else "")
@@ -317,7 +318,8 @@ class Report:
             c.shown = f"-> train.global_batch_size = {computed} ({how} micro x accumulation x world size: {triple})"
         for c in self.on(ACCUM, (MAPPED, DEFAULT, AUTO)):
             if c.status != AUTO:
-                c.shown = f"-> gradient accumulation {_fmt(c.value)} (train.global_batch_size = {triple})"
+                how = f"{c.how}; " if c.how else ""
+                c.shown = f"-> gradient accumulation {_fmt(c.value)} ({how}train.global_batch_size = {triple})"
             else:
                 c.shown += f"; train.global_batch_size = {triple}"
         for c in world_claims:
@@ -442,6 +444,12 @@ class Sink:
         """The source states ``value`` for ``target``."""
         return self._add(key, MAPPED, target=target, value=value, how=how, origin=origin)
 
+    def tool_default(self, key: str, target: str, value: Value, how: str, *, absent: bool = True) -> Claim:
+        """A key the source leaves out (or unset), which the tool that reads it (Axolotl, LLaMA-Factory) fills with
+        its own default before it builds TrainingArguments: a TrainingArguments value, as if the source stated it."""
+        return self._add(f"{key} (absent)" if absent else key, MAPPED, target=target, value=value, how=how,
+                         origin="ta")  # fmt: skip
+
     def implied(self, key: str, target: str, value: Value, how: str) -> Claim:
         """A key the source leaves out, whose absence decides a value (e.g. no gradient_clipping: no clipping)."""
         return self._add(f"{key} (absent)", MAPPED, target=target, value=value, how=how, checked=False)
@@ -449,6 +457,10 @@ class Sink:
     def auto(self, key: str, target: str, how: str = "", value: Value = None) -> Claim:
         """A DeepSpeed "auto": HF fills it (from TrainingArguments when ``target`` is one HF fills)."""
         return self._add(key, AUTO, target=target, how=how, value=value)
+
+    def auto_filled(self, key: str, how: str) -> Claim:
+        """A DeepSpeed "auto" HF fills at run time from something no recipe key holds (the run's step count)."""
+        return self._add(key, AUTO, how=how)
 
     def same(self, key: str, how: str) -> Claim:
         """Nothing to carry: the value is what ftkit does anyway (or unset)."""

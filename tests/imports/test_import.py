@@ -152,15 +152,15 @@ ROUND_TRIPS = [
     ("ds_z1_compile.json", "", "Axolotl zero1_torch_compile: compile block, initial_scale_power 32"),
     ("ds_z1_optimizer_auto.json", "", "Axolotl zero1: AdamW block of autos"),
     ("ds_z1_timers.json", "", "LLaMA-Factory z1 (gaudi): contiguous_gradients false, round_robin, timers"),
-    ("ds_z2_offload.json", "scheduler", "transformers ds_config_zero2: offload, 2e8 buckets, WarmupLR autos"),
+    ("ds_z2_offload.json", "", "transformers ds_config_zero2: offload, 2e8 buckets, WarmupLR autos"),
     ("ds_z2_offload_rr.json", "", "LLaMA-Factory ds_z2_offload: round_robin_gradients, pin_memory"),
-    ("ds_z2_torch_adam.json", "scheduler", "accelerate zero_stage2: torch_adam, adam_w_mode, WarmupDecayLR"),
+    ("ds_z2_torch_adam.json", "", "accelerate zero_stage2: torch_adam, adam_w_mode, WarmupDecayLR"),
     ("ds_z2_autotp.json", "tensor_parallel", "LLaMA-Factory ds_z2_autotp: AutoTP, a _comment key"),
     ("ds_z3.json", "", "Axolotl zero3: sub_group_size 0, live/reuse 0, auto buckets"),
     ("ds_z3_offload_all.json", "", "Axolotl zero3_bf16_cpuoffload_all: unprefixed aliases, force_ds_cpu_optimizer"),
     ("ds_z3_partial_offload.json", "", "LLaMA-Factory ds_z3_partial_offload: pin_memory false, 1e9 limits"),
-    ("ds_z3_offload_auto_gather.json", "scheduler", 'accelerate zero_stage3_offload: a boolean "auto"'),
-    ("ds_z3_ulysses.json", "scheduler,sequence_parallel", "LLaMA-Factory ds_z3_alst: Ulysses, bf16 loss keys"),
+    ("ds_z3_offload_auto_gather.json", "", 'accelerate zero_stage3_offload: a boolean "auto"'),
+    ("ds_z3_ulysses.json", "sequence_parallel", "LLaMA-Factory ds_z3_alst: Ulysses, bf16 loss keys"),
 ]
 
 
@@ -192,7 +192,7 @@ def test_explicit_values_stay_explicit(here, tmp_path, model_dir):
     """A hard-coded bucket size is kept, not replaced by ftkit's hidden-size rule; "auto" stays ftkit's auto."""
     import yaml
 
-    _, out = _import(tmp_path, model_dir, "ds_z2_offload.json", accept="scheduler")
+    _, out = _import(tmp_path, model_dir, "ds_z2_offload.json")
     zero = yaml.safe_load(out.read_text())["zero"]
     assert (zero["reduce_bucket_size"], zero["allgather_bucket_size"]) == (200_000_000, 200_000_000)
     _, out = _import(tmp_path, model_dir, "ds_z3.json")
@@ -211,7 +211,7 @@ def test_aliases_and_deprecated_spellings_normalised(here, tmp_path, model_dir):
     src = json.loads((FIX / "ds_z3_concrete.json").read_text())
     src["zero_optimization"]["reduce_bucket_size"] = 5e8
     (tmp_path / "concrete.json").write_text(json.dumps(src))
-    result, out = _import(tmp_path, model_dir, str(tmp_path / "concrete.json"), accept="scheduler")
+    result, out = _import(tmp_path, model_dir, str(tmp_path / "concrete.json"))
     line = next(x for x in result.lines if "stage3_gather_fp16_weights_on_model_save" in x)
     assert "deprecated spelling of stage3_gather_16bit_weights_on_model_save" in line
     z = render_deepspeed(load_and_plan(str(out), []))
@@ -219,14 +219,14 @@ def test_aliases_and_deprecated_spellings_normalised(here, tmp_path, model_dir):
     assert z["optimizer"]["params"]["betas"] == [0.8, 0.999] and z["optimizer"]["params"]["weight_decay"] == 3e-7
     assert z["fp16"]["enabled"] is True
     recipe = load_and_plan(str(out), []).recipe
-    assert (recipe["train.warmup_steps"], recipe["train.lr_scheduler"]) == (500, "constant_with_warmup")
+    assert (recipe["train.warmup_steps"], recipe["train.lr_scheduler"]) == (500, "WarmupLR")
 
 
 REFUSED = [
     ("ds_z3_fp8.json", "ds_z3_fp8.json fp8: fp8 training (Transformer Engine) is not supported by ftkit"),
     ("ds_z2_autotp.json", "ds_z2_autotp.json tensor_parallel: DeepSpeed AutoTP tensor parallelism"),
     ("ds_z3_concrete.json", "ds_z3_concrete.json zero_optimization.reduce_bucket_size: must be at least 1; got 0"),
-    ("ds_z2_offload.json", "ds_z2_offload.json scheduler.type: DeepSpeed's WarmupLR with a warm-up on a log curve"),
+    ("ds_torch_scheduler.json", "ds_torch_scheduler.json scheduler.type: schedule StepLR (DeepSpeed builds other"),
     (
         "accelerate_fsdp1.yaml",
         "accelerate_fsdp1.yaml:3 distributed_type: FSDP (version 1) is not supported: ftkit "
@@ -339,7 +339,7 @@ def test_axolotl(here, tmp_path, model_dir):
         _import(tmp_path, model_dir, "axolotl_qlora_packing.yml")
     for key in ("load_in_4bit", "adapter", "datasets", "val_set_size", "sample_packing", "optimizer", "special_tokens"):
         assert "axolotl_qlora_packing.yml" in str(e.value) and f" {key}: " in str(e.value), key
-    accept = "load_in_4bit,adapter,datasets,val_set_size,sample_packing,optimizer,special_tokens"
+    accept = "load_in_4bit,adapter,datasets,val_set_size,sample_packing,optimizer,special_tokens,warmup_steps"
     result, out = _import(tmp_path, model_dir, "axolotl_qlora_packing.yml", accept=accept)
     r = load_and_plan(str(out), []).recipe
     assert r["peft.target_modules"] == ["all-linear"] and r["data.train"] == str(tmp_path / "data" / "train.jsonl")
