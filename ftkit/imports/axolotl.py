@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from ftkit.imports import fsdp as fsdp_source
 from ftkit.imports import trainer_args as ta
-from ftkit.imports.fsdp import refuse_fsdp
 from ftkit.imports.mapping import ACCUM, BF16, FP16, MICRO, TA_OPTIM, Sink, fmt
 from ftkit.imports.read import Command
 from ftkit.imports.values import to_bool, to_int, to_str, unset
@@ -92,12 +92,32 @@ def _refuse_if_set(why: str, effect: str) -> ta.Handler:
 
 
 def _fsdp(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
-    if unset(value) or value is False:
+    """Axolotl's FSDP: ``fsdp_config`` (keys with or without ``fsdp_``), ``fsdp_version``, and in older configs an
+    ``fsdp`` list of options (full_shard, auto_wrap, offload). Axolotl sets Accelerate's FSDP_* environment from
+    them, so a key left out takes the plugin's own default."""
+    config = args.get("fsdp_config")
+    block = config if isinstance(config, dict) else {}
+    asked = args.get("fsdp_version", block.get("fsdp_version", block.get("version", 1)))
+    version = 2 if str(asked).strip() == "2" else 1
+    on = bool(block) or not unset(args.get("fsdp"))
+    if key == "fsdp_version":
+        if on:
+            sink.same(key, f"FSDP{version}" + (": imported as FSDP2" if version == 1 else ""))
+        else:
+            sink.no_effect(key, "no fsdp_config: FSDP is off", NONE)
+    elif key == "fsdp":
+        if unset(value) or value is False:
+            sink.same(key, "FSDP off")
+        else:
+            fsdp_source.options(sink, key, value, version)
+    elif unset(value):
         sink.same(key, "FSDP off")
+    elif isinstance(value, dict):
+        if unset(args.get("fsdp")):
+            fsdp_source.backend(sink, key, version)
+        fsdp_source.read(sink, key, value, version, fsdp_source.ENVIRONMENT)
     else:
-        config = config if isinstance(config := args.get("fsdp_config"), dict) else {}
-        version = str(args.get("fsdp_version", config.get("fsdp_version", 1))).strip()
-        refuse_fsdp(sink, key, value, 2 if version == "2" else 1)
+        sink.problem(key, "expected a mapping of FSDP settings")
 
 
 # Axolotl dataset types whose rows ftkit reads as they are: completion (a text field) and chat_template (messages)

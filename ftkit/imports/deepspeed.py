@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from ftkit.imports.mapping import ACCUM, BF16, DS_OPTIMIZER, FP16, GLOBAL, MICRO, NO_EFFECT, Sink, fmt
+from ftkit.imports.mapping import ACCUM, BF16, DS_OPTIMIZER, FP16, GLOBAL, MAPPED, MICRO, NO_EFFECT, Sink, fmt
 from ftkit.imports.values import is_auto, to_bool, to_float, to_int, to_mapping, to_str
 from ftkit.recipe.schema import Value
 from ftkit.rundir.records import JSON
@@ -184,7 +184,7 @@ def read(sink: Sink, data: object) -> None:
     if "zero_optimization" not in cfg:
         sink.implied("zero_optimization", "zero.stage", 0, "DeepSpeed's default: no ZeRO (stage 0)")
     absent_defaults(sink, zero if isinstance(zero, dict) else {}, stage)
-    scheduler_sets_lr(sink, cfg)
+    scheduler_sets_lr(sink)
     if "gradient_clipping" not in cfg:
         value, which = default_clipping()
         sink.implied(
@@ -278,14 +278,12 @@ def _top(sink: Sink, key: str, value: object, stage: int) -> None:
             for sub, item in block.items():
                 _zero(sink, f"{key}.{sub}", str(sub), item, stage)
     elif key in HARD_TOP:
-        if key == "amp" and isinstance(value, dict) and value.get("enabled") is False:
-            sink.same(key, "disabled")
-        elif key == "fp8" and isinstance(value, dict) and value.get("enabled") is False:
-            sink.same(key, "disabled")
+        if key in ("amp", "fp8") and isinstance(value, dict) and value.get("enabled") is False:
+            sink.same_each(key, value, "disabled")
         else:
             sink.hard(key, HARD_TOP[key])
     elif key in NO_EFFECT_TOP:
-        sink.no_effect(key, NO_EFFECT_TOP[key], "no effect on training")
+        sink.no_effect_each(key, value, NO_EFFECT_TOP[key], "no effect on training")
     elif key == "prescale_gradients":
         if to_bool(sink, key, value) is False:  # a boolean: True must not pass for the default (True == 1)
             sink.same(key, "DeepSpeed's default (false)")
@@ -303,11 +301,11 @@ def _top(sink: Sink, key: str, value: object, stage: int) -> None:
         block = to_mapping(sink, key, value)
         if block is not None and block.get("disable", True) is not True and block.get("enabled", True) is not False:
             old = " (DeepSpeed 0.19 rejects disable/backend here)" if {"disable", "backend"} & set(block) else ""
-            sink.no_effect(key, f"torch.compile of the model{old}: ftkit does not compile", ROUNDING + "; slower")
+            sink.no_effect_each(key, block, f"torch.compile of the model{old}: ftkit does not compile", ROUNDING)
         elif block is not None:
-            sink.same(key, "compile disabled")
+            sink.same_each(key, block, "compile disabled")
     elif key == "tensor_parallel" and isinstance(value, dict) and value.get("autotp_size", 1) in (0, 1):
-        sink.same(key, "tensor-parallel size 1: plain data parallelism")
+        sink.same_each(key, value, "tensor-parallel size 1: plain data parallelism")
     elif key in REFUSED_TOP:
         why, effect = REFUSED_TOP[key]
         sink.refuse(key, why, f"without it: {effect}")
@@ -503,9 +501,6 @@ _SCHEDULE_REQUIRED = {"total_num_steps", "cycle_min_lr", "cycle_max_lr"}
 # parameters HF Trainer fills when they say "auto" (transformers integrations/deepspeed.py); any other "auto" reaches
 # DeepSpeed as text
 _HF_FILLED_SCHEDULE = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps"}
-# schedules that set the optimizer's learning rate themselves at every step (WarmupCosineLR scales the optimizer's)
-SETS_LR = ("WarmupLR", "WarmupDecayLR", "OneCycle", "LRRangeTest")
-_CARRIED = "carried into the rendered scheduler block"
 
 
 def _scheduler(sink: Sink, key: str, value: object) -> None:
@@ -617,18 +612,18 @@ def _schedule_param(sink: Sink, key: str, kind: str, name: str, value: object) -
         sink.map(key, f"scheduler.{name}", f)
 
 
-def scheduler_sets_lr(sink: Sink, cfg: Mapping[str, object]) -> None:
-    """WarmupLR (with its warmup_max_lr), WarmupDecayLR, OneCycle and LRRangeTest set the optimizer's learning rate
-    at every step: an optimizer block's lr is then not used."""
-    block = cfg.get("scheduler")
-    kind = block.get("type") if isinstance(block, dict) else None
-    params = block.get("params") if isinstance(block, dict) else None
-    if kind not in SETS_LR or (kind == "WarmupLR" and not (isinstance(params, dict) and "warmup_max_lr" in params)):
+def scheduler_sets_lr(sink: Sink) -> None:
+    """WarmupLR and WarmupDecayLR with a peak of their own (warmup_max_lr, stated or DeepSpeed's default) set the
+    optimizer's learning rate at every step: the optimizer block's own lr is then not used (it is not carried,
+    and the recipe's train.learning_rate is the schedule's peak)."""
+    mine = [c for c in sink.report.claims if c.source == sink.source and c.target == "train.learning_rate"]
+    peak = [c for c in mine if c.key.startswith("scheduler.")]
+    if not peak:
         return
-    for c in sink.report.claims:
-        if c.source == sink.source and c.target == "train.learning_rate" and c.key.startswith("optimizer."):
+    for c in mine:
+        if c.key.startswith("optimizer.") and c.status == MAPPED:
             c.status, c.target = NO_EFFECT, None
-            c.how = f"{kind} sets the learning rate at every step, so the optimizer block's lr is not used"
+            c.how = "the schedule's warmup_max_lr sets the learning rate at every step: the optimizer's lr is not used"
 
 
 def _zero(sink: Sink, key: str, sub: str, value: object, stage: int) -> None:

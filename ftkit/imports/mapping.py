@@ -168,7 +168,7 @@ class Report:
                 c.how = said + "the DeepSpeed config's optimizer block is used instead (HF ignores optim then)"
             elif c.target == TA_OPTIM and str(c.value).lower() in ADAMW_OPTIMS:
                 c.status, c.target = DEFAULT, None
-                c.how = said + "AdamW: ftkit configures DeepSpeed's AdamW with the same hyperparameters (same update)"
+                c.how = said + "AdamW: what ftkit configures, with the same hyperparameters (same update)"
             elif c.target == TA_OPTIM:
                 c.status, c.target = REFUSED, None
                 c.how = said + f"optimizer {c.value}: ftkit trains with AdamW only"
@@ -367,6 +367,13 @@ class Report:
         return out + [n if n.startswith("(derived)") else f"(not in any source) {n}" for n in self.notes]
 
 
+def leaves(key: str, value: object) -> list[str]:
+    """The dotted keys of a block's leaves (a list is a leaf), or ``[key]`` for a value or an empty block."""
+    if not isinstance(value, dict) or not value:
+        return [key]
+    return [leaf for k, v in value.items() for leaf in leaves(f"{key}.{k}", v)]
+
+
 def _accepted(c: Claim, accepted: AbstractSet[str]) -> bool:
     """Whether ``--accept`` names this key: as the report spells it (leading dashes optional), or a block above it."""
     key = c.key.lstrip("-")
@@ -473,6 +480,16 @@ class Sink:
     def no_effect(self, key: str, why: str, effect: str = "") -> Claim:
         """Not carried, and training does not change (logging, launching, speed, rounding)."""
         return self._add(key, NO_EFFECT, how=why, effect=effect)
+
+    def no_effect_each(self, key: str, value: object, why: str, effect: str = "") -> None:
+        """Not carried, for every key of a block (each named in the report), or for ``key`` when it is no block."""
+        for leaf in leaves(key, value):
+            self.no_effect(leaf, why, effect)
+
+    def same_each(self, key: str, value: object, how: str) -> None:
+        """Nothing to carry, for every key of a block (each named in the report)."""
+        for leaf in leaves(key, value):
+            self.same(leaf, how)
 
     def refuse(self, key: str, why: str, effect: str = "") -> Claim:
         """Not carried, and training changes: the import stops unless the key is accepted."""

@@ -160,6 +160,12 @@ ROUND_TRIPS = [
     ("ds_z3_offload_all.json", "", "Axolotl zero3_bf16_cpuoffload_all: unprefixed aliases, force_ds_cpu_optimizer"),
     ("ds_z3_partial_offload.json", "", "LLaMA-Factory ds_z3_partial_offload: pin_memory false, 1e9 limits"),
     ("ds_z3_offload_auto_gather.json", "", 'accelerate zero_stage3_offload: a boolean "auto"'),
+    ("ds_warmuplr_linear.json", "", "DeepSpeed docs: WarmupLR, linear warm-up from a floor, concrete values"),
+    ("ds_warmupdecaylr_log.json", "", "WarmupDecayLR, log warm-up (DeepSpeed's default) from 1e-4, autos"),
+    ("ds_warmupcosinelr.json", "", "WarmupCosineLR: warmup_min_ratio, cos_min_ratio, linear warm-up"),
+    ("ds_onecycle.json", "", "DeepSpeed's OneCycle tutorial: stairs, decay, momentum cycling"),
+    ("ds_lrrangetest.json", "", "DeepSpeed's LR range test tutorial: staircase"),
+    ("ds_z2_monitors.json", "", "autotuning, flops profiler, comms logger, tensorboard/wandb/csv monitors"),
     ("ds_z3_ulysses.json", "sequence_parallel", "LLaMA-Factory ds_z3_alst: Ulysses, bf16 loss keys"),
 ]
 
@@ -228,14 +234,13 @@ REFUSED = [
     ("ds_z3_concrete.json", "ds_z3_concrete.json zero_optimization.reduce_bucket_size: must be at least 1; got 0"),
     ("ds_torch_scheduler.json", "ds_torch_scheduler.json scheduler.type: schedule StepLR (DeepSpeed builds other"),
     (
-        "accelerate_fsdp1.yaml",
-        "accelerate_fsdp1.yaml:3 distributed_type: FSDP (version 1) is not supported: ftkit "
-        "supports DeepSpeed only so far",
+        "accelerate_fsdp_local.yaml",
+        "accelerate_fsdp_local.yaml:7 fsdp_config.fsdp_state_dict_type: LOCAL_STATE_DICT: FSDP2 has no local state "
+        "dict",
     ),  # fmt: skip
-    ("accelerate_fsdp2.yaml", "accelerate_fsdp2.yaml:2 distributed_type: FSDP (version 2) is not supported"),
     ("accelerate_fp8.yaml", "accelerate_fp8.yaml:2 mixed_precision: fp8 training is not supported by ftkit"),
     ("accelerate_xpu.yaml", "accelerate_xpu.yaml:1 distributed_type: MULTI_XPU: ftkit runs on CUDA GPUs or CPUs"),
-    ("axolotl_fsdp.yml", "axolotl_fsdp.yml:10 fsdp_version: FSDP (version 2) is not supported"),
+    ("accelerate_multi_node.yaml", "accelerate_multi_node.yaml:7 main_process_ip: '1234' is a placeholder"),
     ("llamafactory_dpo.yaml", "llamafactory_dpo.yaml:2 stage: stage dpo (a preference/reward objective)"),
 ]
 
