@@ -559,7 +559,7 @@ def test_import_and_check_against_import_no_heavy_stack(here, tmp_path, model_di
 # DeepSpeed treats the rendered config as it treats the source (with HF's own "auto" filling): heavy, in make test
 
 
-def _hf_filled(source: dict, plan, tmp_path: Path) -> dict:
+def _hf_filled(source: dict, plan, tmp_path: Path, num_training_steps: int = 100) -> dict:
     """The source config after HF Trainer's own "auto" filling, with the TrainingArguments ftkit builds."""
     import copy
     from types import SimpleNamespace
@@ -580,7 +580,7 @@ def _hf_filled(source: dict, plan, tmp_path: Path) -> dict:
     try:
         hf.trainer_config_process(args)
         model = SimpleNamespace(config=SimpleNamespace(hidden_size=plan.hidden_size))
-        hf.trainer_config_finalize(args, model, 100)  # raises on any value that mismatches TrainingArguments
+        hf.trainer_config_finalize(args, model, num_training_steps)  # raises on a value that mismatches TA
         return hf.config
     finally:
         unset_hf_deepspeed_config()
