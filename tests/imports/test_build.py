@@ -23,8 +23,11 @@ def test_a_placeholder_address_is_refused_at_its_source_line_and_nothing_is_writ
     r = cli("import", "accelerate_multi_node.yaml", "-o", str(out), "--model", str(model_dir))
     assert r.exit_code == 2 and not out.exists(), r.output
     errors = [x for x in r.output.splitlines() if x.startswith("ftkit: error: ")]
-    assert errors == ["ftkit: error: accelerate_multi_node.yaml:7 main_process_ip: '1234' is a placeholder, not rank "
-                      "0's address: write the main node's host name or IP address there (or pass --hostfile)"]  # fmt: skip
+    want = (
+        "ftkit: error: accelerate_multi_node.yaml:7 main_process_ip: '1234' is a placeholder, not rank 0's address: "
+        "write the main node's host name or IP address there (or pass --hostfile)"
+    )
+    assert errors == [want]
     text = (FIX / "accelerate_multi_node.yaml").read_text().replace("'1234'", "10.0.0.7")
     (tmp_path / "filled.yaml").write_text(text)
     result, out = import_to(tmp_path, model_dir, str(tmp_path / "filled.yaml"))

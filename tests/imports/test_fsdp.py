@@ -28,8 +28,8 @@ def test_an_fsdp2_config_maps_key_for_key(here, tmp_path, model_dir):
     result, out = import_to(tmp_path, model_dir, "accelerate_config_fsdp2.yaml")
     r = _recipe(out)
     assert (r["train.backend"], r["cluster.engine"], r["train.precision"]) == ("fsdp2", "accelerate", "bf16")
-    assert (r["fsdp.reshard_after_forward"], r["fsdp.offload_params"], r["fsdp.state_dict_type"]) == (True, False,
-                                                                                                      "sharded")  # fmt: skip
+    got = (r["fsdp.reshard_after_forward"], r["fsdp.offload_params"], r["fsdp.state_dict_type"])
+    assert got == (True, False, "sharded")
     assert (r["fsdp.cpu_ram_efficient_loading"], r["fsdp.transformer_layer_cls"]) == (True, "LlamaDecoderLayer")
     assert r["model.gradient_checkpointing"] is False and r["zero.stage"] == 2  # zero.* untouched (defaults)
     assert (r["cluster.num_nodes"], r["cluster.gpus_per_node"]) == (1, 8)
@@ -46,8 +46,8 @@ def test_fsdp1_strategies_convert_like_accelerate_to_fsdp2(tmp_path, model_dir, 
     pytest.importorskip("accelerate")
     from accelerate.commands.to_fsdp2 import convert_config_to_fsdp2
 
-    config = {"distributed_type": "FSDP", "num_processes": 8,
-              "fsdp_config": {"fsdp_sharding_strategy": strategy, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}}  # fmt: skip
+    block = {"fsdp_sharding_strategy": strategy, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}
+    config = {"distributed_type": "FSDP", "num_processes": 8, "fsdp_config": block}
     (tmp_path / "a.yaml").write_text(yaml.safe_dump(config))
     result, out = import_to(tmp_path, model_dir, str(tmp_path / "a.yaml"))
     assert _recipe(out)["fsdp.reshard_after_forward"] is reshard

@@ -607,7 +607,10 @@ def _as_deepspeed_sees_it(cfg: dict, world: int, monkeypatch) -> dict:
         "fp16": ds.float16_config.enabled,
         "bf16": ds.bfloat16_config.enabled,
         "stage": ds.zero_optimization_stage,
-        "optimizer": (ds.optimizer_name, {**ADAMW_DEFAULTS, **(ds.optimizer_params or {})}),
+        "optimizer": (
+            _adamw(ds.optimizer_name, ds.optimizer_params),
+            {**ADAMW_DEFAULTS, **(ds.optimizer_params or {})},
+        ),
     }
     if ds.float16_config.enabled:
         seen["loss scaling"] = (ds.float16_config.loss_scale, ds.float16_config.initial_scale_power,
@@ -628,6 +631,12 @@ def _as_deepspeed_sees_it(cfg: dict, world: int, monkeypatch) -> dict:
     return seen
 
 
+def _adamw(name: str | None, params: dict | None) -> str | None:
+    """DeepSpeed's Adam with adam_w_mode (its default) is its AdamW."""
+    mode = (params or {}).get("adam_w_mode", True)
+    return "adamw" if name == "adam" and mode is not False else name
+
+
 HEAVY_CASES = [(f, a, f) for f, a, _ in ROUND_TRIPS] + [
     ("train_cmd.sh", "", "ds_z3.json"),
     ("torchrun_cmd.txt", "warmup_ratio", "ds_z2_offload_rr.json"),
@@ -644,7 +653,8 @@ def test_deepspeed_reads_source_and_rendered_config_alike(here, tmp_path, model_
     pytest.importorskip("transformers")
     _, out = _import(tmp_path, model_dir, source, accept=accept)
     plan = load_and_plan(str(out), [])
-    filled = _hf_filled(json.loads((FIX / ds_file).read_text()), plan, tmp_path)
+    steps = plan.recipe.train.max_steps or 100  # HF checks a concrete total_num_steps against the run's steps
+    filled = _hf_filled(json.loads((FIX / ds_file).read_text()), plan, tmp_path, steps)
     rendered = render_deepspeed(plan)
     source_seen = _as_deepspeed_sees_it(filled, plan.world_size, monkeypatch)
     rendered_seen = _as_deepspeed_sees_it(rendered, plan.world_size, monkeypatch)
