@@ -4,7 +4,8 @@ Each source reader (one module per format) walks its file and says, for every ke
 recipe key (the value as the source states it), *auto* (a DeepSpeed ``"auto"`` that HF Trainer fills from the
 TrainingArguments or the model), *default* / *no effect* (nothing to carry: it equals what ftkit does, or it only
 changes logging, launching or speed), *refused* (it changes training and ftkit cannot carry it: the import stops
-with exit 2 unless the key is named in ``--accept``) or *hard* (cannot be imported at all: FSDP, fp8, TPU/XPU).
+with exit 2 unless the key is named in ``--accept``) or *hard* (cannot be imported at all: fp8, TPU/XPU, preference
+objectives, tensor parallelism).
 
 Values go to *targets*: recipe keys, or the pseudo keys below, resolved once every source has been read
 (:meth:`Report.resolve`), the way HF Trainer resolves them: a DeepSpeed value that TrainingArguments also sets must
@@ -496,7 +497,7 @@ class Sink:
         return self._add(key, REFUSED, how=why, effect=effect)
 
     def hard(self, key: str, why: str) -> Claim:
-        """Cannot be imported at all (ftkit cannot run it: FSDP, fp8, TPU/XPU)."""
+        """Cannot be imported at all (ftkit cannot run it: fp8, TPU/XPU, preference objectives)."""
         return self._add(key, HARD, how=why)
 
     def unknown(self, key: str, value: object, kind: str) -> Claim:

@@ -531,7 +531,7 @@ def test_check_against_refuses_other_kinds_in_one_line(here, tmp_path, model_dir
 # The controller stays import-light
 
 
-@pytest.mark.parametrize("command", ["import", "import-absent-clipping", "check"])
+@pytest.mark.parametrize("command", ["import", "import-absent-clipping", "import-plan", "check", "check-fsdp"])
 def test_import_and_check_against_import_no_heavy_stack(here, tmp_path, model_dir, command):
     import subprocess
     import sys
@@ -541,8 +541,13 @@ def test_import_and_check_against_import_no_heavy_stack(here, tmp_path, model_di
     if command == "check":
         _import(tmp_path, model_dir, "ds_z3.json")
         argv = ["check", str(out), "--against", "ds_z3.json"]
+    elif command == "check-fsdp":
+        _import(tmp_path, model_dir, "accelerate_config_fsdp1.yaml")
+        argv = ["check", str(out), "--against", "accelerate_config_fsdp1.yaml"]
     elif command == "import":
         argv = ["import", "train_cmd.sh", "-o", str(out), "--model", str(model_dir)]
+    elif command == "import-plan":  # the planner too, on an FSDP source
+        argv = ["import", "accelerate_fsdp1_hybrid.yaml", "-o", str(out), "--model", str(model_dir), "--plan"]
     else:  # DeepSpeed's default clipping is read from the installed package's source, not imported
         argv = ["import", "ds_z1_optimizer_auto.json", "-o", str(out), "--model", str(model_dir)]
     probe = (
