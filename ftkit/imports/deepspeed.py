@@ -438,13 +438,13 @@ def _optimizer_params(sink: Sink, key: str, params: Mapping[str, object], adam_w
         elif sub == "adam_w_mode":
             if adam_w:
                 sink.same(k, "decoupled weight decay: AdamW")
-        elif sub == "torch_adam":
+        elif sub in ("torch_adam", "fused"):
             b = to_bool(sink, k, v)
             if b is not None:
                 sink.no_effect(
                     k,
-                    f"torch_adam {fmt(b)}: ftkit picks the implementation (torch's AdamW on the cpu accelerator, "
-                    "else DeepSpeed's fused or CPU Adam)",
+                    f"{sub} {fmt(b)}: ftkit picks the AdamW implementation (torch's, fused where it can; CPU Adam when "
+                    "offloading)",
                     ROUNDING,
                 )
         elif sub in ("bias_correction", "amsgrad"):

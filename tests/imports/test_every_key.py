@@ -121,3 +121,16 @@ def test_every_refused_fixture_names_file_line_and_key(monkeypatch, tmp_path, mo
     assert any(x.startswith(REFUSED_OUTRIGHT[fixture]) for x in errors), r.output
     with pytest.raises(UserError):
         import_to(tmp_path, model_dir, fixture)
+
+
+@pytest.mark.parametrize("golden", ["cpu-demo", "full", "lora"])
+def test_a_config_ftkit_rendered_imports_back_to_itself(tmp_path, model_dir, golden):
+    """ftkit's own ds_config.json (its golden renders) imports into a recipe that renders it again, by meaning."""
+    from ftkit.imports import diff_against
+    from ftkit.plan.load import load_and_plan
+    from tests.helpers.paths import GOLDEN
+
+    (tmp_path / "ds_config.json").write_text((GOLDEN / golden / "ds_config.json").read_text())
+    _, out = import_to(tmp_path, model_dir, str(tmp_path / "ds_config.json"))
+    diffs, _ = diff_against(load_and_plan(str(out), []), str(tmp_path / "ds_config.json"))
+    assert [d.line("ds_config.json") for d in diffs] == []
