@@ -163,3 +163,31 @@ def plan_in_epochs(recipe) -> bool:
     import yaml
 
     return yaml.safe_load(recipe.read_text())["train"]["max_steps"] is None
+
+
+@pytest.mark.heavy
+def test_a_resumed_run_with_a_new_peak_takes_it_from_deepspeeds_schedule():
+    """A resume with train.learning_rate changed (an allowed change) stopped every rank with "no LR scheduler with
+    base_lrs to update": DeepSpeed's schedules have none; they are rebuilt from the new ds_config.json and restore only
+    their step, so the rank sets the restored param groups to the new schedule's rate at that step."""
+    pytest.importorskip("deepspeed")
+    import torch
+    from deepspeed.runtime.lr_schedules import WarmupDecayLR
+
+    from ftkit.launch.callback import apply_resume_overrides
+
+    def build(peak: float) -> tuple[torch.optim.Optimizer, WarmupDecayLR]:
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=peak)
+        return opt, WarmupDecayLR(opt, total_num_steps=20, warmup_max_lr=peak, warmup_num_steps=4)
+
+    opt, sched = build(1e-3)
+    for _ in range(6):
+        opt.step()
+        sched.step()
+    state, groups = sched.state_dict(), [dict(g) for g in opt.param_groups]
+    opt2, sched2 = build(5e-4)  # the engine builds the schedule from the new config, then loads the checkpoint
+    sched2.load_state_dict(state)
+    opt2.param_groups[0]["lr"] = groups[0]["lr"]  # the optimizer's state restores the old rate
+    lines = apply_resume_overrides({"train.learning_rate": 5e-4}, opt2, sched2)
+    assert lines == [f"train.learning_rate: DeepSpeed's WarmupDecayLR from ds_config.json; lr now {sched2.get_lr()[0]}"]
+    assert opt2.param_groups[0]["lr"] == pytest.approx(groups[0]["lr"] / 2) == sched2.get_last_lr()[0]
