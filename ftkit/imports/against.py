@@ -160,7 +160,8 @@ def compare_deepspeed(
         why = _not_training(key) or _reported(key, not_carried)
         if why:
             if _value(a, key, fa) != _value(b, key, fb):
-                notes.append(f"{key}: {_show(a)} vs {_show(b)} rendered: not compared ({why}; no effect on training)")
+                why += "" if why.startswith("not carried by ftkit import") else "; no effect on training"
+                notes.append(f"{key}: {_show(a)} vs {_show(b)} rendered: not compared ({why})")
             continue
         skip_a, skip_b = relevant(key, fa), relevant(key, fb)
         if skip_a and skip_b:

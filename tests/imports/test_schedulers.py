@@ -191,3 +191,37 @@ def test_a_resumed_run_with_a_new_peak_takes_it_from_deepspeeds_schedule():
     lines = apply_resume_overrides({"train.learning_rate": 5e-4}, opt2, sched2)
     assert lines == [f"train.learning_rate: DeepSpeed's WarmupDecayLR from ds_config.json; lr now {sched2.get_lr()[0]}"]
     assert opt2.param_groups[0]["lr"] == pytest.approx(groups[0]["lr"] / 2) == sched2.get_last_lr()[0]
+
+
+@pytest.mark.heavy
+def test_the_schedule_table_matches_deepspeeds_classes():
+    """ftkit's table of DeepSpeed's schedules (parameters, defaults; None: required, or WarmupLR's optimizer lr) is
+    the installed DeepSpeed's: read from each class's signature."""
+    pytest.importorskip("deepspeed")
+    import inspect
+
+    from deepspeed.runtime import lr_schedules
+
+    from ftkit.imports.deepspeed import SCHEDULE_PARAMS
+    from ftkit.recipe.schema import DEEPSPEED_SCHEDULES
+
+    assert sorted(SCHEDULE_PARAMS) == sorted(DEEPSPEED_SCHEDULES) == sorted(lr_schedules.VALID_LR_SCHEDULES)
+    for name, table in SCHEDULE_PARAMS.items():
+        params = inspect.signature(getattr(lr_schedules, name).__init__).parameters
+        theirs = {k: (None if p.default is inspect.Parameter.empty else p.default) for k, p in params.items()}
+        theirs = {k: v for k, v in theirs.items() if k not in ("self", "optimizer", "last_batch_iteration")}
+        assert table == theirs, name
+
+
+def test_the_scheduler_sections_defaults_are_deepspeeds():
+    """A recipe that leaves a scheduler.* key out gets DeepSpeed's own default (the table above is DeepSpeed's)."""
+    from ftkit.imports.deepspeed import SCHEDULE_PARAMS
+    from ftkit.recipe.rules import SCHEDULER_PARAMS
+    from ftkit.recipe.schema import FIELD_BY_KEY
+
+    for schedule, names in SCHEDULER_PARAMS.items():
+        for name in names:
+            assert FIELD_BY_KEY[f"scheduler.{name}"].default == SCHEDULE_PARAMS[schedule][name], (schedule, name)
+        carried = {n for n in SCHEDULE_PARAMS[schedule] if n not in ("warmup_max_lr", "warmup_num_steps",
+                                                                     "total_num_steps")}  # fmt: skip
+        assert carried == set(names), schedule
