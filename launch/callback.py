@@ -350,6 +350,18 @@ def _lr_scheduler_of(lr_scheduler: object) -> LRScheduler | None:
     return cast("LRScheduler", lr_scheduler) if hasattr(lr_scheduler, "base_lrs") else None
 
 
+def _deepspeed_schedule(lr_scheduler: object) -> Any:
+    """DeepSpeed's own schedule (deepspeed.runtime.lr_schedules: WarmupLR ... LRRangeTest) inside the wrappers, or
+    None: it keeps ``last_batch_iteration`` and computes its rates from its config (``get_lr``)."""
+    seen = 0
+    while lr_scheduler is not None and seen < 4:
+        if hasattr(lr_scheduler, "last_batch_iteration") and hasattr(lr_scheduler, "get_lr"):
+            return lr_scheduler
+        lr_scheduler = getattr(lr_scheduler, "scheduler", None) or getattr(lr_scheduler, "lr_scheduler", None)
+        seen += 1
+    return None
+
+
 def apply_resume_overrides(
     overrides: Mapping[str, JSON], optimizer: torch.optim.Optimizer, lr_scheduler: object
 ) -> list[str]:
@@ -367,7 +379,16 @@ def apply_resume_overrides(
     sched = _lr_scheduler_of(lr_scheduler)
     groups = sched.optimizer.param_groups if sched is not None else optimizer.param_groups
     lines: list[str] = []
-    if "train.learning_rate" in overrides:
+    own = _deepspeed_schedule(lr_scheduler) if sched is None else None
+    if "train.learning_rate" in overrides and own is not None:
+        # DeepSpeed's own schedule (ds_config.json's scheduler block) was built from the new config and restored only
+        # its step: its rates are the new ones from the next step; the restored param groups still hold the old rate
+        lrs = list(own.get_lr())
+        for g, lr in zip(own.optimizer.param_groups, lrs, strict=True):
+            g["lr"] = lr
+        own._last_lr = lrs
+        lines.append(f"train.learning_rate: DeepSpeed's {type(own).__name__} from ds_config.json; lr now {lrs[0]}")
+    elif "train.learning_rate" in overrides:
         new = float(cast(float, overrides["train.learning_rate"]))  # the recipe checked it is a number
         if sched is None:
             raise RuntimeError("resume override train.learning_rate: no LR scheduler with base_lrs to update")

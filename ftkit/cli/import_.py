@@ -22,6 +22,7 @@ Examples:
   ftkit import accelerate.yaml train.sh -o recipe.yaml       # + the ds_config both name
   ftkit import axolotl.yml -o recipe.yaml --accept datasets,sample_packing
   ftkit import deepspeed:ds.txt trainer:args.yaml           # KIND:PATH when the content does not tell
+  ftkit import accelerate_fsdp.yaml --model ./model --plan  # + what ftkit's planner would choose instead
 """,
 )
 @click.argument("sources", nargs=-1, required=True, metavar="SOURCE...")
@@ -32,6 +33,8 @@ Examples:
 @hostfile_option
 @click.option("--accept", "accept", multiple=True, metavar="KEY,...", help="Import although these keys change "
               "training and cannot be carried (as the report spells them).")  # fmt: skip
+@click.option("--plan", "plan", is_flag=True, help="Also print what ftkit's planner would choose for the imported "
+              "job (ZeRO stage or FSDP2, offload, micro batch) against what the sources chose.")  # fmt: skip
 @click.option("--force", is_flag=True, help="Overwrite an existing -o file.")
 def command(
     sources: tuple[str, ...],
@@ -39,6 +42,7 @@ def command(
     model: str | None,
     hostfile: str | None,
     accept: tuple[str, ...],
+    plan: bool,
     force: bool,
 ) -> None:
     """Read SOURCE... (deepspeed, accelerate, trainer, axolotl, llamafactory configs) and write one commented
@@ -50,9 +54,9 @@ def command(
         raise UserError(Problem("already exists; pass --force to overwrite", file=str(target)))
     if target is not None and target.is_dir():
         raise UserError(Problem("is a directory; name the recipe file to write", file=str(target)))
-    result = import_configs(sources, model=model, hostfile=hostfile, accept=accept, out=target)
+    result = import_configs(sources, model=model, hostfile=hostfile, accept=accept, out=target, plan=plan)
     report = sys.stdout if target is not None else sys.stderr
-    for line in result.lines:
+    for line in [*result.lines, *result.plan]:
         click.echo(line, file=report)
     if target is None:
         click.echo(result.recipe_text, nl=False)

@@ -3,8 +3,9 @@ Axolotl and LLaMA-Factory configs in, one recipe out (every source key reported)
 hand-written config and what a recipe renders.
 
 One module per source format (:mod:`.deepspeed`, :mod:`.accelerate`, :mod:`.trainer_args`, :mod:`.axolotl`,
-:mod:`.llamafactory`; FSDP in :mod:`.fsdp`), the report and how sources combine in :mod:`.mapping`, the whole import in
-:mod:`.build`, the diff in :mod:`.against`. Import-light: no torch, transformers, deepspeed, accelerate or peft.
+:mod:`.llamafactory`; their FSDP settings in :mod:`.fsdp`), the report and how sources combine in :mod:`.mapping`, the
+whole import in :mod:`.build`, ``--plan`` in :mod:`.adopt`, the diff in :mod:`.against`. Import-light: no torch,
+transformers, deepspeed, accelerate or peft.
 """
 
 from ftkit.imports.against import Difference, check_against, diff_against

@@ -3,8 +3,9 @@ inline ``deepspeed_config`` keys read as Accelerate builds a DeepSpeed config fr
 
 Accelerate refuses plugin fields (zero stage, offload devices, gradient accumulation, clipping, mixed precision)
 next to a ``deepspeed_config_file``; such a source is reported, not guessed at. ``distributed_type: MULTI_GPU`` (DDP)
-and ``NO`` are imported as DeepSpeed without ZeRO (stage 0: the same data-parallel update); FSDP goes to
-:mod:`ftkit.imports.fsdp`; TPU, XPU, NPU, HPU and the other device-specific types are refused.
+and ``NO`` are imported as DeepSpeed without ZeRO (stage 0: the same data-parallel update); FSDP (1 or 2) becomes
+``train.backend: fsdp2`` (:mod:`ftkit.imports.fsdp`); TPU, XPU, NPU, HPU and the other device-specific types are
+refused.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from ftkit.imports.fsdp import fsdp_version, refuse_fsdp
+from ftkit.imports import fsdp
 from ftkit.imports.mapping import ACCUM, BF16, FP16, NODES, WORLD, Sink, fmt
 from ftkit.imports.values import is_auto, to_bool, to_float, to_int, to_mapping, to_str, unset
 
@@ -49,10 +50,12 @@ def read(sink: Sink, data: Mapping[str, object], ctx: Context) -> None:
     kind = str(data.get("distributed_type", "DEEPSPEED")).upper()
     ds = ds if isinstance(ds := data.get("deepspeed_config"), dict) else {}
     has_file = bool(ds.get("deepspeed_config_file"))
+    if kind == "FSDP" and "fsdp_config" not in data:  # every FSDP setting at accelerate launch's default
+        fsdp.read(sink, "fsdp_config", {}, 1, fsdp.ACCELERATE_LAUNCH)
     for key, value in data.items():
         key = str(key)
         if key == "distributed_type":
-            _distributed_type(sink, key, kind, value, fsdp_version(data.get("fsdp_config") or {}))
+            _distributed_type(sink, key, kind, value, fsdp.fsdp_version(data.get("fsdp_config") or {}))
         elif key == "deepspeed_config":
             if (block := to_mapping(sink, key, value)) is not None:
                 if kind != "DEEPSPEED" and block:
@@ -61,7 +64,8 @@ def read(sink: Sink, data: Mapping[str, object], ctx: Context) -> None:
                     _plugin(sink, block, ctx, has_file)
         elif key == "fsdp_config":
             if kind == "FSDP":
-                sink.no_effect(key, "the FSDP settings (refused with distributed_type)")
+                if (block := to_mapping(sink, key, value)) is not None:
+                    fsdp.read(sink, key, block, fsdp.fsdp_version(block), fsdp.ACCELERATE_LAUNCH)
             elif unset(value):
                 sink.same(key, "empty")
             else:
@@ -119,9 +123,10 @@ def read(sink: Sink, data: Mapping[str, object], ctx: Context) -> None:
         elif key == "dynamo_config":
             backend = str((value or {}).get("dynamo_backend", "NO")).upper() if isinstance(value, dict) else "NO"
             if backend == "NO":
-                sink.same(key, "no torch.compile")
+                sink.same_each(key, value, "no torch.compile")
             else:
-                sink.no_effect(key, f"torch.compile ({backend}): ftkit does not compile", "same update up to rounding")
+                why = f"torch.compile ({backend}): ftkit does not compile"
+                sink.no_effect_each(key, value, why, "same update up to rounding")
         elif key in (
             "compute_environment",
             "machine_rank",
@@ -153,13 +158,11 @@ def _distributed_type(sink: Sink, key: str, kind: str, value: object, version: i
         sink.map(key, "zero.stage", 0, "CPU processes: DeepSpeed without ZeRO on the cpu accelerator")
         sink.map(key, "cluster.accelerator", "cpu")
     elif kind == "FSDP":
-        pass  # reported once, at fsdp_config (or here when there is none)
+        fsdp.backend(sink, key, version)
     elif kind in DEVICE_ONLY:
         sink.hard(key, f"{value}: ftkit runs on CUDA GPUs or CPUs")
     else:
         sink.problem(key, f"unknown distributed_type {fmt(value)}")
-    if kind == "FSDP":
-        refuse_fsdp(sink, key, value, version)
 
 
 def _mixed_precision(sink: Sink, key: str, value: object, has_file: bool) -> None:

@@ -19,8 +19,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ftkit.errors import Problem, UserError
-from ftkit.imports.deepspeed import DEFAULTS, canonical, default_clipping, relevant
-from ftkit.imports.mapping import fmt
+from ftkit.imports import deepspeed, fsdp
+from ftkit.imports.deepspeed import (
+    DEFAULTS,
+    SCHEDULE_PARAMS,
+    canonical,
+    canonical_key,
+    default_clipping,
+    relevant,
+    schedule_name,
+    stage_of,
+)
+from ftkit.imports.mapping import NO_EFFECT, Report, fmt
 from ftkit.imports.read import load
 from ftkit.render.accelerate import accelerate_dict
 from ftkit.render.deepspeed import render_deepspeed
@@ -109,7 +119,8 @@ def diff_against(plan: Plan, file: str, ds_path_in_yaml: str = "ds_config.json")
             Problem(f"is a {loaded.kind} config: --against compares a DeepSpeed JSON or an Accelerate YAML", file=file)
         )
     data = loaded.mapping()
-    diffs, notes = compare_accelerate(data, accelerate_dict(plan, ds_path_in_yaml), render_deepspeed(plan))
+    rendered_ds = render_deepspeed(plan) if plan.recipe.train.backend == "deepspeed" else None
+    diffs, notes = compare_accelerate(data, accelerate_dict(plan, ds_path_in_yaml), rendered_ds)
     plugin = data.get("deepspeed_config")
     ds = plugin.get("deepspeed_config_file") if isinstance(plugin, dict) else None
     if ds:
@@ -133,6 +144,9 @@ def compare_deepspeed(
     fa, fb = canonical(file_cfg), canonical(rendered)
     diffs: list[Difference] = []
     notes: list[str] = []
+    not_carried = _not_carried(file_cfg)
+    _schedule_defaults(fa)
+    _schedule_defaults(fb)
     if plan is not None:
         for key in HF_DERIVED:  # absent: HF and DeepSpeed derive them from TrainingArguments, as for "auto"
             if key not in fa:
@@ -143,15 +157,19 @@ def compare_deepspeed(
             notes.append('optimizer: absent: HF Trainer builds AdamW from TrainingArguments (compared as "auto")')
     for key in sorted(set(fa) | set(fb)):
         a, b = fa.get(key, MISSING), fb.get(key, MISSING)
-        why = _not_training(key)
+        why = _not_training(key) or _reported(key, not_carried)
         if why:
             if _value(a, key, fa) != _value(b, key, fb):
-                notes.append(f"{key}: {_show(a)} vs {_show(b)} rendered: not compared ({why}; no effect on training)")
+                why += "" if why.startswith("not carried by ftkit import") else "; no effect on training"
+                notes.append(f"{key}: {_show(a)} vs {_show(b)} rendered: not compared ({why})")
             continue
         skip_a, skip_b = relevant(key, fa), relevant(key, fb)
         if skip_a and skip_b:
             continue
         note = ""
+        if a == "auto" and b == "auto":  # the one value a rendered config leaves to HF (the step count of epochs)
+            notes.append(f'{key}: "auto" in both: HF fills it at run time')
+            continue
         if a == "auto":
             resolved, how = _auto(key, plan, fa)
             if resolved is None:
@@ -174,6 +192,42 @@ def compare_deepspeed(
         elif note:
             notes.append(f"{key}: {note} = {fmt(vb)} rendered")
     return diffs, notes
+
+
+def _schedule_defaults(flat: dict[str, object]) -> None:
+    """A DeepSpeed schedule's parameters a config leaves out, as DeepSpeed's class fills them (WarmupLR's peak: the
+    optimizer's lr)."""
+    kind = schedule_name(flat.get("scheduler.type"))
+    if kind is None:
+        return
+    for name, default in SCHEDULE_PARAMS[kind].items():
+        key = f"scheduler.params.{name}"
+        if key in flat:
+            continue
+        if name == "warmup_max_lr" and default is None:
+            flat[key] = flat.get("optimizer.params.lr", "auto")
+        elif default is not None:
+            flat[key] = default
+
+
+def _not_carried(file_cfg: Mapping[str, object]) -> dict[str, str]:
+    """The keys ``ftkit import`` reports as not carried for this file (no effect on training, or the same update up
+    to rounding), by canonical key: check compares what import carries, so an imported recipe never fails check
+    against its own source."""
+    report = Report()
+    deepspeed.read(report.sink("--against"), file_cfg)
+    out: dict[str, str] = {}
+    for c in report.claims:
+        if c.status == NO_EFFECT and not c.key.endswith("(absent)"):
+            out[canonical_key(c.key)] = "not carried by ftkit import: " + "; ".join(x for x in (c.how, c.effect) if x)
+    return out
+
+
+def _reported(key: str, not_carried: Mapping[str, str]) -> str | None:
+    for name, why in not_carried.items():
+        if key == name or key.startswith(name + "."):
+            return why
+    return None
 
 
 def _not_training(key: str) -> str | None:
@@ -259,7 +313,7 @@ _PLUGIN_TO_DS = {
 
 
 def compare_accelerate(
-    file_cfg: Mapping[str, object], rendered: Mapping[str, object], rendered_ds: Mapping[str, object]
+    file_cfg: Mapping[str, object], rendered: Mapping[str, object], rendered_ds: Mapping[str, object] | None
 ) -> tuple[list[Difference], list[str]]:
     diffs: list[Difference] = []
     notes: list[str] = []
@@ -267,19 +321,35 @@ def compare_accelerate(
         a, b = file_cfg.get(key, MISSING), rendered.get(key, MISSING)
         if key == "distributed_type" and isinstance(a, str):
             a = a.upper()
-        if key == "use_cpu" and a is MISSING:
-            a = False
+        if a is MISSING and b is not MISSING and key in _ACCEL_DEFAULTS:  # accelerate launch's default for it
+            a = _ACCEL_DEFAULTS[key]
+        if key == "num_processes" and a is MISSING and b is not MISSING:
+            notes.append(f"num_processes: (absent) vs {_show(b)} rendered: not compared (accelerate launch then "
+                         "starts one process per GPU of the machine)")  # fmt: skip
+            continue
         if a is MISSING and b is MISSING:
             continue
         if a is MISSING:
             diffs.append(Difference(key, a, b, "only rendered"))
+        elif b is MISSING and key == "mixed_precision" and not _config_file(file_cfg) and rendered_ds is not None:
+            # Accelerate's DeepSpeed plugin turns mixed_precision into the config's bf16/fp16 blocks
+            b = _ds_precision(rendered_ds)
+            if str(a).lower().replace("none", "no").replace("false", "no") != b:
+                diffs.append(Difference(key, a, b, "differs", "rendered as ds_config.json's bf16/fp16 blocks"))
         elif b is MISSING:
             note = "Accelerate refuses it next to a deepspeed_config_file" if key == "mixed_precision" else ""
             diffs.append(Difference(key, a, b, "only in file", note))
+        elif key == "distributed_type" and a in _DATA_PARALLEL and b == "DEEPSPEED" and _stage(rendered_ds) == 0:
+            notes.append(f"distributed_type: {_show(a)} vs \"DEEPSPEED\" rendered at ZeRO stage 0: not compared (the "
+                         "same data-parallel update, as ftkit import maps it)")  # fmt: skip
         elif str(a).lower() != str(b).lower():
             diffs.append(Difference(key, a, b, "differs"))
+    if str(file_cfg.get("distributed_type", "")).upper() == "FSDP" and rendered.get("distributed_type") == "FSDP":
+        d2, n2 = compare_fsdp(file_cfg.get("fsdp_config"), rendered.get("fsdp_config"))
+        diffs += d2
+        notes += n2
     plugin = file_cfg.get("deepspeed_config") or {}
-    if isinstance(plugin, dict) and not plugin.get("deepspeed_config_file"):
+    if isinstance(plugin, dict) and not plugin.get("deepspeed_config_file") and rendered_ds is not None:
         flat = canonical(rendered_ds)
         for sub, ds_key in _PLUGIN_TO_DS.items():
             if sub in plugin:
@@ -291,7 +361,7 @@ def compare_accelerate(
     for key in sorted(set(file_cfg) - set(_ACCEL_COMPARED) - {"deepspeed_config"}):
         if key in ("main_process_ip", "main_process_port") and key in rendered and file_cfg[key] != rendered[key]:
             notes.append(f"{key}: {_show(file_cfg[key])} vs {_show(rendered[key])} rendered (launch only)")
-    rendered_plugin = rendered["deepspeed_config"]
+    rendered_plugin = rendered.get("deepspeed_config")
     for key in ("zero3_init_flag", "deepspeed_multinode_launcher"):
         a, b = (
             plugin.get(key, MISSING) if isinstance(plugin, dict) else MISSING,
@@ -300,6 +370,75 @@ def compare_accelerate(
         if a is not MISSING and b is not MISSING and a != b:
             notes.append(f"deepspeed_config.{key}: {_show(a)} vs {_show(b)} rendered (loading/launch only)")
     return diffs, notes
+
+
+_DATA_PARALLEL = ("MULTI_GPU", "NO", "MULTI_CPU")  # plain data parallelism: DeepSpeed's stage 0 does the same
+
+
+def _stage(rendered_ds: Mapping[str, object] | None) -> int | None:
+    return stage_of(canonical(rendered_ds)) if rendered_ds is not None else None
+
+
+_ACCEL_DEFAULTS: dict[str, object] = {"use_cpu": False, "mixed_precision": "no", "num_machines": 1}
+# recipe keys of an FSDP block and the rendered fsdp_config key (with its value in the recipe's terms)
+_FSDP_RENDERED: dict[str, tuple[str, dict[object, object]]] = {
+    "fsdp.reshard_after_forward": ("fsdp_reshard_after_forward", {}),
+    "fsdp.offload_params": ("fsdp_offload_params", {}),
+    "fsdp.state_dict_type": ("fsdp_state_dict_type", {k: v for k, v in fsdp.STATE_DICTS.items()}),
+    "fsdp.cpu_ram_efficient_loading": ("fsdp_cpu_ram_efficient_loading", {}),
+    "model.gradient_checkpointing": ("fsdp_activation_checkpointing", {}),
+    "fsdp.transformer_layer_cls": ("fsdp_transformer_layer_cls_to_wrap", {}),
+}
+
+
+def compare_fsdp(file_block: object, rendered_block: object) -> tuple[list[Difference], list[str]]:
+    """A file's ``fsdp_config`` (FSDP1 or 2) against the rendered FSDP2 one, by meaning: both read as ``ftkit
+    import`` reads them (FSDP1's keys converted like ``accelerate to-fsdp2``, a left-out key at accelerate launch's
+    default); a key import does not carry (same update) is a note, a key it refuses a difference."""
+    block = file_block if isinstance(file_block, dict) else {}
+    rendered = rendered_block if isinstance(rendered_block, dict) else {}
+    version = fsdp.fsdp_version(block)
+    values, not_carried, refused = fsdp.canonical(block, version)
+    mine, _, _ = fsdp.canonical(rendered, 2)
+    diffs: list[Difference] = []
+    notes = [f"fsdp_config.{k}: not compared ({why})" for k, why in not_carried.items()]
+    if version == 1:
+        notes.append("fsdp_config: FSDP1, compared as FSDP2 (accelerate to-fsdp2's conversion; ftkit runs FSDP2)")
+    for key, why in refused.items():
+        diffs.append(Difference(f"fsdp_config.{key}", block.get(key, MISSING), MISSING, "only in file", why))
+    defaults: dict[str, object] = {  # FSDP's own defaults under accelerate launch, for a key the file leaves out
+        "fsdp.reshard_after_forward": True,
+        "fsdp.offload_params": False,
+        "fsdp.state_dict_type": "full" if version == 1 else "sharded",
+        "fsdp.cpu_ram_efficient_loading": True,
+        "model.gradient_checkpointing": False,
+    }
+    for target, (rendered_key, _) in _FSDP_RENDERED.items():
+        source_key, a = values.get(target, (f"{rendered_key} (absent)", defaults.get(target, MISSING)))
+        _, b = mine.get(target, ("", MISSING))
+        if target == "fsdp.transformer_layer_cls" and a is MISSING:
+            if b is not MISSING:
+                notes.append(f"fsdp_config.{rendered_key}: (absent) vs {_show(b)} rendered: not compared (Accelerate "
+                             "wraps the model's _no_split_modules; ftkit's auto derives the same class)")  # fmt: skip
+            continue
+        if a is MISSING and b is MISSING:
+            continue
+        if not _equal(a, b):
+            key = source_key.removesuffix(" (absent)")
+            note = "absent: FSDP's default under accelerate launch" if source_key.endswith("(absent)") else ""
+            diffs.append(Difference(f"fsdp_config.{key}", a, b, "differs", f"{target}; {note}" if note else target))
+    return diffs, notes
+
+
+def _config_file(file_cfg: Mapping[str, object]) -> bool:
+    plugin = file_cfg.get("deepspeed_config")
+    return isinstance(plugin, dict) and bool(plugin.get("deepspeed_config_file"))
+
+
+def _ds_precision(rendered_ds: Mapping[str, object]) -> str:
+    """Accelerate's mixed_precision of a DeepSpeed config: bf16, fp16 or no."""
+    flat = canonical(rendered_ds)
+    return "bf16" if flat.get("bf16.enabled") is True else "fp16" if flat.get("fp16.enabled") is True else "no"
 
 
 def check_against(plan: Plan, files: tuple[str, ...] | list[str]) -> tuple[list[str], int]:

@@ -8,11 +8,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from ftkit.imports import fsdp as fsdp_source
 from ftkit.imports import trainer_args as ta
-from ftkit.imports.fsdp import refuse_fsdp
-from ftkit.imports.mapping import ACCUM, BF16, FP16, MICRO, TA_OPTIM, Sink
+from ftkit.imports.mapping import ACCUM, BF16, FP16, MICRO, TA_OPTIM, Sink, fmt
 from ftkit.imports.read import Command
 from ftkit.imports.values import to_bool, to_int, to_str, unset
+from ftkit.recipe.schema import Value
 
 if TYPE_CHECKING:  # pragma: no cover
     from ftkit.imports.build import Context
@@ -91,12 +92,32 @@ def _refuse_if_set(why: str, effect: str) -> ta.Handler:
 
 
 def _fsdp(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
-    if unset(value) or value is False:
+    """Axolotl's FSDP: ``fsdp_config`` (keys with or without ``fsdp_``), ``fsdp_version``, and in older configs an
+    ``fsdp`` list of options (full_shard, auto_wrap, offload). Axolotl sets Accelerate's FSDP_* environment from
+    them, so a key left out takes the plugin's own default."""
+    config = args.get("fsdp_config")
+    block = config if isinstance(config, dict) else {}
+    asked = args.get("fsdp_version", block.get("fsdp_version", block.get("version", 1)))
+    version = 2 if str(asked).strip() == "2" else 1
+    on = bool(block) or not unset(args.get("fsdp"))
+    if key == "fsdp_version":
+        if on:
+            sink.same(key, f"FSDP{version}" + (": imported as FSDP2" if version == 1 else ""))
+        else:
+            sink.no_effect(key, "no fsdp_config: FSDP is off", NONE)
+    elif key == "fsdp":
+        if unset(value) or value is False:
+            sink.same(key, "FSDP off")
+        else:
+            fsdp_source.options(sink, key, value, version)
+    elif unset(value):
         sink.same(key, "FSDP off")
+    elif isinstance(value, dict):
+        if unset(args.get("fsdp")):
+            fsdp_source.backend(sink, key, version)
+        fsdp_source.read(sink, key, value, version, fsdp_source.ENVIRONMENT)
     else:
-        config = config if isinstance(config := args.get("fsdp_config"), dict) else {}
-        version = str(args.get("fsdp_version", config.get("fsdp_version", 1))).strip()
-        refuse_fsdp(sink, key, value, 2 if version == "2" else 1)
+        sink.problem(key, "expected a mapping of FSDP settings")
 
 
 # Axolotl dataset types whose rows ftkit reads as they are: completion (a text field) and chat_template (messages)
@@ -163,6 +184,67 @@ def _train_on_inputs(sink: Sink, key: str, value: object, args: Mapping[str, obj
         sink.refuse(key, "loss on the prompts too", "loss on completions only")
 
 
+_RL = "preference and reward objectives"
+
+
+def _rl(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
+    if unset(value) or value is False:
+        sink.same(key, "unset: supervised fine-tuning")
+    else:
+        sink.hard(
+            key,
+            f"rl {fmt(value)}: a preference objective (DPO, IPO, KTO, ORPO, SimPO, GRPO) on paired or rated data; "
+            "ftkit trains supervised fine-tuning only",
+        )
+
+
+def _reward(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
+    if unset(value) or to_bool(sink, key, value) is False:
+        sink.same(key, "off")
+    else:
+        sink.hard(key, "a reward model (a classification head trained on preferences): ftkit trains causal-LM SFT only")
+
+
+def _rl_parameter(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
+    if unset(args.get("rl")):
+        sink.no_effect(key, "a parameter of Axolotl's preference objectives, used only with rl (unset)", NONE)
+    else:
+        sink.no_effect(key, "a parameter of the preference objective rl, which is refused", NONE)
+
+
+def _parallel(what: str) -> ta.Handler:
+    """Tensor, context (sequence) or 2D data parallelism: a size of 1 (or unset) is plain data parallelism."""
+
+    def h(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
+        if unset(value) or (not isinstance(value, bool) and str(value).strip() in ("1", "-1", "auto")):
+            sink.same(key, "1: plain data parallelism, what ftkit runs")
+        else:
+            sink.hard(key, f"{what} (size {fmt(value)}): ftkit trains data-parallel only (ZeRO or FSDP2)")
+
+    return h
+
+
+def _warmup_steps(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
+    if unset(value):
+        return  # Axolotl's default warm-up, claimed by defaults()
+    if (n := to_int(sink, key, value, minimum=0)) is not None:
+        how = "Axolotl turns a 1-step warm-up into 2 (its trainer builder)" if n == 1 else ""
+        sink.map(key, "train.warmup_steps", 2 if n == 1 else n, how, origin="ta")
+
+
+def _batch_size(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
+    """Axolotl's batch_size is per GPU: micro_batch_size x gradient_accumulation_steps."""
+    if unset(value) or (n := to_int(sink, key, value, minimum=1)) is None:
+        return
+    micro = args.get("micro_batch_size") or 1
+    if not unset(args.get("gradient_accumulation_steps")):
+        sink.no_effect(key, "gradient_accumulation_steps is set: Axolotl derives batch_size from it", NONE)
+    elif isinstance(micro, int) and not isinstance(micro, bool) and micro > 0 and n % micro == 0:
+        sink.map(key, ACCUM, n // micro, f"batch_size {n} / micro_batch_size {micro}", origin="ta")
+    else:
+        sink.problem(key, f"{n} is not a multiple of micro_batch_size {fmt(micro)}")
+
+
 KEYS: dict[str, ta.Handler] = {
     "base_model": _model,
     "base_model_config": ta._none("the model's config: read from model.path", NONE),
@@ -215,8 +297,19 @@ KEYS: dict[str, ta.Handler] = {
     "adam_beta2": _unset_or(ta._float("train.adam_beta2")),
     "adam_epsilon": _unset_or(ta._float("train.adam_epsilon")),
     "max_grad_norm": _unset_or(ta._float("train.max_grad_norm")),
-    "warmup_steps": _unset_or(ta._warmup),
+    "warmup_steps": _warmup_steps,
     "warmup_ratio": _unset_or(ta._warmup),
+    "batch_size": _batch_size,
+    "rl": _rl,
+    "reward_model": _reward,
+    "process_reward_model": _reward,
+    "tensor_parallel_size": _parallel("tensor parallelism"),
+    "context_parallel_size": _parallel("context (sequence) parallelism"),
+    "sequence_parallel_degree": _parallel("sequence parallelism"),
+    "dp_replicate_size": _parallel("replicated data-parallel groups (HSDP)"),
+    "dp_shard_size": _parallel("a sharding group smaller than the world (HSDP)"),
+    "heads_k_stride": ta._none("a ring-attention detail of context parallelism", NONE),
+    "ring_attn_func": ta._none("a ring-attention detail of context parallelism", NONE),
     "train_on_inputs": _train_on_inputs,
     "group_by_length": _refuse_if_set("batches grouped by length", "random batches"),
     "bf16": _precision(BF16),
@@ -261,6 +354,62 @@ KEYS: dict[str, ta.Handler] = {
     "dataloader_prefetch_factor": ta._none("data loading", NONE),
     "use_wandb": _wandb,
 }
+for _name in (
+    "rl_beta trl dpo_use_weighting dpo_use_logits_to_keep dpo_label_smoothing dpo_norm_loss dpo_padding_free "
+    "orpo_alpha rpo_alpha simpo_gamma cpo_alpha kto_desirable_weight kto_undesirable_weight max_prompt_len"
+).split():
+    KEYS[_name] = _rl_parameter
+
+# Axolotl's defaults for the keys that shape training (axolotl/utils/schemas/training.py HyperparametersConfig and
+# config.py AxolotlInputConfig): a key the file leaves out is filled with these before TrainingArguments are built.
+DEFAULTS: tuple[tuple[str, str, Value], ...] = (
+    ("micro_batch_size", MICRO, 1),
+    ("gradient_accumulation_steps", ACCUM, 1),
+    ("lr_scheduler", "train.lr_scheduler", "cosine"),
+    ("optimizer", TA_OPTIM, "adamw_torch_fused"),
+    ("weight_decay", "train.weight_decay", 0.0),
+    ("sequence_len", "data.max_seq_len", 512),
+)
+
+
+def defaults(sink: Sink, args: Mapping[str, object]) -> None:
+    """Claims for what Axolotl fills in itself: its schema's defaults, bf16 "auto", one epoch, and its warm-up of
+    3% of the run's steps (at most 100; axolotl/core/builders/base.py ``_configure_warmup_and_logging``)."""
+
+    def absent(name: str) -> bool:
+        return unset(args.get(name))
+
+    def label(name: str) -> str:
+        return f"{name} (absent)" if name not in args else name
+
+    how = "Axolotl's default"
+    for name, target, value in DEFAULTS:
+        if name == "gradient_accumulation_steps" and not absent("batch_size"):
+            continue
+        if absent(name):
+            sink.tool_default(label(name), target, value, f"{how} {fmt(value)}", absent=False)
+    if absent("learning_rate"):
+        sink.problem("learning_rate", "Axolotl requires learning_rate (its schema has no default)")
+    steps = args.get("max_steps")
+    by_steps = isinstance(steps, int) and not isinstance(steps, bool) and steps > 0
+    if absent("num_epochs") and not by_steps:
+        sink.tool_default(label("num_epochs"), "train.epochs", 1.0, f"{how} 1 epoch", absent=False)
+    if absent("bf16") and absent("fp16") and absent("bfloat16"):
+        sink.tool_default(label("bf16"), BF16, True, f'{how} "auto": bf16 on GPUs that support it', absent=False)
+    if absent("warmup_steps") and absent("warmup_ratio"):
+        rule = "3% of the run's optimizer steps, at most 100, and 2 instead of 1"
+        if by_steps:
+            n = min(int(0.03 * steps), 100)  # type: ignore[operator]  # by_steps: an int
+            n = 2 if n == 1 else n
+            sink.tool_default(label("warmup_steps"), "train.warmup_steps", n, f"{how} warm-up: {rule}", absent=False)
+        else:
+            c = sink.refuse(
+                "warmup_steps",
+                f"{how} warm-up is {rule}, counted from the data: ftkit cannot count them for a run measured in "
+                "epochs; set train.warmup_steps",
+                "accepted: no warm-up",
+            )
+            c.target, c.value, c.origin = "train.warmup_steps", 0, "ta"
 
 
 def read(sink: Sink, data: Mapping[str, object] | Command, ctx: Context) -> None:
@@ -272,3 +421,4 @@ def read(sink: Sink, data: Mapping[str, object] | Command, ctx: Context) -> None
             ta._launcher(sink, data, ctx)
         return
     ta.read(sink, data, ctx, extra=KEYS, kind="Axolotl")
+    defaults(sink, data)

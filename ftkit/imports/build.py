@@ -8,6 +8,7 @@ returned, so what ``ftkit import`` writes always loads.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -17,7 +18,27 @@ from ftkit import __version__
 from ftkit.cluster.hostfile import parse_hostfile
 from ftkit.errors import Problem, RecipeError, UserError
 from ftkit.imports import accelerate, axolotl, deepspeed, llamafactory, trainer_args
-from ftkit.imports.mapping import ACCUM, AUTO, HARD, NO_EFFECT, NODES, REFUSED, WORLD, Report, Sink, _accepted
+from ftkit.imports.adopt import plan_lines
+from ftkit.imports.mapping import (
+    ACCUM,
+    AUTO,
+    BF16,
+    DEFAULT,
+    FP16,
+    GLOBAL,
+    HARD,
+    MAPPED,
+    MICRO,
+    NO_EFFECT,
+    NODES,
+    REFUSED,
+    WORLD,
+    Claim,
+    Report,
+    Sink,
+    _accepted,
+    fmt,
+)
 from ftkit.imports.read import Loaded, load
 from ftkit.model.config import hub_config_file, looks_like_hub_id
 from ftkit.model.shape import hidden_size, load_config_file, load_model_config
@@ -54,6 +75,7 @@ class ImportResult:
     sources: list[str]
     placeholders: list[str] = field(default_factory=list)  # recipe keys to fill in by hand
     accepted: list[str] = field(default_factory=list)
+    plan: list[str] = field(default_factory=list)  # --plan: ftkit's planner against the sources' choice
 
 
 class Context:
@@ -151,10 +173,41 @@ def import_configs(
     accept: Sequence[str] = (),
     out: Path | None = None,
     cwd: Path | None = None,
+    plan: bool = False,
 ) -> ImportResult:
     """Read ``sources`` (and the files they name), map every key, resolve, and return the recipe text with its
-    report. Raises UserError (exit 2, one line per problem or refused key) when the sources are malformed, disagree,
-    or set something that changes training and is not in ``accept``."""
+    report (``plan``: and what ftkit's planner would choose against the sources' choice). Raises UserError (exit 2,
+    one line per problem or refused key) when the sources are malformed, disagree, set something that changes
+    training and is not in ``accept``, or state a value the recipe cannot hold (named at its source line)."""
+    cwd = cwd or Path.cwd()
+    report, ctx = read_sources(sources, model=model, hostfile=hostfile, out=out, cwd=cwd)
+    fsdp2 = any(c.target == "train.backend" and c.value == "fsdp2" for c in report.claims)
+    if not fsdp2 and not any(c.target == "zero.stage" for c in report.claims):
+        report.values["zero.stage"] = 0
+        report.notes.append(
+            "zero.stage = 0: no source configures DeepSpeed, so HF Trainer runs DDP: DeepSpeed without ZeRO is the "
+            "same data-parallel update"
+        )
+    report.resolve(DEFAULT_CLUSTER)
+    accepted = {a.strip() for item in accept for a in item.split(",") if a.strip()}
+    _stop_if_refused(report, accepted)
+    values, placeholders = _recipe_values(report, ctx)
+    text = _recipe_text(values, ctx.sources, report, accepted, placeholders)
+    _validate(text, out, report)
+    planned = plan_lines(text, ctx.out_dir) if plan else []
+    return ImportResult(text, report, report.lines(accepted), ctx.sources, placeholders, sorted(accepted), planned)
+
+
+def read_sources(
+    sources: Sequence[str],
+    *,
+    model: str | None = None,
+    hostfile: str | None = None,
+    out: Path | None = None,
+    cwd: Path | None = None,
+) -> tuple[Report, Context]:
+    """Every source read (and the files they name) into one report of claims, not yet resolved; raises UserError
+    when a source cannot be read at all."""
     if not sources:
         raise UserError(Problem("name at least one config to import", key="SOURCE"))
     cwd = cwd or Path.cwd()
@@ -183,19 +236,7 @@ def import_configs(
     if hostfile is not None:
         ctx.hostfile(report.sink("--hostfile"), hostfile, hostfile)
     _model(report, ctx, model)
-    if not any(c.target == "zero.stage" for c in report.claims):
-        report.values["zero.stage"] = 0
-        report.notes.append(
-            "zero.stage = 0: no source configures DeepSpeed, so HF Trainer runs DDP: DeepSpeed without ZeRO is the "
-            "same data-parallel update"
-        )
-    report.resolve(DEFAULT_CLUSTER)
-    accepted = {a.strip() for item in accept for a in item.split(",") if a.strip()}
-    _stop_if_refused(report, accepted)
-    values, placeholders = _recipe_values(report, ctx)
-    text = _recipe_text(values, ctx.sources, report, accepted, placeholders)
-    _validate(text, out)
-    return ImportResult(text, report, report.lines(accepted), ctx.sources, placeholders, sorted(accepted))
+    return report, ctx
 
 
 def _read(sink: Sink, loaded: Loaded, ctx: Context) -> None:
@@ -339,8 +380,10 @@ def _recipe_text(
     return commented_recipe(_nested(values), header)
 
 
-def _validate(text: str, out: Path | None) -> None:
-    """Load the recipe with ftkit's own loader, so what is written always loads; problems name the recipe."""
+def _validate(text: str, out: Path | None, report: Report) -> None:
+    """Load the recipe with ftkit's own loader, so what is written always loads. A value that fails is refused
+    where it came from: the source file, line and key that stated it (a placeholder such as an IP address of
+    ``1234`` named as one); only a problem no source value explains names the recipe."""
 
     label = str(out) if out else "the imported recipe"
     with tempfile.TemporaryDirectory() as d:
@@ -349,4 +392,47 @@ def _validate(text: str, out: Path | None) -> None:
         try:
             load_recipe(path)
         except RecipeError as e:
-            raise UserError([Problem(p.message, file=label, line=p.line, key=p.key) for p in e.problems]) from None
+            problems = []
+            for p in e.problems:
+                claims = _claims_of(report, p.key) if p.key else []
+                if not claims:
+                    problems.append(Problem(p.message, file=label, line=p.line, key=p.key))
+                for c in claims:
+                    where = f"{c.source}:{c.line}" if c.line else c.source
+                    problems.append(Problem(_refusal(c, p.key or "", p.message), file=where, key=c.key))
+            raise UserError(problems) from None
+
+
+# recipe keys the readers claim through a pseudo target (resolved by Report.resolve)
+_PSEUDO = {
+    "train.micro_batch_size": (MICRO,),
+    "train.global_batch_size": (GLOBAL, MICRO, ACCUM, WORLD),
+    "train.precision": (BF16, FP16),
+    "cluster.num_nodes": (NODES,),
+    "cluster.gpus_per_node": (WORLD, NODES),
+}
+
+
+def _claims_of(report: Report, key: str) -> list[Claim]:
+    """The source keys that stated ``key``'s value (mapped, or "auto" HF fills)."""
+    targets = (key, *_PSEUDO.get(key, ()))
+    return [c for c in report.claims if c.target in targets and c.status in (MAPPED, DEFAULT, AUTO)]
+
+
+def _refusal(c: Claim, key: str, message: str) -> str:
+    value = fmt(c.value) if c.value is not None else "its value"
+    if key == "cluster.master_addr" and isinstance(c.value, str) and placeholder_address(c.value):
+        return (
+            f"{c.value!r} is a placeholder, not rank 0's address: write the main node's host name or IP address "
+            "there (or pass --hostfile)"
+        )
+    return f"{value} cannot be imported: ftkit's {key} {message}"
+
+
+def placeholder_address(value: str) -> bool:
+    """An address a template leaves for the user to fill in: a bare number (Accelerate's multi_node.yaml has
+    ``main_process_ip: '1234'``), a word in angle brackets or capitals, x.x.x.x."""
+    text = value.strip()
+    return (
+        text.isdigit() or re.fullmatch(r"<[^>]*>|\$\{?[A-Za-z_]+\}?|[A-Z_]+|(x+\.){3}x+|X+(\.X+){3}", text) is not None
+    )

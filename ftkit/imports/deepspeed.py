@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from ftkit.imports.mapping import ACCUM, BF16, DS_OPTIMIZER, FP16, GLOBAL, MICRO, Sink, fmt
+from ftkit.imports.mapping import ACCUM, BF16, DS_OPTIMIZER, FP16, GLOBAL, MAPPED, MICRO, NO_EFFECT, Sink, fmt
 from ftkit.imports.values import is_auto, to_bool, to_float, to_int, to_mapping, to_str
 from ftkit.recipe.schema import Value
 from ftkit.rundir.records import JSON
@@ -184,6 +184,7 @@ def read(sink: Sink, data: object) -> None:
     if "zero_optimization" not in cfg:
         sink.implied("zero_optimization", "zero.stage", 0, "DeepSpeed's default: no ZeRO (stage 0)")
     absent_defaults(sink, zero if isinstance(zero, dict) else {}, stage)
+    scheduler_sets_lr(sink)
     if "gradient_clipping" not in cfg:
         value, which = default_clipping()
         sink.implied(
@@ -277,28 +278,34 @@ def _top(sink: Sink, key: str, value: object, stage: int) -> None:
             for sub, item in block.items():
                 _zero(sink, f"{key}.{sub}", str(sub), item, stage)
     elif key in HARD_TOP:
-        if key == "amp" and isinstance(value, dict) and value.get("enabled") is False:
-            sink.same(key, "disabled")
-        elif key == "fp8" and isinstance(value, dict) and value.get("enabled") is False:
-            sink.same(key, "disabled")
+        if key in ("amp", "fp8") and isinstance(value, dict) and value.get("enabled") is False:
+            sink.same_each(key, value, "disabled")
         else:
             sink.hard(key, HARD_TOP[key])
     elif key in NO_EFFECT_TOP:
-        sink.no_effect(key, NO_EFFECT_TOP[key], "no effect on training")
-    elif key in ("prescale_gradients", "gradient_predivide_factor"):
-        if value in (False, 1, 1.0):
-            sink.same(key, "DeepSpeed's default")
+        sink.no_effect_each(key, value, NO_EFFECT_TOP[key], "no effect on training")
+    elif key == "prescale_gradients":
+        if to_bool(sink, key, value) is False:  # a boolean: True must not pass for the default (True == 1)
+            sink.same(key, "DeepSpeed's default (false)")
+        elif value is not None:
+            sink.no_effect(key, "gradients divided by the world size before the all-reduce, not after", ROUNDING)
+    elif key == "gradient_predivide_factor":
+        if isinstance(value, bool) or (f := to_float(sink, key, value, minimum=0)) is None:
+            if isinstance(value, bool):
+                sink.problem(key, f"expected a number, got boolean {fmt(value)}")
+        elif f == 1.0:
+            sink.same(key, "DeepSpeed's default (1.0)")
         else:
-            sink.no_effect(key, "gradient pre-division before the all-reduce", ROUNDING)
+            sink.no_effect(key, f"gradients divided by {fmt(f)} before the all-reduce, the rest after", ROUNDING)
     elif key == "compile":
         block = to_mapping(sink, key, value)
         if block is not None and block.get("disable", True) is not True and block.get("enabled", True) is not False:
             old = " (DeepSpeed 0.19 rejects disable/backend here)" if {"disable", "backend"} & set(block) else ""
-            sink.no_effect(key, f"torch.compile of the model{old}: ftkit does not compile", ROUNDING + "; slower")
+            sink.no_effect_each(key, block, f"torch.compile of the model{old}: ftkit does not compile", ROUNDING)
         elif block is not None:
-            sink.same(key, "compile disabled")
+            sink.same_each(key, block, "compile disabled")
     elif key == "tensor_parallel" and isinstance(value, dict) and value.get("autotp_size", 1) in (0, 1):
-        sink.same(key, "tensor-parallel size 1: plain data parallelism")
+        sink.same_each(key, value, "tensor-parallel size 1: plain data parallelism")
     elif key in REFUSED_TOP:
         why, effect = REFUSED_TOP[key]
         sink.refuse(key, why, f"without it: {effect}")
@@ -449,69 +456,174 @@ def _optimizer_params(sink: Sink, key: str, params: Mapping[str, object], adam_w
             sink.unknown(k, v, "DeepSpeed optimizer parameter")
 
 
-# DeepSpeed scheduler -> the HF schedule that computes the same learning rates when the warm-up is linear from 0
-_SCHEDULES = {"warmuplr": "constant_with_warmup", "warmupdecaylr": "linear", "warmupcosinelr": "cosine"}
+# DeepSpeed's schedules (deepspeed/runtime/lr_schedules.py, 0.19): each parameter's recipe key, and its default.
+# The peak, the warm-up length and the schedule's length are train.* keys (HF fills them into "auto" from
+# TrainingArguments: learning_rate, warmup_steps, the run's optimizer steps); the rest live in the scheduler section.
+SCHEDULE_PARAMS: dict[str, dict[str, JSON]] = {
+    "WarmupLR": {"warmup_min_lr": 0.0, "warmup_max_lr": None, "warmup_num_steps": 1000, "warmup_type": "log"},
+    "WarmupDecayLR": {
+        "total_num_steps": None,
+        "warmup_min_lr": 0.0,
+        "warmup_max_lr": 0.001,
+        "warmup_num_steps": 1000,
+        "warmup_type": "log",
+    },
+    "WarmupCosineLR": {
+        "total_num_steps": None,
+        "warmup_min_ratio": 0.0,
+        "warmup_num_steps": 1000,
+        "cos_min_ratio": 0.0001,
+        "warmup_type": "log",
+    },
+    "OneCycle": {
+        "cycle_min_lr": None,
+        "cycle_max_lr": None,
+        "decay_lr_rate": 0.0,
+        "cycle_first_step_size": 2000,
+        "cycle_second_step_size": None,
+        "cycle_first_stair_count": 0,
+        "cycle_second_stair_count": None,
+        "decay_step_size": 0,
+        "cycle_momentum": True,
+        "cycle_min_mom": 0.8,
+        "cycle_max_mom": 0.9,
+        "decay_mom_rate": 0.0,
+    },
+    "LRRangeTest": {
+        "lr_range_test_min_lr": 0.001,
+        "lr_range_test_step_size": 2000,
+        "lr_range_test_step_rate": 1.0,
+        "lr_range_test_staircase": False,
+    },
+}
+# parameters DeepSpeed has no default for: the schedule cannot be built without them
+_SCHEDULE_REQUIRED = {"total_num_steps", "cycle_min_lr", "cycle_max_lr"}
+# parameters HF Trainer fills when they say "auto" (transformers integrations/deepspeed.py); any other "auto" reaches
+# DeepSpeed as text
+_HF_FILLED_SCHEDULE = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps"}
 
 
 def _scheduler(sink: Sink, key: str, value: object) -> None:
+    """DeepSpeed's own schedule, carried: train.lr_scheduler names it and ftkit renders it back into
+    ds_config.json (HF Trainer hands the block to DeepSpeed instead of building a schedule of its own)."""
     block = to_mapping(sink, key, value)
     if block is None:
         return
     kind = str(block.get("type", ""))
     params = given if isinstance(given := block.get("params", {}), dict) else {}
-    closest = _SCHEDULES.get(kind.lower())
-    linear = str(params.get("warmup_type", "log")).lower() == "linear"
-    cos_ok = kind.lower() != "warmupcosinelr" or (
-        params.get("cos_min_ratio") in (0, 0.0) and params.get("warmup_min_ratio", 0) in (0, 0.0)
-    )
-    min_ok = params.get("warmup_min_lr", 0) in (0, 0.0, "auto")
+    known = SCHEDULE_PARAMS.get(kind)
     for sub, v in block.items():
         k = f"{key}.{sub}"
         if sub == "type":
-            if closest and linear and cos_ok and min_ok:
-                sink.map(k, "train.lr_scheduler", closest, f"{kind} with a linear warm-up from 0 is HF's {closest}")
-            elif closest:
-                why = "a warm-up on a log curve (warmup_type defaults to log)" if not linear else "a non-zero floor"
+            if known is not None:
+                sink.map(k, "train.lr_scheduler", kind, "DeepSpeed's own schedule, rendered into ds_config.json")
+            else:
+                spelled = next((n for n in SCHEDULE_PARAMS if n.lower() == kind.lower()), None)
+                if spelled:
+                    sink.problem(k, f"DeepSpeed looks the schedule up as spelled: {spelled}, not {fmt(v)}")
+                    continue
                 c = sink.refuse(
                     k,
-                    f"DeepSpeed's {kind} with {why}: ftkit uses HF's schedules (train.lr_scheduler)",
-                    f"accepted, the recipe gets HF's {closest}, which differs during warm-up",
+                    f"schedule {fmt(v)} (DeepSpeed builds other names from torch.optim.lr_scheduler): ftkit carries "
+                    f"DeepSpeed's own ({', '.join(SCHEDULE_PARAMS)}) and HF's",
+                    "accepted: the recipe gets HF's linear schedule",
                 )
-                c.target, c.value = "train.lr_scheduler", closest  # the value used when accepted
-            else:
-                c = sink.refuse(k, f"DeepSpeed scheduler {kind}: ftkit uses HF's schedules", "accepted: linear")
-                c.target, c.value = "train.lr_scheduler", "linear"
+                c.target, c.value = "train.lr_scheduler", "linear"  # the value used when accepted
         elif sub == "params":
-            if (given := to_mapping(sink, k, v)) is None:
-                continue
-            for name, pv in given.items():
-                pk = f"{k}.{name}"
-                if name == "warmup_max_lr":
-                    if is_auto(pv):
-                        sink.auto(pk, "train.learning_rate")
-                    elif (f := to_float(sink, pk, pv, minimum=0)) is not None:
-                        sink.map(pk, "train.learning_rate", f, "the peak learning rate")
-                elif name == "warmup_num_steps":
-                    if is_auto(pv):
-                        sink.auto(pk, "train.warmup_steps")
-                    elif (i := to_int(sink, pk, pv)) is not None:
-                        sink.map(pk, "train.warmup_steps", i)
-                elif name == "total_num_steps":
-                    if is_auto(pv):
-                        sink.no_effect(pk, '"auto": HF fills the run\'s number of optimizer steps', "")
-                    elif (i := to_int(sink, pk, pv, minimum=1)) is not None:
-                        sink.map(pk, "train.max_steps", i, "the schedule's length")
-                elif name == "warmup_min_lr":
-                    if is_auto(pv) or pv in (0, 0.0):
-                        sink.same(pk, "0: HF's schedules warm up from 0")
-                    else:
-                        sink.refuse(pk, f"warm-up from {fmt(pv)}: HF's schedules start at 0", "warm-up from 0")
-                elif name in ("warmup_type", "cos_min_ratio", "warmup_min_ratio"):
-                    sink.same(pk, "part of scheduler.type's mapping")
-                else:
-                    sink.unknown(pk, pv, "DeepSpeed scheduler parameter")
+            if (given := to_mapping(sink, k, v)) is not None and known is not None:
+                for name, pv in given.items():
+                    _schedule_param(sink, f"{k}.{name}", kind, str(name), pv)
+            elif given is not None:
+                for name in given:
+                    sink.no_effect(f"{k}.{name}", f"a parameter of {kind}, which is not carried", "")
         else:
             sink.unknown(k, v, "DeepSpeed scheduler")
+    if known is None:
+        return
+    if "type" not in block:
+        sink.problem(key, "has no type: DeepSpeed needs scheduler.type (e.g. WarmupLR)")
+        return
+    for name, default in known.items():
+        if name in params:
+            continue
+        if name in _SCHEDULE_REQUIRED:
+            sink.problem(f"{key}.params", f"{kind} needs {name}: DeepSpeed has no default for it")
+        elif name == "warmup_num_steps":
+            sink.implied(f"{key}.params.{name}", "train.warmup_steps", 1000, "DeepSpeed's default 1000 warm-up steps")
+        elif name == "warmup_max_lr" and default is not None:
+            sink.implied(f"{key}.params.{name}", "train.learning_rate", 0.001, f"{kind}'s default peak 0.001")
+
+
+def schedule_name(value: object) -> str | None:
+    """DeepSpeed's spelling of a schedule named in any case (:func:`canonical` lower-cases it), or None."""
+    return next((n for n in SCHEDULE_PARAMS if isinstance(value, str) and n.lower() == value.lower()), None)
+
+
+def _schedule_param(sink: Sink, key: str, kind: str, name: str, value: object) -> None:
+    if name not in SCHEDULE_PARAMS[kind]:
+        if name == "last_batch_iteration":
+            if to_int(sink, key, value, minimum=-1) == -1:
+                sink.same(key, "-1: the schedule starts at step 0 (DeepSpeed restores it from a checkpoint)")
+            elif value is not None:
+                sink.refuse(key, f"the schedule starts at step {fmt(value)}", "it starts at step 0")
+        else:
+            sink.unknown(key, value, f"DeepSpeed {kind} parameter")
+        return
+    if is_auto(value):
+        if name not in _HF_FILLED_SCHEDULE:
+            sink.problem(key, '"auto": HF fills only warmup_min_lr, warmup_max_lr, warmup_num_steps and '
+                         "total_num_steps; DeepSpeed would get the text \"auto\"")  # fmt: skip
+        elif name == "warmup_max_lr":
+            sink.auto(key, "train.learning_rate")
+        elif name == "warmup_num_steps":
+            sink.auto(key, "train.warmup_steps", "HF fills max(1, warmup_steps)")
+        elif name == "warmup_min_lr":
+            sink.map(key, "scheduler.warmup_min_lr", 0.0, '"auto": HF fills 0')
+        else:  # total_num_steps
+            sink.auto_filled(key, "HF fills the run's optimizer steps (train.max_steps, or counted from the data)")
+        return
+    if isinstance(value, list):
+        sink.refuse(key, "a value per parameter group: ftkit trains one group", "one value for every parameter")
+        return
+    if name == "warmup_max_lr":
+        if (f := to_float(sink, key, value, minimum=0)) is not None:
+            sink.map(key, "train.learning_rate", f, "the schedule's peak")
+    elif name == "warmup_num_steps":
+        if (i := to_int(sink, key, value, minimum=1)) is not None:
+            sink.map(key, "train.warmup_steps", i)
+    elif name == "total_num_steps":
+        if (i := to_int(sink, key, value, minimum=1)) is not None:
+            sink.map(key, "train.max_steps", i, "the schedule's length: the run's optimizer steps")
+    elif name == "warmup_type":
+        if str(value) in ("log", "linear"):
+            sink.map(key, "scheduler.warmup_type", str(value))
+        else:
+            sink.problem(key, f"must be log or linear; got {fmt(value)} (DeepSpeed would warn and use log)")
+    elif name in ("cycle_momentum", "lr_range_test_staircase"):
+        if (b := to_bool(sink, key, value)) is not None:
+            sink.map(key, f"scheduler.{name}", b)
+    elif isinstance(SCHEDULE_PARAMS[kind][name], int) or name.endswith(("_size", "_count")):
+        minimum = 1 if name in ("cycle_first_step_size", "lr_range_test_step_size") else 0
+        if value is None and name in ("cycle_second_step_size", "cycle_second_stair_count"):
+            sink.same(key, "null: the first half's")
+        elif (i := to_int(sink, key, value, minimum=minimum)) is not None:
+            sink.map(key, f"scheduler.{name}", i)
+    elif (f := to_float(sink, key, value, minimum=0)) is not None:
+        sink.map(key, f"scheduler.{name}", f)
+
+
+def scheduler_sets_lr(sink: Sink) -> None:
+    """WarmupLR and WarmupDecayLR with a peak of their own (warmup_max_lr, stated or DeepSpeed's default) set the
+    optimizer's learning rate at every step: the optimizer block's own lr is then not used (it is not carried,
+    and the recipe's train.learning_rate is the schedule's peak)."""
+    mine = [c for c in sink.report.claims if c.source == sink.source and c.target == "train.learning_rate"]
+    peak = [c for c in mine if c.key.startswith("scheduler.")]
+    if not peak:
+        return
+    for c in mine:
+        if c.key.startswith("optimizer.") and c.status == MAPPED:
+            c.status, c.target = NO_EFFECT, None
+            c.how = "the schedule's warmup_max_lr sets the learning rate at every step: the optimizer's lr is not used"
 
 
 def _zero(sink: Sink, key: str, sub: str, value: object, stage: int) -> None:
@@ -712,6 +824,16 @@ def canonical(cfg: Mapping[str, object]) -> dict[str, object]:
     if isinstance(scheduler := out.get("scheduler.type"), str):
         out["scheduler.type"] = scheduler.lower()
     return out
+
+
+def canonical_key(key: str) -> str:
+    """A dotted key as a source spells it, in :func:`canonical`'s spelling (zero aliases, ``bfloat16``)."""
+    parts = key.split(".")
+    if parts[0] == "bfloat16":
+        parts[0] = "bf16"
+    if parts[0] == "zero_optimization" and len(parts) > 1:
+        parts[1] = ZERO_ALIASES.get(parts[1], parts[1])
+    return ".".join(parts)
 
 
 def _flatten(value: Mapping[str, object], prefix: str) -> dict[str, object]:

@@ -4,7 +4,8 @@ Each source reader (one module per format) walks its file and says, for every ke
 recipe key (the value as the source states it), *auto* (a DeepSpeed ``"auto"`` that HF Trainer fills from the
 TrainingArguments or the model), *default* / *no effect* (nothing to carry: it equals what ftkit does, or it only
 changes logging, launching or speed), *refused* (it changes training and ftkit cannot carry it: the import stops
-with exit 2 unless the key is named in ``--accept``) or *hard* (cannot be imported at all: FSDP, fp8, TPU/XPU).
+with exit 2 unless the key is named in ``--accept``) or *hard* (cannot be imported at all: fp8, TPU/XPU, preference
+objectives, tensor parallelism).
 
 Values go to *targets*: recipe keys, or the pseudo keys below, resolved once every source has been read
 (:meth:`Report.resolve`), the way HF Trainer resolves them: a DeepSpeed value that TrainingArguments also sets must
@@ -159,18 +160,19 @@ class Report:
         for c in self.claims:
             if c.origin != "ta" or c.status not in (MAPPED, DEFAULT):
                 continue
+            said = f"{c.how}; " if c.how else ""  # e.g. "Axolotl's default": kept in front
             if c.target == "train.lr_scheduler" and ds_sched:
                 c.status, c.target = NO_EFFECT, None
-                c.how = "the DeepSpeed config's scheduler block is used instead (HF ignores lr_scheduler_type then)"
+                c.how = said + "the DeepSpeed config's scheduler block is used instead (HF ignores lr_scheduler_type)"
             elif c.target == TA_OPTIM and ds_opt:
                 c.status, c.target = NO_EFFECT, None
-                c.how = "the DeepSpeed config's optimizer block is used instead (HF ignores optim then)"
+                c.how = said + "the DeepSpeed config's optimizer block is used instead (HF ignores optim then)"
             elif c.target == TA_OPTIM and str(c.value).lower() in ADAMW_OPTIMS:
                 c.status, c.target = DEFAULT, None
-                c.how = "AdamW: ftkit configures DeepSpeed's AdamW with the same hyperparameters (same update rule)"
+                c.how = said + "AdamW: what ftkit configures, with the same hyperparameters (same update)"
             elif c.target == TA_OPTIM:
                 c.status, c.target = REFUSED, None
-                c.how = f"optimizer {c.value}: ftkit trains with AdamW only"
+                c.how = said + f"optimizer {c.value}: ftkit trains with AdamW only"
                 c.effect = "accepted, the run uses AdamW"
         for c in ds_opt:
             c.target, c.how = None, "DeepSpeed's AdamW, what ftkit configures" + (f" ({c.how})" if c.how else "")
@@ -317,7 +319,8 @@ class Report:
             c.shown = f"-> train.global_batch_size = {computed} ({how} micro x accumulation x world size: {triple})"
         for c in self.on(ACCUM, (MAPPED, DEFAULT, AUTO)):
             if c.status != AUTO:
-                c.shown = f"-> gradient accumulation {_fmt(c.value)} (train.global_batch_size = {triple})"
+                how = f"{c.how}; " if c.how else ""
+                c.shown = f"-> gradient accumulation {_fmt(c.value)} ({how}train.global_batch_size = {triple})"
             else:
                 c.shown += f"; train.global_batch_size = {triple}"
         for c in world_claims:
@@ -363,6 +366,13 @@ class Report:
             out.append(line)
             last = c
         return out + [n if n.startswith("(derived)") else f"(not in any source) {n}" for n in self.notes]
+
+
+def leaves(key: str, value: object) -> list[str]:
+    """The dotted keys of a block's leaves (a list is a leaf), or ``[key]`` for a value or an empty block."""
+    if not isinstance(value, dict) or not value:
+        return [key]
+    return [leaf for k, v in value.items() for leaf in leaves(f"{key}.{k}", v)]
 
 
 def _accepted(c: Claim, accepted: AbstractSet[str]) -> bool:
@@ -442,6 +452,12 @@ class Sink:
         """The source states ``value`` for ``target``."""
         return self._add(key, MAPPED, target=target, value=value, how=how, origin=origin)
 
+    def tool_default(self, key: str, target: str, value: Value, how: str, *, absent: bool = True) -> Claim:
+        """A key the source leaves out (or unset), which the tool that reads it (Axolotl, LLaMA-Factory) fills with
+        its own default before it builds TrainingArguments: a TrainingArguments value, as if the source stated it."""
+        return self._add(f"{key} (absent)" if absent else key, MAPPED, target=target, value=value, how=how,
+                         origin="ta")  # fmt: skip
+
     def implied(self, key: str, target: str, value: Value, how: str) -> Claim:
         """A key the source leaves out, whose absence decides a value (e.g. no gradient_clipping: no clipping)."""
         return self._add(f"{key} (absent)", MAPPED, target=target, value=value, how=how, checked=False)
@@ -449,6 +465,10 @@ class Sink:
     def auto(self, key: str, target: str, how: str = "", value: Value = None) -> Claim:
         """A DeepSpeed "auto": HF fills it (from TrainingArguments when ``target`` is one HF fills)."""
         return self._add(key, AUTO, target=target, how=how, value=value)
+
+    def auto_filled(self, key: str, how: str) -> Claim:
+        """A DeepSpeed "auto" HF fills at run time from something no recipe key holds (the run's step count)."""
+        return self._add(key, AUTO, how=how)
 
     def same(self, key: str, how: str) -> Claim:
         """Nothing to carry: the value is what ftkit does anyway (or unset)."""
@@ -462,12 +482,22 @@ class Sink:
         """Not carried, and training does not change (logging, launching, speed, rounding)."""
         return self._add(key, NO_EFFECT, how=why, effect=effect)
 
+    def no_effect_each(self, key: str, value: object, why: str, effect: str = "") -> None:
+        """Not carried, for every key of a block (each named in the report), or for ``key`` when it is no block."""
+        for leaf in leaves(key, value):
+            self.no_effect(leaf, why, effect)
+
+    def same_each(self, key: str, value: object, how: str) -> None:
+        """Nothing to carry, for every key of a block (each named in the report)."""
+        for leaf in leaves(key, value):
+            self.same(leaf, how)
+
     def refuse(self, key: str, why: str, effect: str = "") -> Claim:
         """Not carried, and training changes: the import stops unless the key is accepted."""
         return self._add(key, REFUSED, how=why, effect=effect)
 
     def hard(self, key: str, why: str) -> Claim:
-        """Cannot be imported at all (ftkit cannot run it: FSDP, fp8, TPU/XPU)."""
+        """Cannot be imported at all (ftkit cannot run it: fp8, TPU/XPU, preference objectives)."""
         return self._add(key, HARD, how=why)
 
     def unknown(self, key: str, value: object, kind: str) -> Claim:

@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from ftkit.imports.fsdp import refuse_fsdp
+from ftkit.imports import fsdp as fsdp_source
 from ftkit.imports.mapping import ACCUM, BF16, FP16, MICRO, NODES, TA_OPTIM, WORLD, Sink, fmt
 from ftkit.imports.read import Command
 from ftkit.imports.values import to_bool, to_float, to_int, to_str, unset
@@ -209,12 +209,32 @@ def _deepspeed(sink: Sink, key: str, value: object, args: Mapping[str, object], 
         sink.same(key, "no DeepSpeed config named")
 
 
-def _fsdp(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
+def _fsdp_off(value: object) -> bool:
+    return unset(value) or value is False or str(value).strip().lower() in ("", "false", "none", "[]")
 
-    if unset(value) or value is False or str(value).strip().lower() in ("", "false", "none", "[]"):
+
+def _fsdp(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
+    """``fsdp: "full_shard auto_wrap"``: HF builds Accelerate's FSDP plugin from it and fsdp_config."""
+    if _fsdp_off(value):
         sink.same(key, "FSDP off")
     else:
-        refuse_fsdp(sink, key, value)
+        config = _get(args, "fsdp_config")
+        fsdp_source.options(sink, key, value, fsdp_source.fsdp_version(config if isinstance(config, dict) else {}))
+
+
+def _fsdp_config(sink: Sink, key: str, value: object, args: Mapping[str, object], ctx: Context) -> None:
+    if unset(value):
+        sink.same(key, "unset")
+    elif _fsdp_off(_get(args, "fsdp")):
+        sink.no_effect(key, "HF reads fsdp_config only with fsdp set", NONE)
+    elif isinstance(value, dict):
+        words = str(_get(args, "fsdp")).replace(",", " ").replace("'", " ").lower().split()
+        wrap = fsdp_source.WRAP if "auto_wrap" in words else None  # HF wraps by layer class with auto_wrap
+        defaults = {**fsdp_source.ENVIRONMENT, "auto_wrap_policy": wrap}
+        fsdp_source.read(sink, key, value, fsdp_source.fsdp_version(value), defaults)
+    else:
+        sink.refuse(key, f"FSDP settings in a file ({fmt(value)}): ftkit reads fsdp_config written inline",
+                    "FSDP2 with ftkit's defaults (fsdp.*)")  # fmt: skip
 
 
 def _hard(why: str) -> Handler:
@@ -344,7 +364,7 @@ ARGUMENTS: dict[str, Handler] = {
     "eval_steps": _eval_steps,
     "deepspeed": _deepspeed,
     "fsdp": _fsdp,
-    "fsdp_config": _fsdp,
+    "fsdp_config": _fsdp_config,
     "use_cpu": _use_cpu,
     "no_cuda": _use_cpu,
     "torch_compile": _default_or(False, "torch.compile: ftkit does not compile", ROUNDING + "; slower", False),

@@ -19,6 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ftkit.recipe.rules import SCHEDULER_PARAMS
+from ftkit.recipe.schema import DEEPSPEED_SCHEDULES
+
 if TYPE_CHECKING:  # pragma: no cover
     from ftkit.plan.plan import KnobValue, Plan
     from ftkit.recipe.load import Recipe
@@ -105,6 +108,7 @@ def decide_config_knobs(plan: Plan) -> None:
         for name, rule, why in FP16_LOSS_SCALING:
             _rule_or_recipe(plan, f"fp16.{name}", f"train.fp16_{name}", rule, why)
     decide_optimizer(plan)
+    decide_scheduler_knobs(plan)
     offload = plan.offload_optimizer != "none"
     if plan.stage in (1, 2):
         _rule_or_recipe(plan, "contiguous_gradients", "zero.contiguous_gradients", True, "always: less fragmentation")
@@ -215,3 +219,38 @@ def _pin_memory(plan: Plan, what: str) -> None:
         plan.note(f"{what}.pin_memory", False, "host RAM is tight: pinned buffers cannot be paged out")
     else:
         plan.note(f"{what}.pin_memory", True, "faster host-device copies; host RAM allows it")
+
+
+def decide_scheduler_knobs(plan: Plan) -> None:
+    """DeepSpeed's own schedule (``train.lr_scheduler`` WarmupLR ... LRRangeTest), every parameter with where it
+    comes from: ds_config.json's ``scheduler`` block, which HF Trainer hands to DeepSpeed instead of building its own
+    schedule (transformers ``deepspeed_optim_sched``). The numbers are the ones HF would fill into ``"auto"``
+    (``trainer_config_process``/``finalize``): the peak is learning_rate, the warm-up max(1, warmup_steps) (DeepSpeed
+    >= 0.19.6 refuses 0), the length the run's optimizer steps. With train.epochs the step count is known only once
+    the data is loaded: total_num_steps stays ``"auto"``, the one value the rendered config leaves to HF."""
+    r = plan.recipe
+    schedule = r.train.lr_scheduler
+    if schedule not in DEEPSPEED_SCHEDULES:
+        return
+    plan.note("scheduler", schedule, "train.lr_scheduler: DeepSpeed's own schedule, in ds_config.json")
+    warmup = max(1, r.train.warmup_steps)
+    if schedule in ("WarmupLR", "WarmupDecayLR"):
+        plan.note("scheduler.warmup_max_lr", r.train.learning_rate, "train.learning_rate (HF: learning_rate)")
+    if schedule in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
+        why = f"max(1, train.warmup_steps {r.train.warmup_steps}), as HF fills it"
+        plan.note("scheduler.warmup_num_steps", warmup, why)
+    if schedule in ("WarmupDecayLR", "WarmupCosineLR"):
+        if r.train.max_steps is not None:
+            plan.note("scheduler.total_num_steps", r.train.max_steps, "train.max_steps (HF: the run's optimizer steps)")
+        else:
+            plan.note(
+                "scheduler.total_num_steps",
+                "auto",
+                f"train.epochs {r.train.epochs}: HF fills the run's optimizer steps once the data is loaded",
+            )
+    values = plan.recipe.values
+    for name in SCHEDULER_PARAMS[schedule]:
+        value = values[f"scheduler.{name}"]
+        if value is None:  # OneCycle's optional second half: DeepSpeed's own default applies
+            continue
+        plan.note(f"scheduler.{name}", value, f"scheduler.{name}")

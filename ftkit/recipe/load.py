@@ -27,7 +27,7 @@ import yaml
 
 from ftkit.errors import Problem, RecipeError
 from ftkit.model.config import is_hub_id
-from ftkit.recipe.rules import backend_problems, offload_problems
+from ftkit.recipe.rules import backend_problems, offload_problems, scheduler_problems
 from ftkit.recipe.schema import FIELD_BY_KEY, SECTION_BY_NAME, SECTIONS, TOP_LEVEL, Field, Value
 from ftkit.recipe.sections import (
     CheckpointSection,
@@ -37,6 +37,7 @@ from ftkit.recipe.sections import (
     ModelSection,
     PeftSection,
     ResilienceSection,
+    SchedulerSection,
     TrainSection,
     ZeroSection,
 )
@@ -108,6 +109,10 @@ class Recipe:
     @property
     def train(self) -> TrainSection:
         return self._section("train", TrainSection)
+
+    @property
+    def scheduler(self) -> SchedulerSection:
+        return self._section("scheduler", SchedulerSection)
 
     @property
     def checkpoint(self) -> CheckpointSection:
@@ -683,6 +688,8 @@ def _cross_checks(r: Recipe, add: _Add) -> None:
         )
     fsdp2 = train.backend in ("fsdp2", "auto")  # auto may choose fsdp2: both run under accelerate
     for key, problem in backend_problems(v, r.explicit):
+        add(key, problem, src(key))
+    for key, problem in scheduler_problems(v, r.explicit):
         add(key, problem, src(key))
     if cluster.engine == "auto" or (fsdp2 and "cluster.engine" not in r.explicit):
         # resolved once, here, so every reader sees the engine that will run; FSDP2 runs under accelerate

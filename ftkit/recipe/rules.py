@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-from ftkit.recipe.schema import FIELD_BY_KEY, SECTION_BY_NAME, Value
+from ftkit.recipe.schema import DEEPSPEED_SCHEDULES, FIELD_BY_KEY, SECTION_BY_NAME, Value
 
 # Each DeepSpeed-only key, and what to use under train.backend fsdp2 instead (the refusal's second half).
 FSDP2_EQUIVALENT = {
@@ -28,6 +28,33 @@ FSDP2_EQUIVALENT = {
     "zero.max_reuse_distance": "FSDP2 has no such setting: remove it",
 }
 FSDP_KEYS = tuple(f"fsdp.{name}" for name in SECTION_BY_NAME["fsdp"].names)
+SCHEDULER_KEYS = tuple(f"scheduler.{name}" for name in SECTION_BY_NAME["scheduler"].names)
+# The scheduler section's keys each DeepSpeed schedule reads (deepspeed/runtime/lr_schedules.py, 0.19)
+SCHEDULER_PARAMS: dict[str, tuple[str, ...]] = {
+    "WarmupLR": ("warmup_type", "warmup_min_lr"),
+    "WarmupDecayLR": ("warmup_type", "warmup_min_lr"),
+    "WarmupCosineLR": ("warmup_type", "warmup_min_ratio", "cos_min_ratio"),
+    "OneCycle": (
+        "cycle_min_lr",
+        "cycle_max_lr",
+        "decay_lr_rate",
+        "cycle_first_step_size",
+        "cycle_second_step_size",
+        "cycle_first_stair_count",
+        "cycle_second_stair_count",
+        "decay_step_size",
+        "cycle_momentum",
+        "cycle_min_mom",
+        "cycle_max_mom",
+        "decay_mom_rate",
+    ),
+    "LRRangeTest": (
+        "lr_range_test_min_lr",
+        "lr_range_test_step_size",
+        "lr_range_test_step_rate",
+        "lr_range_test_staircase",
+    ),
+}
 
 
 def backend_problems(values: Mapping[str, Value], explicit: Collection[str]) -> list[tuple[str, str]]:
@@ -102,4 +129,33 @@ def offload_problems(stage: int | str, offload_optimizer: str, offload_params: s
                 f"nvme optimizer offload needs ZeRO stage 3 (zero.stage is {stage}); use cpu at stage 1/2",
             )
         )
+    return out
+
+
+def scheduler_problems(values: Mapping[str, Value], explicit: Collection[str]) -> list[tuple[str, str]]:
+    """``(recipe key, problem)`` for DeepSpeed's own schedules: they live in ds_config.json, so they need
+    ``train.backend: deepspeed``; OneCycle needs both its learning rates; a ``scheduler.*`` key the schedule does not
+    read is refused (a key set to its default is left alone, as a full recipe such as ``ftkit import`` writes lists
+    every key)."""
+    out: list[tuple[str, str]] = []
+    schedule = str(values["train.lr_scheduler"])
+    deepspeed = schedule in DEEPSPEED_SCHEDULES
+    if deepspeed and values["train.backend"] != "deepspeed":
+        out.append(
+            (
+                "train.lr_scheduler",
+                f"DeepSpeed's {schedule} is rendered into ds_config.json: it needs train.backend deepspeed (is "
+                f"{values['train.backend']}); use linear, cosine, constant or constant_with_warmup",
+            )
+        )
+    read = SCHEDULER_PARAMS.get(schedule, ())
+    for key in SCHEDULER_KEYS:
+        name = key.removeprefix("scheduler.")
+        if key in explicit and values[key] != FIELD_BY_KEY[key].default and name not in read:
+            used = ", ".join(s for s, names in SCHEDULER_PARAMS.items() if name in names)
+            out.append((key, f"applies to train.lr_scheduler {used} only (train.lr_scheduler is {schedule})"))
+    if schedule == "OneCycle":
+        for key in ("scheduler.cycle_min_lr", "scheduler.cycle_max_lr"):
+            if values[key] is None:
+                out.append((key, "required with train.lr_scheduler OneCycle (DeepSpeed has no default for it)"))
     return out

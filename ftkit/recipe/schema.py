@@ -82,6 +82,10 @@ class Section:
 
 _f = Field  # the table below reads as name, type, default, doc, then the bounds by name
 
+HF_SCHEDULES = ("linear", "cosine", "constant", "constant_with_warmup")  # HF Trainer's, as lr_scheduler_type
+# DeepSpeed's own (deepspeed/runtime/lr_schedules.py), rendered as ds_config.json's scheduler block
+DEEPSPEED_SCHEDULES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
+
 
 TOP_LEVEL = (
     _f(
@@ -248,10 +252,18 @@ SECTIONS: tuple[Section, ...] = (
                 "lr_scheduler",
                 "choice",
                 "cosine",
-                "Learning-rate schedule after warm-up.",
-                choices=("linear", "cosine", "constant", "constant_with_warmup"),
+                "Learning-rate schedule: HF's linear, cosine, constant, constant_with_warmup (after a linear warm-up), "
+                "or DeepSpeed's own WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest (rendered into "
+                "ds_config.json with the scheduler section; train.backend deepspeed).",
+                choices=HF_SCHEDULES + DEEPSPEED_SCHEDULES,
             ),
-            _f("warmup_steps", "int", 0, "Linear warm-up steps.", minimum=0),
+            _f(
+                "warmup_steps",
+                "int",
+                0,
+                "Warm-up steps (DeepSpeed's warmup_num_steps, at least 1 there; its curve: scheduler.warmup_type).",
+                minimum=0,
+            ),
             _f("weight_decay", "float", 0.0, "AdamW weight decay.", minimum=0),
             _f("adam_beta1", "float", 0.9, "AdamW beta1, 0 to below 1.", minimum=0, exclusive_maximum=1),
             _f("adam_beta2", "float", 0.999, "AdamW beta2, 0 to below 1.", minimum=0, exclusive_maximum=1),
@@ -297,6 +309,134 @@ SECTIONS: tuple[Section, ...] = (
                 "(e.g. [python, sft.py, --bf16]); `ftkit launch RECIPE -- CMD` overrides it; null: the built-in entry.",
                 pattern=r"[^\x00-\x1f\x7f]*",
                 pattern_doc="must be printable text without control characters (newline, tab, NUL)",
+            ),
+        ),
+    ),
+    Section(
+        "scheduler",
+        "DeepSpeed's own learning-rate schedules (train.lr_scheduler WarmupLR, WarmupDecayLR, WarmupCosineLR, "
+        "OneCycle, LRRangeTest), beyond train.learning_rate (the peak), train.warmup_steps and train.max_steps (the "
+        "length); HF's schedules ignore this section.",
+        (
+            _f(
+                "warmup_type",
+                "choice",
+                "log",
+                "WarmupLR, WarmupDecayLR, WarmupCosineLR: the warm-up curve, log (DeepSpeed's default) or linear.",
+                choices=("log", "linear"),
+            ),
+            _f(
+                "warmup_min_lr",
+                "float",
+                0.0,
+                "WarmupLR, WarmupDecayLR: the learning rate the warm-up starts from.",
+                minimum=0,
+            ),
+            _f(
+                "warmup_min_ratio",
+                "float",
+                0.0,
+                "WarmupCosineLR: the warm-up starts at this fraction of train.learning_rate.",
+                minimum=0,
+            ),
+            _f(
+                "cos_min_ratio",
+                "float",
+                0.0001,
+                "WarmupCosineLR: the cosine decay ends at this fraction of train.learning_rate.",
+                minimum=0,
+            ),
+            _f(
+                "cycle_min_lr",
+                "float|null",
+                None,
+                "OneCycle (required there): the learning rate at both ends of the cycle.",
+                minimum=0,
+            ),
+            _f(
+                "cycle_max_lr",
+                "float|null",
+                None,
+                "OneCycle (required there): the learning rate at the top of the cycle.",
+                minimum=0,
+            ),
+            _f(
+                "cycle_first_step_size",
+                "int",
+                2000,
+                "OneCycle: optimizer steps from cycle_min_lr up to cycle_max_lr.",
+                exclusive_minimum=0,
+            ),
+            _f(
+                "cycle_second_step_size",
+                "int|null",
+                None,
+                "OneCycle: steps back down to cycle_min_lr; null: cycle_first_step_size.",
+                minimum=0,
+            ),
+            _f(
+                "cycle_first_stair_count",
+                "int",
+                0,
+                "OneCycle: stairs on the way up; 0: a smooth ramp.",
+                minimum=0,
+            ),
+            _f(
+                "cycle_second_stair_count",
+                "int|null",
+                None,
+                "OneCycle: stairs on the way down; null: cycle_first_stair_count.",
+                minimum=0,
+            ),
+            _f(
+                "decay_lr_rate",
+                "float",
+                0.0,
+                "OneCycle: after the cycle, lr = cycle_min_lr / (1 + decay_lr_rate x steps / decay_step_size).",
+                minimum=0,
+            ),
+            _f(
+                "decay_step_size",
+                "int",
+                0,
+                "OneCycle: steps per decay interval after the cycle; 0: no decay.",
+                minimum=0,
+            ),
+            _f(
+                "cycle_momentum",
+                "bool",
+                True,
+                "OneCycle: cycle AdamW's beta1 too, from cycle_max_mom down to cycle_min_mom and back.",
+            ),
+            _f("cycle_min_mom", "float", 0.8, "OneCycle: beta1 at the top of the cycle.", minimum=0),
+            _f("cycle_max_mom", "float", 0.9, "OneCycle: beta1 at both ends of the cycle.", minimum=0),
+            _f("decay_mom_rate", "float", 0.0, "OneCycle: beta1's decay rate after the cycle.", minimum=0),
+            _f(
+                "lr_range_test_min_lr",
+                "float",
+                0.001,
+                "LRRangeTest: the learning rate at step 0.",
+                minimum=0,
+            ),
+            _f(
+                "lr_range_test_step_size",
+                "int",
+                2000,
+                "LRRangeTest: optimizer steps per interval; lr = lr_range_test_min_lr x (1 + step_rate x intervals).",
+                exclusive_minimum=0,
+            ),
+            _f(
+                "lr_range_test_step_rate",
+                "float",
+                1.0,
+                "LRRangeTest: the growth per interval, in multiples of lr_range_test_min_lr.",
+                minimum=0,
+            ),
+            _f(
+                "lr_range_test_staircase",
+                "bool",
+                False,
+                "LRRangeTest: grow in whole intervals (stairs) instead of continuously.",
             ),
         ),
     ),

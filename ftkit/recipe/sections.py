@@ -78,6 +78,33 @@ class TrainSection:
 
 
 @dataclass(frozen=True)
+class SchedulerSection:
+    """``scheduler``: DeepSpeed's own learning-rate schedules (train.lr_scheduler WarmupLR, WarmupDecayLR,
+    WarmupCosineLR, OneCycle, LRRangeTest)."""
+
+    warmup_type: str
+    warmup_min_lr: float
+    warmup_min_ratio: float
+    cos_min_ratio: float
+    cycle_min_lr: float | None
+    cycle_max_lr: float | None
+    cycle_first_step_size: int
+    cycle_second_step_size: int | None
+    cycle_first_stair_count: int
+    cycle_second_stair_count: int | None
+    decay_lr_rate: float
+    decay_step_size: int
+    cycle_momentum: bool
+    cycle_min_mom: float
+    cycle_max_mom: float
+    decay_mom_rate: float
+    lr_range_test_min_lr: float
+    lr_range_test_step_size: int
+    lr_range_test_step_rate: float
+    lr_range_test_staircase: bool
+
+
+@dataclass(frozen=True)
 class CheckpointSection:
     """``checkpoint``: Checkpoint tiers: a node-local tier saved often, copied to the run directory in the
     background."""
@@ -167,6 +194,7 @@ SECTION_TYPES: dict[str, type] = {
     "peft": PeftSection,
     "data": DataSection,
     "train": TrainSection,
+    "scheduler": SchedulerSection,
     "checkpoint": CheckpointSection,
     "zero": ZeroSection,
     "fsdp": FsdpSection,

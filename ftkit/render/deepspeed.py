@@ -57,6 +57,12 @@ def render_deepspeed(plan: Plan) -> dict[str, object]:
         if f"optimizer.{key}" in k:
             params[key] = k[f"optimizer.{key}"].value
     cfg["optimizer"] = {"type": k["optimizer"].value, "params": params}
+    if "scheduler" in k:  # DeepSpeed's own schedule (HF Trainer hands the block to DeepSpeed)
+        prefix = "scheduler."
+        cfg["scheduler"] = {
+            "type": k["scheduler"].value,
+            "params": {name.removeprefix(prefix): v.value for name, v in k.items() if name.startswith(prefix)},
+        }
 
     stage = plan.stage
     z: dict[str, object] = {"stage": stage}

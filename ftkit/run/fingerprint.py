@@ -46,8 +46,8 @@ not compared    train.output_dir                                     it is the r
 allowable       train.learning_rate, train.weight_decay,             change the optimizer; the checkpoint restores
                 train.adam_beta1, train.adam_beta2,                  its hyperparameters, so the rank re-applies the
                 train.adam_epsilon                                   new ones after loading it
-allowable       train.lr_scheduler, train.warmup_steps               change the schedule; HF rebuilds its shape
-                                                                     from the current arguments (the checkpoint
+allowable       train.lr_scheduler, train.warmup_steps,              change the schedule; HF rebuilds its shape
+                scheduler.* (DeepSpeed's schedules)                  from the current arguments (the checkpoint
                                                                      holds only its step and peak lr)
 allowable       train.max_grad_norm                                  changes gradient clipping (ds_config)
 allowable       train.fp16_*                                         changes fp16 loss scaling (which steps are
@@ -176,7 +176,7 @@ POLICY: tuple[tuple[str, tuple[str, ...], str], ...] = (
         ("train.learning_rate", "train.weight_decay", "train.adam_beta1", "train.adam_beta2", "train.adam_epsilon"),
         "changes the optimizer",
     ),
-    (ALLOWABLE, ("train.lr_scheduler", "train.warmup_steps"), "changes the learning-rate schedule"),
+    (ALLOWABLE, ("train.lr_scheduler", "train.warmup_steps", "scheduler.*"), "changes the learning-rate schedule"),
     (ALLOWABLE, ("train.max_grad_norm",), "changes gradient clipping"),
     (ALLOWABLE, ("train.fp16_*",), "changes fp16 loss scaling: which steps are skipped on overflow"),
     (ALLOWABLE, ("train.micro_batch_size",), "changes the per-rank batch and gradient accumulation"),

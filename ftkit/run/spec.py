@@ -10,6 +10,7 @@ from pathlib import Path
 from ftkit import __version__
 from ftkit.model.config import DEFAULT_REVISION, model_is_hub
 from ftkit.plan.plan import Plan
+from ftkit.recipe.schema import DEEPSPEED_SCHEDULES
 from ftkit.recipe.sections import PeftSection
 from ftkit.run.fingerprint import compute as compute_fingerprint
 from ftkit.rundir.records import JSON, Fingerprint
@@ -62,7 +63,7 @@ def training_arguments(plan: Plan, output_dir: str, ds_config_path: str) -> Trai
         "per_device_train_batch_size": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.grad_accum,
         "learning_rate": r.train.learning_rate,
-        "lr_scheduler_type": r.train.lr_scheduler,
+        "lr_scheduler_type": hf_scheduler_type(r.train.lr_scheduler),
         "warmup_steps": r.train.warmup_steps,
         "weight_decay": r.train.weight_decay,
         "adam_beta1": r.train.adam_beta1,
@@ -112,6 +113,13 @@ def training_arguments(plan: Plan, output_dir: str, ds_config_path: str) -> Trai
         if plan.num_nodes > 1:
             args["save_on_each_node"] = True  # every node holds the shared files of its own part
     return args
+
+
+def hf_scheduler_type(schedule: str) -> str:
+    """TrainingArguments' ``lr_scheduler_type`` for ``train.lr_scheduler``: HF's own name, or, for DeepSpeed's
+    schedules (which HF does not know and never builds: ds_config.json's scheduler block is used instead, see
+    transformers ``deepspeed_optim_sched``), ``constant``, which HF accepts and ignores there."""
+    return "constant" if schedule in DEEPSPEED_SCHEDULES else schedule
 
 
 def stated_arguments(plan: Plan, args: TrainingArgs) -> list[str]:

@@ -152,15 +152,21 @@ ROUND_TRIPS = [
     ("ds_z1_compile.json", "", "Axolotl zero1_torch_compile: compile block, initial_scale_power 32"),
     ("ds_z1_optimizer_auto.json", "", "Axolotl zero1: AdamW block of autos"),
     ("ds_z1_timers.json", "", "LLaMA-Factory z1 (gaudi): contiguous_gradients false, round_robin, timers"),
-    ("ds_z2_offload.json", "scheduler", "transformers ds_config_zero2: offload, 2e8 buckets, WarmupLR autos"),
+    ("ds_z2_offload.json", "", "transformers ds_config_zero2: offload, 2e8 buckets, WarmupLR autos"),
     ("ds_z2_offload_rr.json", "", "LLaMA-Factory ds_z2_offload: round_robin_gradients, pin_memory"),
-    ("ds_z2_torch_adam.json", "scheduler", "accelerate zero_stage2: torch_adam, adam_w_mode, WarmupDecayLR"),
+    ("ds_z2_torch_adam.json", "", "accelerate zero_stage2: torch_adam, adam_w_mode, WarmupDecayLR"),
     ("ds_z2_autotp.json", "tensor_parallel", "LLaMA-Factory ds_z2_autotp: AutoTP, a _comment key"),
     ("ds_z3.json", "", "Axolotl zero3: sub_group_size 0, live/reuse 0, auto buckets"),
     ("ds_z3_offload_all.json", "", "Axolotl zero3_bf16_cpuoffload_all: unprefixed aliases, force_ds_cpu_optimizer"),
     ("ds_z3_partial_offload.json", "", "LLaMA-Factory ds_z3_partial_offload: pin_memory false, 1e9 limits"),
-    ("ds_z3_offload_auto_gather.json", "scheduler", 'accelerate zero_stage3_offload: a boolean "auto"'),
-    ("ds_z3_ulysses.json", "scheduler,sequence_parallel", "LLaMA-Factory ds_z3_alst: Ulysses, bf16 loss keys"),
+    ("ds_z3_offload_auto_gather.json", "", 'accelerate zero_stage3_offload: a boolean "auto"'),
+    ("ds_warmuplr_linear.json", "", "DeepSpeed docs: WarmupLR, linear warm-up from a floor, concrete values"),
+    ("ds_warmupdecaylr_log.json", "", "WarmupDecayLR, log warm-up (DeepSpeed's default) from 1e-4, autos"),
+    ("ds_warmupcosinelr.json", "", "WarmupCosineLR: warmup_min_ratio, cos_min_ratio, linear warm-up"),
+    ("ds_onecycle.json", "", "DeepSpeed's OneCycle tutorial: stairs, decay, momentum cycling"),
+    ("ds_lrrangetest.json", "", "DeepSpeed's LR range test tutorial: staircase"),
+    ("ds_z2_monitors.json", "", "autotuning, flops profiler, comms logger, tensorboard/wandb/csv monitors"),
+    ("ds_z3_ulysses.json", "sequence_parallel", "LLaMA-Factory ds_z3_alst: Ulysses, bf16 loss keys"),
 ]
 
 
@@ -192,7 +198,7 @@ def test_explicit_values_stay_explicit(here, tmp_path, model_dir):
     """A hard-coded bucket size is kept, not replaced by ftkit's hidden-size rule; "auto" stays ftkit's auto."""
     import yaml
 
-    _, out = _import(tmp_path, model_dir, "ds_z2_offload.json", accept="scheduler")
+    _, out = _import(tmp_path, model_dir, "ds_z2_offload.json")
     zero = yaml.safe_load(out.read_text())["zero"]
     assert (zero["reduce_bucket_size"], zero["allgather_bucket_size"]) == (200_000_000, 200_000_000)
     _, out = _import(tmp_path, model_dir, "ds_z3.json")
@@ -211,7 +217,7 @@ def test_aliases_and_deprecated_spellings_normalised(here, tmp_path, model_dir):
     src = json.loads((FIX / "ds_z3_concrete.json").read_text())
     src["zero_optimization"]["reduce_bucket_size"] = 5e8
     (tmp_path / "concrete.json").write_text(json.dumps(src))
-    result, out = _import(tmp_path, model_dir, str(tmp_path / "concrete.json"), accept="scheduler")
+    result, out = _import(tmp_path, model_dir, str(tmp_path / "concrete.json"))
     line = next(x for x in result.lines if "stage3_gather_fp16_weights_on_model_save" in x)
     assert "deprecated spelling of stage3_gather_16bit_weights_on_model_save" in line
     z = render_deepspeed(load_and_plan(str(out), []))
@@ -219,23 +225,22 @@ def test_aliases_and_deprecated_spellings_normalised(here, tmp_path, model_dir):
     assert z["optimizer"]["params"]["betas"] == [0.8, 0.999] and z["optimizer"]["params"]["weight_decay"] == 3e-7
     assert z["fp16"]["enabled"] is True
     recipe = load_and_plan(str(out), []).recipe
-    assert (recipe["train.warmup_steps"], recipe["train.lr_scheduler"]) == (500, "constant_with_warmup")
+    assert (recipe["train.warmup_steps"], recipe["train.lr_scheduler"]) == (500, "WarmupLR")
 
 
 REFUSED = [
     ("ds_z3_fp8.json", "ds_z3_fp8.json fp8: fp8 training (Transformer Engine) is not supported by ftkit"),
     ("ds_z2_autotp.json", "ds_z2_autotp.json tensor_parallel: DeepSpeed AutoTP tensor parallelism"),
     ("ds_z3_concrete.json", "ds_z3_concrete.json zero_optimization.reduce_bucket_size: must be at least 1; got 0"),
-    ("ds_z2_offload.json", "ds_z2_offload.json scheduler.type: DeepSpeed's WarmupLR with a warm-up on a log curve"),
+    ("ds_torch_scheduler.json", "ds_torch_scheduler.json scheduler.type: schedule StepLR (DeepSpeed builds other"),
     (
-        "accelerate_fsdp1.yaml",
-        "accelerate_fsdp1.yaml:3 distributed_type: FSDP (version 1) is not supported: ftkit "
-        "supports DeepSpeed only so far",
+        "accelerate_fsdp_local.yaml",
+        "accelerate_fsdp_local.yaml:7 fsdp_config.fsdp_state_dict_type: LOCAL_STATE_DICT: FSDP2 has no local state "
+        "dict",
     ),  # fmt: skip
-    ("accelerate_fsdp2.yaml", "accelerate_fsdp2.yaml:2 distributed_type: FSDP (version 2) is not supported"),
     ("accelerate_fp8.yaml", "accelerate_fp8.yaml:2 mixed_precision: fp8 training is not supported by ftkit"),
     ("accelerate_xpu.yaml", "accelerate_xpu.yaml:1 distributed_type: MULTI_XPU: ftkit runs on CUDA GPUs or CPUs"),
-    ("axolotl_fsdp.yml", "axolotl_fsdp.yml:10 fsdp_version: FSDP (version 2) is not supported"),
+    ("accelerate_multi_node.yaml", "accelerate_multi_node.yaml:7 main_process_ip: '1234' is a placeholder"),
     ("llamafactory_dpo.yaml", "llamafactory_dpo.yaml:2 stage: stage dpo (a preference/reward objective)"),
 ]
 
@@ -339,7 +344,7 @@ def test_axolotl(here, tmp_path, model_dir):
         _import(tmp_path, model_dir, "axolotl_qlora_packing.yml")
     for key in ("load_in_4bit", "adapter", "datasets", "val_set_size", "sample_packing", "optimizer", "special_tokens"):
         assert "axolotl_qlora_packing.yml" in str(e.value) and f" {key}: " in str(e.value), key
-    accept = "load_in_4bit,adapter,datasets,val_set_size,sample_packing,optimizer,special_tokens"
+    accept = "load_in_4bit,adapter,datasets,val_set_size,sample_packing,optimizer,special_tokens,warmup_steps"
     result, out = _import(tmp_path, model_dir, "axolotl_qlora_packing.yml", accept=accept)
     r = load_and_plan(str(out), []).recipe
     assert r["peft.target_modules"] == ["all-linear"] and r["data.train"] == str(tmp_path / "data" / "train.jsonl")
@@ -526,7 +531,7 @@ def test_check_against_refuses_other_kinds_in_one_line(here, tmp_path, model_dir
 # The controller stays import-light
 
 
-@pytest.mark.parametrize("command", ["import", "import-absent-clipping", "check"])
+@pytest.mark.parametrize("command", ["import", "import-absent-clipping", "import-plan", "check", "check-fsdp"])
 def test_import_and_check_against_import_no_heavy_stack(here, tmp_path, model_dir, command):
     import subprocess
     import sys
@@ -536,8 +541,13 @@ def test_import_and_check_against_import_no_heavy_stack(here, tmp_path, model_di
     if command == "check":
         _import(tmp_path, model_dir, "ds_z3.json")
         argv = ["check", str(out), "--against", "ds_z3.json"]
+    elif command == "check-fsdp":
+        _import(tmp_path, model_dir, "accelerate_config_fsdp1.yaml")
+        argv = ["check", str(out), "--against", "accelerate_config_fsdp1.yaml"]
     elif command == "import":
         argv = ["import", "train_cmd.sh", "-o", str(out), "--model", str(model_dir)]
+    elif command == "import-plan":  # the planner too, on an FSDP source
+        argv = ["import", "accelerate_fsdp1_hybrid.yaml", "-o", str(out), "--model", str(model_dir), "--plan"]
     else:  # DeepSpeed's default clipping is read from the installed package's source, not imported
         argv = ["import", "ds_z1_optimizer_auto.json", "-o", str(out), "--model", str(model_dir)]
     probe = (
@@ -554,7 +564,7 @@ def test_import_and_check_against_import_no_heavy_stack(here, tmp_path, model_di
 # DeepSpeed treats the rendered config as it treats the source (with HF's own "auto" filling): heavy, in make test
 
 
-def _hf_filled(source: dict, plan, tmp_path: Path) -> dict:
+def _hf_filled(source: dict, plan, tmp_path: Path, num_training_steps: int = 100) -> dict:
     """The source config after HF Trainer's own "auto" filling, with the TrainingArguments ftkit builds."""
     import copy
     from types import SimpleNamespace
@@ -575,7 +585,7 @@ def _hf_filled(source: dict, plan, tmp_path: Path) -> dict:
     try:
         hf.trainer_config_process(args)
         model = SimpleNamespace(config=SimpleNamespace(hidden_size=plan.hidden_size))
-        hf.trainer_config_finalize(args, model, 100)  # raises on any value that mismatches TrainingArguments
+        hf.trainer_config_finalize(args, model, num_training_steps)  # raises on a value that mismatches TA
         return hf.config
     finally:
         unset_hf_deepspeed_config()
@@ -602,7 +612,10 @@ def _as_deepspeed_sees_it(cfg: dict, world: int, monkeypatch) -> dict:
         "fp16": ds.float16_config.enabled,
         "bf16": ds.bfloat16_config.enabled,
         "stage": ds.zero_optimization_stage,
-        "optimizer": (ds.optimizer_name, {**ADAMW_DEFAULTS, **(ds.optimizer_params or {})}),
+        "optimizer": (
+            _adamw(ds.optimizer_name, ds.optimizer_params),
+            {**ADAMW_DEFAULTS, **(ds.optimizer_params or {})},
+        ),
     }
     if ds.float16_config.enabled:
         seen["loss scaling"] = (ds.float16_config.loss_scale, ds.float16_config.initial_scale_power,
@@ -623,6 +636,12 @@ def _as_deepspeed_sees_it(cfg: dict, world: int, monkeypatch) -> dict:
     return seen
 
 
+def _adamw(name: str | None, params: dict | None) -> str | None:
+    """DeepSpeed's Adam with adam_w_mode (its default) is its AdamW."""
+    mode = (params or {}).get("adam_w_mode", True)
+    return "adamw" if name == "adam" and mode is not False else name
+
+
 HEAVY_CASES = [(f, a, f) for f, a, _ in ROUND_TRIPS] + [
     ("train_cmd.sh", "", "ds_z3.json"),
     ("torchrun_cmd.txt", "warmup_ratio", "ds_z2_offload_rr.json"),
@@ -639,7 +658,8 @@ def test_deepspeed_reads_source_and_rendered_config_alike(here, tmp_path, model_
     pytest.importorskip("transformers")
     _, out = _import(tmp_path, model_dir, source, accept=accept)
     plan = load_and_plan(str(out), [])
-    filled = _hf_filled(json.loads((FIX / ds_file).read_text()), plan, tmp_path)
+    steps = plan.recipe.train.max_steps or 100  # HF checks a concrete total_num_steps against the run's steps
+    filled = _hf_filled(json.loads((FIX / ds_file).read_text()), plan, tmp_path, steps)
     rendered = render_deepspeed(plan)
     source_seen = _as_deepspeed_sees_it(filled, plan.world_size, monkeypatch)
     rendered_seen = _as_deepspeed_sees_it(rendered, plan.world_size, monkeypatch)
@@ -647,7 +667,7 @@ def test_deepspeed_reads_source_and_rendered_config_alike(here, tmp_path, model_
         source_seen["optimizer"] = rendered_seen["optimizer"]
     for seen in (source_seen, rendered_seen):  # the implementation: the same update up to rounding
         seen["optimizer"][1].pop("torch_adam", None)
-        seen["optimizer"][1].pop("fused", None)
+        seen["optimizer"][1].pop("fused", None)  # the implementation, like torch_adam
     assert source_seen == rendered_seen
 
 
