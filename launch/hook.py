@@ -45,11 +45,11 @@ import types
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn, TypedDict
 
-from ftkit.errors import ScriptFailed
+from ftkit.errors import NoSpace, ScriptFailed
 from ftkit.launch import services as hf
 from ftkit.launch.rank import on_import
 from ftkit.rundir.env import HOOK_PID_ENV, RUN_DIR_ENV
-from ftkit.rundir.failures import COMM, EXCEPTION, SCRIPT_EXIT, FailureClass, classify
+from ftkit.rundir.failures import COMM, EXCEPTION, NO_SPACE, SCRIPT_EXIT, FailureClass, classify, full_path
 
 if TYPE_CHECKING:
     import argparse
@@ -278,6 +278,16 @@ def record_failure(
     cls = exit_class or classify(type_names or [], summary, frames or [], before_first_step=step is None)
     if cls is COMM:
         return False
+    try:
+        full = full_path(summary, None, hf.write_paths())
+    except Exception:  # noqa: BLE001 - the record below still says what happened
+        full = None
+    if full is not None:  # a save filled the run directory or the local tier: exit 12 naming it, not restarted
+        try:
+            hf.context().record_error(NoSpace(f"no space left on {full}"), step=step, failure_class=NO_SPACE.name)
+            return True
+        except OSError:
+            return False
     when = "before its first step" if step is None else f"after step {step}"
     try:
         lines = [x for chunk in text for x in chunk.rstrip("\n").splitlines()]

@@ -190,6 +190,13 @@ def spec() -> RunSpec:
     return _state().spec
 
 
+def write_paths() -> list[Path]:
+    """Where this rank writes checkpoints: the run directory and, with a local tier, this node's tier directory (a
+    failed write that filled one of them is named by it: exit 12)."""
+    r = _state()
+    return [r.ctx.rd.path, *([r.tier.dir] if r.tier is not None else [])]
+
+
 def resume_checkpoint() -> str | None:
     """The checkpoint ftkit chose and verified for this attempt (None: a fresh start). Pass it to
     ``trainer.train(resume_from_checkpoint=...)``."""

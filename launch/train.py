@@ -27,7 +27,8 @@ from ftkit.errors import ModelConfigError, NoSpace, Problem, UserError
 from ftkit.launch import services as hf
 from ftkit.launch.data import collate, prepare
 from ftkit.launch.services import RankContext
-from ftkit.rundir.layout import NEARLY_FULL, atomic_write
+from ftkit.rundir.failures import full_path
+from ftkit.rundir.layout import atomic_write
 from ftkit.rundir.spec import RunSpec
 
 if TYPE_CHECKING:
@@ -160,29 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         return hf.report(e)
     except Exception as e:  # noqa: BLE001 - only a full disk is turned into a record; the rest re-raises
-        if not _no_space(e, ctx.rd.path):
+        # ENOSPC however the library reports it (torch.save's "unexpected pos" on a full tmpfs), in the run directory
+        # or this node's local checkpoint tier: exit 12 naming the path, as a restart would fill it again
+        full = full_path(str(e), getattr(e, "errno", None), hf.write_paths())
+        if full is None:
             raise
         import traceback
 
         traceback.print_exc()
-        return hf.report(NoSpace(f"no space left on {getattr(e, 'filename', None) or ctx.rd.path}"))
+        return hf.report(NoSpace(f"no space left on {full}"))
     return 0
-
-
-def _no_space(e: BaseException, run_dir: Path) -> bool:
-    """ENOSPC however the library reports it: OSError, torch.save's "file write failed", safetensors' StorageFull."""
-    import errno
-    import shutil
-
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    text = str(e)
-    if "No space left" in text or "StorageFull" in text:
-        return True
-    try:
-        return "write failed" in text and shutil.disk_usage(run_dir).free < NEARLY_FULL
-    except OSError:
-        return False
 
 
 if __name__ == "__main__":

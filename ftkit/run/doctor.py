@@ -63,6 +63,7 @@ from ftkit.run.doctor_checks import (
 )
 from ftkit.run.preflight import PreflightReport, local_versions, run_preflight
 from ftkit.rundir.env import path_with_python_first, read_deepspeed_env
+from ftkit.rundir.failures import DS_SHM_BYTES_PER_RANK
 from ftkit.rundir.layout import atomic_write
 from ftkit.rundir.records import JSONObject
 
@@ -182,7 +183,20 @@ def _facts(
             )
             continue
         rep.set(host, "ssh", "local" if host in LOCAL_HOSTS else f"{res.seconds:.1f}s")
-        check_facts(rep, host, f, mine, time.time(), r.cluster.accelerator, tier_bytes=shm_bytes(plan.local_tier))
+        ranks = dict(plan.hosts).get(host, 0)
+        # DeepSpeed's CPU collectives map their buffers in /dev/shm when every rank is on this one node
+        need = DS_SHM_BYTES_PER_RANK * ranks if shm_collectives(plan) else 0
+        check_facts(
+            rep,
+            host,
+            f,
+            mine,
+            time.time(),
+            r.cluster.accelerator,
+            tier_bytes=shm_bytes(plan.local_tier),
+            shm_need=need,
+            ranks=ranks,
+        )
         rep.toolchain[host] = f.get("toolchain") or {}
         check_ops(rep, host, rep.toolchain[host], ops, r.cluster.accelerator, why)
         locks[host] = f.get("locks", [])
@@ -192,6 +206,12 @@ def _facts(
         ]
     check_locks(rep, locks)
     return unreachable
+
+
+def shm_collectives(plan: Plan) -> bool:
+    """Whether the ranks map DeepSpeed's CPU collectives into /dev/shm (cpu accelerator, DeepSpeed, one node)."""
+    r = plan.recipe
+    return r.cluster.accelerator == "cpu" and r.train.backend == "deepspeed" and plan.num_nodes == 1
 
 
 def _preflight(

@@ -219,9 +219,13 @@ def check_facts(
     received: float,
     accel: str,
     tier_bytes: int = 0,
+    shm_need: int = 0,
+    ranks: int = 0,
 ) -> None:
     """Turn one host's facts into cells and failures (pure: tested without any host). ``tier_bytes``: what the
-    run's local checkpoint tier needs of /dev/shm on each node (0: no tier there)."""
+    run's local checkpoint tier needs of /dev/shm on each node (0: no tier there); ``shm_need``: what the ranks
+    themselves map there (DeepSpeed's CPU collectives on one node: 66 MiB for each of the host's ``ranks``), which
+    blocks a launch: every rank would die of SIGBUS at its first collective, and every restart again."""
     theirs = f.get("versions", {})
     diffs = [f"{k} {theirs.get(k, 'missing')} (here {v})" for k, v in mine.items() if theirs.get(k) != v]
     if diffs:
@@ -255,6 +259,19 @@ def check_facts(
     shm = f.get("shm") or {}
     if shm.get("error"):
         rep.fail(host, "shm", shm["error"], "mount a tmpfs on /dev/shm")
+    elif shm_need and shm.get("free", 0) < shm_need + tier_bytes:
+        what = (
+            f"DeepSpeed's CPU collectives need {shm_need // ranks >> 20} MiB per rank ({ranks} here: {_gib(shm_need)})"
+        )
+        if tier_bytes:
+            what += f" and the local checkpoint tier {_gib(tier_bytes)}"
+        rep.fail(
+            host,
+            "shm",
+            f"/dev/shm has {_gib(shm.get('free', 0))} free: {what}; every rank would die of SIGBUS at its first "
+            "collective",
+            "enlarge it (docker run --shm-size=16g; mount -o remount,size=16G /dev/shm) or remove stale buffers",
+        )
     elif shm.get("total", 0) < MIN_SHM or shm.get("free", 0) < MIN_SHM:
         rep.fail(
             host,

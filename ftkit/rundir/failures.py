@@ -16,10 +16,15 @@ read it. Every failure event in ``events.jsonl`` carries its class (``failure_cl
 
 from __future__ import annotations
 
+import errno
+import os
 import re
+import shutil
 import signal
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from ftkit.rundir.layout import NEARLY_FULL
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,40 @@ _CONFIG_TYPES = ("ValidationError", "DeepSpeedConfigError", "ConfigError", "ZeRO
 # Where an op is built: any error raised on the way (the GPU log's ``int('0a')`` in compute_capability_args)
 _OP_BUILD_FRAMES = re.compile(r"deepspeed/ops/op_builder/|torch/utils/cpp_extension\.py")
 _TRANSIENT_SIGNALS = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGBUS, signal.SIGSEGV)
+
+
+# DeepSpeed's CPU collectives (its shm comm op) map one workspace per rank into /dev/shm:
+# 2 x 1 MiB (small messages) + 2 x 32 MiB (large ones), deepspeed/ops/csrc/cpu/comm/shm.cpp. A tmpfs too small
+# for them does not fail the mapping: the ranks die by SIGBUS/SIGSEGV when they first write past its end.
+DS_SHM_BYTES_PER_RANK = 2 * (1 << 20) + 2 * 32 * (1 << 20)
+# How a write that filled its file system shows: OSError ENOSPC/EDQUOT, torch.save's "unexpected pos" (the zip writer
+# checks its own position) and "file write failed", safetensors' StorageFull
+NO_SPACE_TEXT = ("No space left", "StorageFull", "write failed", "unexpected pos", "Disk quota exceeded")
+
+
+def free_bytes(path: str | os.PathLike[str]) -> int:
+    """Free bytes where ``path`` is (or would be: its nearest existing parent); very many when it cannot be told."""
+    p = str(path)
+    while p and not os.path.exists(p) and p != "/":
+        p = os.path.dirname(p.rstrip("/")) or "/"
+    try:
+        return shutil.disk_usage(p or "/").free
+    except OSError:
+        return 1 << 62
+
+
+def full_path(message: str, errno_: int | None, paths: Iterable[str | os.PathLike[str]]) -> str | None:
+    """The path among ``paths`` a failed write filled (the run directory, a local checkpoint tier), or None when the
+    error is not a full file system. ENOSPC names one whatever its free space now (the failed save may already have
+    removed its partial file)."""
+    candidates = [str(p) for p in paths]
+    enospc = errno_ in (errno.ENOSPC, errno.EDQUOT)
+    if not enospc and not any(t in message for t in NO_SPACE_TEXT):
+        return None
+    nearly = [p for p in candidates if free_bytes(p) < NEARLY_FULL]
+    if nearly:
+        return nearly[0]
+    return candidates[0] if enospc and candidates else None
 
 
 def classify(

@@ -39,14 +39,14 @@ from typing import TYPE_CHECKING, Protocol
 
 from ftkit.checkpoint.directory import list_checkpoints, select_resume, set_aside_newer
 from ftkit.checkpoint.layout import read_commit
-from ftkit.checkpoint.tiers import set_records
+from ftkit.checkpoint.tiers import node_dir, set_records
 from ftkit.checkpoint.verify import verify
 from ftkit.cluster.hosts import is_local
 from ftkit.cluster.procs import exit_meaning, is_alive
 from ftkit.cluster.slurm import transport_for
 from ftkit.command.engines import LaunchCommand, LaunchInputs, build_launch
 from ftkit.errors import ExitCode, UserError
-from ftkit.rundir.failures import BY_NAME, SCRIPT_EXIT
+from ftkit.rundir.failures import BY_NAME, DS_SHM_BYTES_PER_RANK, SCRIPT_EXIT, free_bytes
 from ftkit.rundir.layout import NEARLY_FULL, STOP_FILE, RunDir, append_jsonl, atomic_write, read_metrics
 from ftkit.rundir.spec import LocalTierSpec, RunSpec
 from ftkit.supervise.attempt import Spawned, spawn, teardown_attempt
@@ -284,13 +284,14 @@ class Supervisor:
                 time.sleep(0.3)  # let a rank finish writing its error record before we look again
                 if self.rd.records("errors", attempt):
                     continue
-                if _nearly_full(self.rd.path):  # a rank that could not even write its error record
+                full = self._full_device()  # a rank that could not even write its error record
+                if full is not None:
                     return Failure(
                         FailureKind.NO_SPACE,
-                        f"node {p.node_rank} ({p.host}) engine ended: {exit_meaning(c)}; the disk is full",
+                        f"node {p.node_rank} ({p.host}) engine ended: {exit_meaning(c)}; {full[0]} is full",
                         step=self._step(attempt),
                         exit_code=c,
-                        lines=[f"no space left on {self.rd.path}"],
+                        lines=[f"no space left on {full[0]}{full[1]}"],
                     )
                 return Failure(
                     FailureKind.EXIT,
@@ -602,6 +603,23 @@ class Supervisor:
                 except OSError:
                     pass
 
+    def _full_device(self) -> tuple[str, str] | None:
+        """(a full place this machine's ranks write to, why it matters), checked when ranks die without a record:
+        the run directory, this machine's local checkpoint tier, and on the cpu accelerator /dev/shm, where
+        DeepSpeed's collectives map 66 MiB per rank (a tmpfs too small for them kills every rank with SIGBUS or
+        SIGSEGV at its first collective, and every restart would do the same)."""
+        places = [(str(self.rd.path), "")]
+        tier = self._tier()
+        if tier:
+            places += [(str(node_dir(tier["dir"], h)), "") for h, _ in self.inputs.hosts if is_local(h)]
+        if self.inputs.accelerator == "cpu" and Path("/dev/shm").is_dir():
+            per_rank = DS_SHM_BYTES_PER_RANK >> 20
+            places.append(("/dev/shm", f": DeepSpeed's CPU collectives map {per_rank} MiB per rank there"))
+        for path, why in places:
+            if free_bytes(path) < NEARLY_FULL:
+                return path, why
+        return None
+
     def _step(self, attempt: int) -> int | None:
         found = [hb.get("step") for hb in self.rd.heartbeats() if hb.get("attempt") == attempt]
         steps = [s for s in found if isinstance(s, int)]
@@ -805,10 +823,3 @@ def unwatchable(beats: list[Heartbeat], world_size: int) -> bool:
     return len(beats) >= world_size and all(
         hb.get("hooked") and not hb.get("trainer") and not hb.get("loop") and hb.get("step") is None for hb in beats
     )
-
-
-def _nearly_full(path: Path) -> bool:
-    try:
-        return shutil.disk_usage(path).free < NEARLY_FULL
-    except OSError:
-        return False
