@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ftkit-installed
 PYTEST := DS_ACCELERATOR=cpu $(PY) -m pytest
 
-.PHONY: install test test-fast test-slow test-multinode test-slurm test-matrix demo bench lint format templates docs clean
+.PHONY: install test test-fast test-slow test-multinode test-slurm test-matrix demo bench gpu-check lint format templates docs clean
 
 # pip can sit on one package for minutes (building deepspeed): a ticker keeps the output moving.
 TICK = ( while sleep 20; do echo "    ... still installing ($$(date +%T))"; done ) & tick=$$!;
@@ -75,6 +75,14 @@ demo: install
 
 bench: install
 	$(PY) benchmarks/cli_speed.py
+
+# On a machine with one CUDA GPU (../shared/GPU.md): every ZeRO stage, offload, LoRA and FSDP2 planned, launched, killed
+# and resumed; predicted vs measured memory and step time appended to docs/accuracy.md. Without a GPU it says so and
+# exits 0. Uses .venv when it exists, else $(PYTHON) with ftkit and its dependencies installed (GPU machines often
+# have no network: bring the wheels). GPU_CHECK_ARGS=--rehearse runs the same flow on CPU ranks.
+GPU_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-check:
+	$(GPU_PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 # Style, then the import contracts (.importlinter: the house by stage, the rank side), then the types (mypy.ini).
 lint: install

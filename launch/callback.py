@@ -48,6 +48,19 @@ COMPUTE_EWMA = 0.2  # weight of the newest step in the per-rank compute-time ave
 _CALLBACK: type[FtkitCallbackType] | None = None
 
 
+def _device_memory() -> MetricsRecord:
+    """This rank's CUDA allocator peaks so far (bytes), or nothing off a GPU: ``mem_peak`` (max_memory_allocated)
+    and ``mem_reserved_peak`` (max_memory_reserved, with the caching allocator's slack)."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    return {
+        "mem_peak": int(torch.cuda.max_memory_allocated()),
+        "mem_reserved_peak": int(torch.cuda.max_memory_reserved()),
+    }
+
+
 def callback_class() -> type[FtkitCallbackType]:
     global _CALLBACK
     if _CALLBACK is not None:
@@ -155,6 +168,8 @@ def callback_class() -> type[FtkitCallbackType]:
                 }
             elif "eval_loss" in logs:
                 rec = {"step": state.global_step, "eval_loss": float(logs["eval_loss"])}
+            if rec is not None and "loss" in logs:
+                rec.update(_device_memory())  # on a GPU: what ftkit plan predicts, measured (make gpu-check)
             if rec is not None and self.ctx.rank == 0:
                 append_jsonl(self.ctx.rd.metrics, {**rec, "attempt": self.ctx.attempt, "time": time.time()})
             self.ctx.heartbeat("train", state.global_step)

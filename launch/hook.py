@@ -275,13 +275,14 @@ def record_failure(
     if _training["began"]:
         trainer = _training["trainer"]() if _training["trainer"] is not None else None
         step = int(trainer.state.global_step) if trainer is not None else -1
-    cls = exit_class or classify(type_names or [], summary, frames or [], before_first_step=step is None)
+    try:
+        own = [str(p) for p in hf.write_paths()]
+    except Exception:  # noqa: BLE001 - classify without them
+        own = []
+    cls = exit_class or classify(type_names or [], summary, frames or [], before_first_step=step is None, own=own)
     if cls is COMM:
         return False
-    try:
-        full = full_path(summary, None, hf.write_paths())
-    except Exception:  # noqa: BLE001 - the record below still says what happened
-        full = None
+    full = full_path(summary, None, own)
     if full is not None:  # a save filled the run directory or the local tier: exit 12 naming it, not restarted
         try:
             hf.context().record_error(NoSpace(f"no space left on {full}"), step=step, failure_class=NO_SPACE.name)

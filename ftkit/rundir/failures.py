@@ -113,6 +113,8 @@ _CONFIG_FRAMES = re.compile(
     r"accelerate/state\.py|peft/(config|tuners/.*/config)\.py"
 )
 _CONFIG_TYPES = ("ValidationError", "DeepSpeedConfigError", "ConfigError", "ZeRORuntimeException")
+# A checkpoint's own file (ftkit chose the checkpoint; one that vanished is chosen again, not the user's mistake)
+_OWN_FILE = re.compile(r"/checkpoint-\d+(/|'|$)|/\.?ftkit[-/]|ftkit_commit\.json")
 # Where an op is built: any error raised on the way (the GPU log's ``int('0a')`` in compute_capability_args)
 _OP_BUILD_FRAMES = re.compile(r"deepspeed/ops/op_builder/|torch/utils/cpp_extension\.py")
 _TRANSIENT_SIGNALS = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGBUS, signal.SIGSEGV)
@@ -153,10 +155,16 @@ def full_path(message: str, errno_: int | None, paths: Iterable[str | os.PathLik
 
 
 def classify(
-    type_names: Iterable[str], message: str, frames: Iterable[str] = (), before_first_step: bool = True
+    type_names: Iterable[str],
+    message: str,
+    frames: Iterable[str] = (),
+    before_first_step: bool = True,
+    own: Iterable[str] = (),
 ) -> FailureClass:
     """The class of an exception: ``type_names`` its class and base class names (``OSError``,
-    ``FileNotFoundError``...), ``message`` its text, ``frames`` the files of its traceback (innermost last)."""
+    ``FileNotFoundError``...), ``message`` its text, ``frames`` the files of its traceback (innermost last).
+    ``own``: where ftkit's own files are (the run directory, the local tier): a file missing there is not the
+    user's (a checkpoint gone from under a resume): restarted, and ftkit chooses again."""
     names = set(type_names)
     frames = list(frames)
     if _MESSAGES[0][1].search(message):
@@ -173,13 +181,17 @@ def classify(
     if names & {"SyntaxError", "IndentationError", "TabError"}:
         return SYNTAX
     if names & {"FileNotFoundError", "IsADirectoryError", "NotADirectoryError", "PermissionError"}:
+        if _OWN_FILE.search(message) or any(p and p in message for p in own):
+            return EXCEPTION
         return MISSING_FILE
     if names & set(_CONFIG_TYPES) or any(_CONFIG_FRAMES.search(f) for f in frames[-3:]):
         return CONFIG
     return EXCEPTION
 
 
-def classify_exit(code: int | None, log_line: str | None, frames: Iterable[str] = ()) -> FailureClass:
+def classify_exit(
+    code: int | None, log_line: str | None, frames: Iterable[str] = (), own: Iterable[str] = ()
+) -> FailureClass:
     """The class of a process that ended with ``code`` (negative: killed by that signal; 128+N as a shell reports
     it; DeepSpeed's launcher reports a SIGKILLed rank as 247 = -9 & 0xff) and left no record; ``log_line``: the last
     exception line of its log (:func:`exception_line`), when there is one."""
@@ -189,7 +201,7 @@ def classify_exit(code: int | None, log_line: str | None, frames: Iterable[str] 
             return KILLED
     if log_line:
         name, _, message = log_line.partition(":")
-        return classify([name.rsplit(".", 1)[-1]], message, frames)
+        return classify([name.rsplit(".", 1)[-1]], message, frames, own=own)
     return EXIT
 
 

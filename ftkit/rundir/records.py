@@ -268,6 +268,8 @@ class MetricsRecord(TypedDict, total=False):
     lr: float | None
     grad_norm: float | None
     tokens_seen: int | None
+    mem_peak: int  # on a GPU: rank 0's allocator peak so far (torch.cuda.max_memory_allocated), bytes
+    mem_reserved_peak: int  # and its reserved peak (max_memory_reserved)
     eval_loss: float
     event: str  # commit, or an agent's event (durable, peer_copy, ...)
     commit_s: float

@@ -12,6 +12,7 @@ without the records (the hook's records are read by the supervisor first).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,10 +61,12 @@ def _tail(path: Path) -> list[str]:
         return []
 
 
-def attempt_cause(rd: RunDir, attempt: int, exit_code: int | None) -> Cause:
+def attempt_cause(rd: RunDir, attempt: int, exit_code: int | None, own_dirs: Iterable[str] = ()) -> Cause:
     """The attempt's cause from its logs: the first rank (by rank) whose log ends in an exception that is not a peer's
-    echo, else an echo, else the engine log's own exception, else what the exit status says."""
+    echo, else an echo, else the engine log's own exception, else what the exit status says. ``own_dirs``: where
+    else ftkit keeps its files (the local tier's root)."""
     hosts = {r.get("rank"): r.get("host") for r in rd.records("pids", attempt)}
+    own = [str(rd.path), *own_dirs]
     found: list[Cause] = []
     logs = sorted(rd.log_dir(attempt).glob("rank-*.log"), key=lambda p: int(p.stem.split("-")[1]))
     for log in [*logs, *sorted(rd.log_dir(attempt).glob("launcher-node*.log"))]:
@@ -73,13 +76,13 @@ def attempt_cause(rd: RunDir, attempt: int, exit_code: int | None) -> Cause:
             continue
         rank = int(log.stem.split("-")[1]) if log.stem.startswith("rank-") else None
         host = hosts.get(rank) if rank is not None else None
-        found.append(Cause(classify_exit(None, line, log_frames(lines)), line, rank, host, str(log)))
+        found.append(Cause(classify_exit(None, line, log_frames(lines), own=own), line, rank, host, str(log)))
         if rank is None and found[0].rank is not None:
             break  # a rank's own cause outranks what its launcher printed about it
-    own = [c for c in found if c.cls is not COMM]
-    if own:
-        fixed = [c for c in own if not c.cls.restartable]
-        return fixed[0] if fixed else own[0]
+    theirs = [c for c in found if c.cls is not COMM]  # not a peer's echo
+    if theirs:
+        fixed = [c for c in theirs if not c.cls.restartable]
+        return fixed[0] if fixed else theirs[0]
     by_exit = classify_exit(exit_code, None)
     if by_exit is not EXIT:
         return Cause(by_exit)  # killed: the echoes in the other logs are its consequence

@@ -298,7 +298,7 @@ class Supervisor:
                     f"node {p.node_rank} ({p.host}) engine ended: {exit_meaning(c)}" + root_cause(p.log),
                     step=self._step(attempt),
                     exit_code=c,
-                    cause=attempt_cause(self.rd, attempt, c),
+                    cause=attempt_cause(self.rd, attempt, c, self._own_dirs()),
                 )
             if all(c == 0 for c in codes):
                 if self._stop_sent_at is not None and not self._final_committed(attempt):
@@ -602,6 +602,11 @@ class Supervisor:
                     self.events("discarded", f"deleted {path.name}: torn by the full disk, never committed")
                 except OSError:
                     pass
+
+    def _own_dirs(self) -> list[str]:
+        """Where ftkit keeps files besides the run directory: the local tier's root (before its ``{host}``)."""
+        tier = self._tier()
+        return [tier["dir"].split("{host}")[0].rstrip("/")] if tier and tier.get("dir") else []
 
     def _full_device(self) -> tuple[str, str] | None:
         """(a full place this machine's ranks write to, why it matters), checked when ranks die without a record:

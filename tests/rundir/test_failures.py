@@ -86,3 +86,17 @@ def test_exit_statuses_and_signatures():
     assert signature("RuntimeError: refused (pid 1234) at 10.0.0.1:8000") == signature(
         "RuntimeError: refused (pid 99) at 10.0.0.1:8000"
     )
+
+
+def test_a_missing_checkpoint_file_is_ftkit_s_own_and_restarted():
+    """A resume whose local checkpoint vanished (rotated away, a cleanup) must not be taken for the user's missing
+    file: a restart chooses the checkpoint again (seen in make gpu-check's rehearsal)."""
+    line = (
+        "FileNotFoundError: [Errno 2] No such file or directory: "
+        "'/dev/shm/ftkit-demo-5ac01894/localhost/checkpoint-8/trainer_state.json'"
+    )
+    assert classify_exit(1, line).name == "exception"
+    assert classify_exit(1, "FileNotFoundError: [Errno 2] No such file or directory: '/runs/x/events.jsonl'",
+                         own=["/runs/x"]).name == "exception"  # fmt: skip
+    assert classify_exit(1, "FileNotFoundError: [Errno 2] No such file or directory: '/data/train.jsonl'",
+                         own=["/runs/x"]).name == "missing_file"  # fmt: skip
