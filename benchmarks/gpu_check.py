@@ -216,33 +216,30 @@ def table(results: list[Result], machine: dict[str, str]) -> str:
     def f(v: float | int | None, fmt: str = ".2f") -> str:
         return "-" if v is None else format(v, fmt)
 
+    v = {k: machine.get(k, "?") for k in ("torch", "deepspeed", "transformers", "accelerate", "peft", "ftkit")}
+    m = {k: machine.get(k, "?") for k in ("date", "gpu", "commit", "model", "workload")}
     lines = [
-        f"## make gpu-check, {machine.get('date', '?')}: {machine.get('gpu', '?')}",
+        f"## make gpu-check, {m['date']}: {m['gpu']}",
         "",
-        "torch {torch}, deepspeed {deepspeed}, transformers {transformers}, accelerate {accelerate}, peft {peft}, "
-        "ftkit {ftkit} ({commit}); a {model}, world size 1, bf16, micro batch 8 x 1024 tokens; the rank SIGKILLed "
-        "after step {kill} and resumed.".format(
-            kill=KILL_AT,
-            **{
-                k: machine.get(k, "?")
-                for k in ("torch", "deepspeed", "transformers", "accelerate", "peft", "ftkit", "commit", "model")
-            },
-        ),  # fmt: skip
+        ", ".join(f"{k} {ver}" for k, ver in v.items())
+        + f" ({m['commit']}); a {m['model']}, world size 1, {m['workload']}; the rank SIGKILLed after step {KILL_AT}"
+        " and resumed.",
         "",
         "| case | exit | device GiB pred / meas (err) | allocator GiB pred / meas | reserved GiB | step s pred / meas "
         "(err) | resume tier | recomputed step: loss diff | ok |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        p, m = r.predicted, r.measured
+        p, meas = r.predicted, r.measured
         rec = r.recomputed
         lines.append(
-            f"| {r.case} | {f(r.exit_code, 'd')} | {f(p.get('device_gib'))} / {f(m.get('device_gib'))} "
-            f"({error_pct(p.get('device_gib'), m.get('device_gib'))}) | {f(p.get('allocator_gib'))} / "
-            f"{f(m.get('allocator_gib'))} | {f(m.get('reserved_gib'))} | {f(p.get('step_s'), '.3f')} / "
-            f"{f(m.get('step_s'), '.3f')} ({error_pct(p.get('step_s'), m.get('step_s'))}) | {r.resume_tier or '-'} | "
+            f"| {r.case} | {f(r.exit_code, 'd')} | {f(p.get('device_gib'))} / {f(meas.get('device_gib'))} "
+            f"({error_pct(p.get('device_gib'), meas.get('device_gib'))}) | {f(p.get('allocator_gib'))} / "
+            f"{f(meas.get('allocator_gib'))} | {f(meas.get('reserved_gib'))} | {f(p.get('step_s'), '.3f')} / "
+            f"{f(meas.get('step_s'), '.3f')} ({error_pct(p.get('step_s'), meas.get('step_s'))}) | "
+            f"{r.resume_tier or '-'} | "
             f"{f(rec.get('step'), 'd')}: {f(rec.get('loss_diff'), '.2g')} | {'yes' if r.ok else 'NO'}"
-            + (f": {r.note}" if r.note else "")
+            + (f": {' '.join(r.note.split())}" if r.note else "")
             + " |"
         )
     return "\n".join(lines) + "\n"
@@ -419,10 +416,13 @@ def hidden_toolkit_wrap() -> list[str] | None:
     namespace), or None when this machine cannot (no unshare, not root)."""
     if shutil.which("unshare") is None or os.geteuid() != 0:
         return None
-    dirs = {str(p) for p in Path("/usr/local").glob("cuda*") if p.is_dir()}
+    dirs = {str(p.resolve()) for p in Path("/usr/local").glob("cuda*") if p.is_dir()}  # a link cannot be a mount point
     nvcc = shutil.which("nvcc")
     if nvcc:
         dirs.add(str(Path(nvcc).resolve().parent.parent))
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var) and Path(os.environ[var]).is_dir():
+            dirs.add(str(Path(os.environ[var]).resolve()))
     mounts = " && ".join(f"mount -t tmpfs tmpfs {d}" for d in sorted(dirs)) or "true"
     return ["unshare", "-m", "--propagation", "private", "sh", "-c", f'{mounts} && exec "$@"', "hide-cuda"]
 
@@ -486,6 +486,7 @@ def machine_facts(gpu: str, rehearse: bool) -> dict[str, str]:
         gpu=gpu,
         commit=commit.stdout.strip() or "?",
         model="tiny Llama (rehearsal on CPU)" if rehearse else "0.27B Llama (random weights)",
+        workload="fp32, micro batch 2 x 64 tokens" if rehearse else "bf16, micro batch 8 x 1024 tokens",
     )
     return facts
 
