@@ -28,6 +28,21 @@ SHORT = {
 }
 
 
+def table(head: list[str], rows: list[tuple[list[str], str]]) -> list[str]:
+    """The candidates' table: the label left-aligned, every number right-aligned in a column as wide as its widest
+    cell, columns two spaces apart whatever the numbers (a tokens/s cell wider than its heading once ran into the
+    s/step cell), the verdict last."""
+    widths = [max(len(head[i]), *(len(cells[i]) for cells, _ in rows)) for i in range(len(head))]
+
+    def line(cells: list[str], verdict: str) -> str:
+        first = cells[0].ljust(widths[0])
+        return "  ".join([first, *(c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True)), verdict])
+
+    out = [line(head, "verdict")]
+    out.append("-" * len(out[0]))
+    return out + [line(cells, verdict) for cells, verdict in rows]
+
+
 @click.command(
     "plan",
     epilog="""\b
@@ -82,32 +97,24 @@ def command(recipe: str, overrides: tuple[str, ...], as_json: bool) -> None:
     chooser = plan.backend_report or plan.memory  # train.backend auto: the choice across both backends
     sel = chooser.selected if chooser is not None else None
     keys = list(dict.fromkeys(k for e in rep.choice.estimates for k in e.components))
-    columns = [(k, SHORT.get(k, k[:8])) for k in keys]
-    width = max(56, *(len(e.candidate.label) + 1 for e in rep.choice.estimates))
-    head = (
-        f"{'candidate':<{width}}"
-        + "".join(f"{short:>9}" for _, short in columns)
-        + f"{'GiB/GPU':>9}{'host':>8}{'intra/step':>11}{'inter/step':>11}{'s/step':>9}{'tokens/s':>10}  verdict"
-    )
-    click.echo("\n" + head)
-    click.echo("-" * len(head))
+    head = ["candidate", *(SHORT.get(k, k[:8]) for k in keys), "GiB/GPU", "host"]
+    head += ["intra/step", "inter/step", "s/step", "tokens/s"]
+    rows = []
     for e in rep.choice.estimates:
-        row = f"{e.candidate.label:<{width}}" + "".join(
-            f"{e.components.get(key, 0) / 2**30:>9.2f}" for key, _ in columns
-        )
+        cells = [e.candidate.label, *(f"{e.components.get(key, 0) / 2**30:.2f}" for key in keys)]
+        cells += [f"{e.total_gb:.2f}", f"{e.host_ram_gb_per_node:.1f}"]
         p = rep.predictions.get(e.candidate.label)
         if p is not None:
             t = p.traffic
-            speed = (
-                f"{fmt_bytes(t.by_scope('intra')):>11}{fmt_bytes(t.by_scope('inter')):>11}"
-                f"{p.step_time_s:>9.3g}{p.tokens_per_s:>10,.0f}"
-            )
+            cells += [fmt_bytes(t.by_scope("intra")), fmt_bytes(t.by_scope("inter"))]
+            cells += [f"{p.step_time_s:.3g}", f"{p.tokens_per_s:,.0f}"]
         else:
-            speed = f"{'':>41}"
+            cells += ["", "", "", ""]
         mark = "fits" if e.fits else "no"
         why = e.reason.removeprefix("fits: ") if e.fits else e.reason
         this = "  <- this run" if sel is not None and e.candidate == sel.candidate else ""
-        click.echo(row + f"{e.total_gb:>9.2f}{e.host_ram_gb_per_node:>8.1f}{speed}  {mark}: {why}{this}")
+        rows.append((cells, f"{mark}: {why}{this}"))
+    click.echo("\n" + "\n".join(table(head, rows)))
     a = next(iter(rep.predictions.values())).assumptions if rep.predictions else None
     if a is not None:
         click.echo(

@@ -479,6 +479,19 @@ def choose(
     return Choice(chosen, tuple(out))
 
 
+def largest_fitting_micro_batch(w: Workload, fits: Callable[[Workload], bool]) -> int:
+    """The largest micro batch below ``w.micro_batch_size`` for which ``fits`` holds, 0 if not even 1 does. Memory
+    grows with the micro batch, so a bisection finds it in log2(micro batch) tries (trying every smaller one took
+    minutes for ``train.micro_batch_size=1000000``)."""
+    if w.micro_batch_size <= 1 or not fits(replace(w, micro_batch_size=1)):
+        return 0
+    lo, hi = 1, w.micro_batch_size  # lo fits; hi is not known to
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(replace(w, micro_batch_size=mid)) else (lo, mid)
+    return lo
+
+
 def suggestions(
     w: Workload,
     gpu_memory_gb: float,
@@ -504,14 +517,14 @@ def suggestions(
         e = best(replace(w, gradient_checkpointing=True))
         if e:
             out.append(f"enable gradient checkpointing (model.gradient_checkpointing: true): {e.summary()}")
-    for mb in range(w.micro_batch_size - 1, 0, -1):
+    mb = largest_fitting_micro_batch(w, lambda v: best(v) is not None)
+    if mb:
         e = best(replace(w, micro_batch_size=mb))
-        if e:
-            out.append(
-                f"lower train.micro_batch_size to {mb} (raise gradient accumulation to keep the global "
-                f"batch): {e.summary()}"
-            )
-            break
+        assert e is not None  # largest_fitting_micro_batch saw it fit
+        out.append(
+            f"lower train.micro_batch_size to {mb} (raise gradient accumulation to keep the global batch): "
+            f"{e.summary()}"
+        )
     for nodes in range(w.num_nodes + 1, max_nodes + 1):
         v = replace(w, world_size=nodes * w.gpus_per_node)
         e = best(v)
