@@ -20,14 +20,9 @@ import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
+from ftkit.recipe.load import Recipe
 from ftkit.rundir.layout import RunDir, read_metrics
 from ftkit.rundir.spec import LocalTierSpec
-
-if TYPE_CHECKING:
-    from ftkit.plan.plan import Plan
-    from ftkit.recipe.load import Recipe
 
 GiB = 1 << 30
 DEFAULT_ROOT = "/dev/shm"  # a RAM disk on every Linux node: the fastest local tier there is
@@ -152,7 +147,7 @@ def plan_local_tier(
     return LocalTier(directory, steps, int(c.local_keep), int(c.peer_copies), size, f"{where}; {cadence}"), ""
 
 
-def measured_costs(run_dir: Path) -> tuple[float | None, float | None]:
+def measured_costs(run_dir: str | Path) -> tuple[float | None, float | None]:
     """(median seconds the ranks blocked per local save, median seconds per optimizer step) from earlier attempts'
     metrics.jsonl; None where nothing was measured."""
     try:
@@ -169,11 +164,10 @@ def measured_costs(run_dir: Path) -> tuple[float | None, float | None]:
     return (statistics.median(saves) if saves else None), (statistics.median(gaps) if gaps else None)
 
 
-def local_tier_line(plan: Plan) -> str:
+def local_tier_line(t: LocalTier | None, off: str) -> str:
     """``ftkit plan``'s line for the local tier: where, how often, the host memory per node, or why it is off."""
-    t = plan.local_tier
     if t is None:
-        return f"local checkpoint tier: off ({plan.local_tier_off})"
+        return f"local checkpoint tier: off ({off})"
     held = f"{t.keep} kept + 1 being copied" + (" + the previous node's part" if t.peer_copies else "")
     return (
         f"local checkpoint tier: {t.dir}, a save every {t.steps} step(s), copies to the run directory every "
