@@ -34,11 +34,14 @@ from ftkit.plan import speed  # noqa: E402
 
 def _h200() -> None:
     import pytest
+
     from tests.plan import test_accuracy as acc
 
     tmp = Path(tempfile.mkdtemp())
     mp = pytest.MonkeyPatch()
-    recipe = acc.h200.__wrapped__(tmp, mp) if hasattr(acc.h200, "__wrapped__") else acc.h200._get_wrapped_function()(tmp, mp)
+    recipe = (
+        acc.h200.__wrapped__(tmp, mp) if hasattr(acc.h200, "__wrapped__") else acc.h200._get_wrapped_function()(tmp, mp)
+    )
     base = speed.CLASSES["h200"]
 
     def step(case: str, **coef: float) -> float:
@@ -68,10 +71,14 @@ def _h200() -> None:
     params = acc.MEASURED["model"]["total_params"]
     rate = params / max(1e-9, measured["zero2-offload-optimizer-cpu"] - without)
     print("fitted (us per item per micro-step; CPU Adam parameters per second):")
-    print(f"  grad_hook_us={g:.0f} fsdp_unit_us={u:.0f} z3_grad_hook_us={g3:.0f} z3_fetch_us={f:.0f} "
-          f"cpu_adam_params_per_s={rate:.3g}")
-    print(f"  (fixed: launch_us={base.launch_us:g}, step_fixed_s={base.step_fixed_s:g}, z3_module_us={base.z3_module_us:g};"
-          f" the offload case also pays {acc_case['measured']['step_s']:.3f} s measured)")
+    print(
+        f"  grad_hook_us={g:.0f} fsdp_unit_us={u:.0f} z3_grad_hook_us={g3:.0f} z3_fetch_us={f:.0f} "
+        f"cpu_adam_params_per_s={rate:.3g}"
+    )
+    print(
+        f"  (fixed: launch_us={base.launch_us:g}, step_fixed_s={base.step_fixed_s:g}, "
+        f"z3_module_us={base.z3_module_us:g}; the offload case measured {acc_case['measured']['step_s']:.3f} s)"
+    )
     print("\ndefaults in ftkit/plan/speed.py against the measurements:")
     for c in acc.CASES:
         p = step(c)
@@ -84,14 +91,18 @@ def _cpu(runs: list[str]) -> None:
 
     points = calibration_points(runs, "cpu")
     for p in points:
-        print(f"{p.run}: measured {p.measured_s:.3f} s/step; model gpu {p.gpu_s:.3f} host {p.host_s:.3f} other "
-              f"{p.other_s:.3f} -> {p.predicted(1, 1):.3f} s ({(p.predicted(1, 1) - p.measured_s) / p.measured_s:+.0%})")
+        print(
+            f"{p.run}: measured {p.measured_s:.3f} s/step; model gpu {p.gpu_s:.3f} host {p.host_s:.3f} other "
+            f"{p.other_s:.3f} -> {p.predicted(1, 1):.3f} s ({(p.predicted(1, 1) - p.measured_s) / p.measured_s:+.0%})"
+        )
     missing = [r for r in runs if r not in {p.run for p in points}]
     for r in missing:
         print(f"{r}: no measurement ({measured_step(r)})")
     cal = speed.fit("cpu", points, "cpu runs")
-    print(f"least-squares scales of the CPU defaults: GPU x{cal.gpu_scale:.3f}, host x{cal.host_scale:.3f}; "
-          f"leave-one-out error {cal.error:.0%}")
+    print(
+        f"least-squares scales of the CPU defaults: GPU x{cal.gpu_scale:.3f}, host x{cal.host_scale:.3f}; "
+        f"leave-one-out error {cal.error:.0%}"
+    )
     print(json.dumps([p.as_json() for p in points], indent=1))
 
 

@@ -50,7 +50,10 @@ MARK = "FTKIT_TRACE "
 VERSION = 1  # of what is counted: part of the cache key (ftkit.plan.profile)
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _MATMUL = {"mm", "addmm", "bmm", "baddbmm"}
-_ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu": 1.0, "_scaled_dot_product_flash_attention_for_cpu_backward": 2.5}
+_ATTENTION = {
+    "_scaled_dot_product_flash_attention_for_cpu": 1.0,
+    "_scaled_dot_product_flash_attention_for_cpu_backward": 2.5,
+}
 
 
 def _emit(obj: JSONObject) -> None:
@@ -218,9 +221,10 @@ def build(request: JSONObject, depth: int) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     raw = dict(cast(JSONObject, request["config"]))
-    cfg = AutoConfig.for_model(**raw) if "model_type" in raw else None
-    if cfg is None:
+    if not isinstance(raw.get("model_type"), str):
         raise ValueError("config.json has no model_type")
+    model_type = str(raw.pop("model_type"))
+    cfg = AutoConfig.for_model(model_type, **raw)
     for key in ("num_hidden_layers", "n_layer", "num_layers"):
         if hasattr(cfg, key) and isinstance(getattr(cfg, key), int):
             setattr(cfg, key, depth)
@@ -384,7 +388,11 @@ def _zero3_linear(on: bool) -> Iterator[None]:
         def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
             x, w, bias = ctx.saved_tensors
             gx = grad.matmul(w) if ctx.needs_input_grad[0] else None
-            gw = grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+            gw = (
+                grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+                if ctx.needs_input_grad[1]
+                else None
+            )
             gb = grad.reshape(-1, grad.shape[-1]).sum(0) if bias is not None and ctx.needs_input_grad[2] else None
             return gx, gw, gb
 

@@ -227,7 +227,7 @@ def with_zeropp(estimates: list[Estimate], w: Workload) -> list[Estimate]:
         extra = zeropp_memory_bytes(e.candidate, w)
         if extra:  # resident for the whole step: every phase and the allocator's reserve grow with it
             comp = dict(e.components)
-            tail = {k: comp.pop(k) for k in ("reserved", "context") if k in comp}
+            tail: dict[str, int] = {k: comp.pop(k) for k in ("reserved", "context") if k in comp}
             comp["hpz_secondary"] = extra
             if tail.get("reserved"):
                 tail["reserved"] += int(extra * (RESERVED_FACTOR - 1))

@@ -43,8 +43,8 @@ the tail and root again in backward; it reduce-scatters each unit's trainable gr
 Time: a collective of logger size M on n ranks moves M·f bus bytes, f = 2(n−1)/n for all-reduce, (n−1)/n for
 reduce-scatter (input size) and (n−1) for all-gather (M is one rank's input; NCCL's busbw convention), at the bus
 bandwidth of the slowest link it crosses (a group spanning nodes is limited by min(intra per GPU, inter per node):
-NCCL runs one ring per NIC), plus a latency per ring step. Compute and host overheads are :mod:`ftkit.plan.speed`'s. Exposed communication
-is what does not fit under the compute it can overlap with (see :func:`predict`).
+NCCL runs one ring per NIC), plus a latency per ring step. Compute and host overheads are :mod:`ftkit.plan.speed`'s.
+Exposed communication is what does not fit under the compute it can overlap with (see :func:`predict`).
 
 Everything here is arithmetic on the standard library (import-light controller).
 """
@@ -57,13 +57,11 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TypedDict
+from typing import TypedDict
 
 from ftkit.plan.memory import PRECISION_BYTES, Candidate, Fsdp2, Workload
 from ftkit.plan.speed import Calibration, Engine, Parts, gpu_class, step_parts
-
-if TYPE_CHECKING:
-    from ftkit.recipe.sections import ClusterSection
+from ftkit.recipe.sections import ClusterSection
 
 # ------------------------------------------------------------------------------------------------ hardware tables
 

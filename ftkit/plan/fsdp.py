@@ -8,7 +8,6 @@ from collections.abc import Callable
 
 from ftkit.model.shape import decoder_layer_class
 from ftkit.plan.memory import fsdp2_candidate
-
 from ftkit.plan.types import Plan
 from ftkit.recipe.load import Recipe
 

@@ -11,6 +11,7 @@ the plan from the record without I/O.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from ftkit.cluster.hostfile import apply_filters, parse_hostfile
 from ftkit.cluster.slurm import allocation_hosts, in_allocation, job_port
@@ -176,6 +177,7 @@ def gather(
         profile=prof,
         profile_zero3=prof3,
         calibration=cal,
+        run_dir=str(Path(recipe.train.output_dir).resolve()),
         measured_save_s=save_s,
         measured_step_s=step_s,
         slurm_hosts=recipe.cluster.engine == "slurm",

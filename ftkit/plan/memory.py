@@ -429,15 +429,18 @@ def estimate(c: Candidate, w: Workload) -> Estimate:
     else:
         grads_end = grads_start = k * part_phi if opt_on_gpu else 0
 
-    # stage 3 (and FSDP2): the largest layer gathered whole (params + grads), plus the prefetched parameters
-    if c.stage == 3:
+    # stage 3 (and FSDP2 resharding after forward): the largest layer gathered whole (params + grads), plus the
+    # prefetched parameters; FSDP2 without resharding keeps every unit's 16-bit parameters from forward to backward
+    if fsdp and c.stage == 2:
+        largest, prefetch = k * psi, 0
+    elif c.stage == 3:
         largest = 2 * k * L
         live_budget = max(0, w.stage3_max_live_parameters - L)
         prefetch = k * min(w.prefetch_bucket(), live_budget, max(0, psi - L))
     else:
         largest = prefetch = 0
     # stage 1/2 double-buffer the gradient reduction bucket with overlap_comm; stage 3 keeps one (stage3.py)
-    buckets = k * w.reduce_bucket() * (2 if c.stage in (1, 2) and w.overlap(c.stage) else 1)
+    buckets = 0 if fsdp else k * w.reduce_bucket() * (2 if c.stage in (1, 2) and w.overlap(c.stage) else 1)
     allowance = FSDP2_ALLOWANCE_PER_PARAM * part_phi if fsdp and w.accelerator != "cpu" else 0
 
     prof = w.profile_for(c)

@@ -15,7 +15,6 @@ first and builds the plan once, for that backend.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 from ftkit.cluster.hosts import LOCAL_HOSTS
 from ftkit.errors import Problem, RecipeError
@@ -59,7 +58,12 @@ def build_plan(
     """Gather the recipe's inputs (:func:`ftkit.plan.inputs.gather`), add the step-time calibration from the run
     directory's own earlier attempts, and build the plan (:func:`plan_from`)."""
     inputs = gather(
-        recipe, include=include, exclude=exclude, hosts=hosts, devices=devices, with_memory=with_memory,
+        recipe,
+        include=include,
+        exclude=exclude,
+        hosts=hosts,
+        devices=devices,
+        with_memory=with_memory,
         calibrate=calibrate,
     )
     if calibrate and with_memory and inputs.shape is not None:
@@ -74,7 +78,7 @@ def merged(cal: Calibration | None, points: list[CalPoint], gpu: str) -> Calibra
     runs = {p.run for p in points}
     kept = [p for p in (cal.points if cal is not None else ()) if p.run not in runs]
     every = [*kept, *points]
-    source = ", ".join(dict.fromkeys(Path(p.run).name or p.run for p in every))
+    source = ", ".join(dict.fromkeys(p.run for p in every))
     return fit(gpu, every, source)
 
 
@@ -319,6 +323,7 @@ def _resolve_local_tier(plan: Plan) -> None:
         step_time_s=step_s,
         measured_save_s=save_s,
         measured_step_s=measured_step,
+        run_dir=plan.inputs.run_dir if plan.inputs is not None and plan.inputs.run_dir else None,
     )
     plan.local_tier, plan.local_tier_off = tier, why
     if tier is not None:

@@ -44,15 +44,17 @@ class GpuClass:
     attn_eff: float = 0.45  # flash attention's fraction of peak (forward and backward)
     mem_eff: float = 0.75  # fraction of HBM bandwidth element-wise kernels reach
     launch_us: float = 12.0  # host time per kernel launched (dispatcher, Python of the modules)
-    grad_hook_us: float = 630.0  # DeepSpeed ZeRO-1/2: per trainable tensor per micro-step (hook, bucket, step)
-    z3_grad_hook_us: float = 1390.0  # DeepSpeed ZeRO-3: per trainable tensor per micro-step
+    grad_hook_us: float = 680.0  # DeepSpeed ZeRO-1/2: per trainable tensor per micro-step (hook, bucket, step)
+    z3_grad_hook_us: float = 1430.0  # DeepSpeed ZeRO-3: per trainable tensor per micro-step
     z3_fetch_us: float = 560.0  # DeepSpeed ZeRO-3: per module owning parameters per micro-step (fetch, release)
     z3_module_us: float = 20.0  # DeepSpeed ZeRO-3: per module per micro-step (its pre/post hooks)
-    fsdp_unit_us: float = 1200.0  # FSDP2: per unit per micro-step (all-gather, reduce-scatter and their hooks)
+    fsdp_unit_us: float = 1630.0  # FSDP2: per unit per micro-step (all-gather, reduce-scatter and their hooks)
     step_fixed_s: float = 0.040  # per optimizer step: HF Trainer, callbacks, the engine's step, the gradient norm
     pcie_gbs: float = 20.0  # host <-> device copies of offload (PCIe 4 x16, effective)
     cpu_adam_params_per_s: float = 2.9e9  # DeepSpeed's CPU Adam on the node's cores (per rank's share)
-    torch_adam_params_per_s: float = 0.6e9  # torch's AdamW on the CPU (no DeepSpeed CPU Adam build)
+    # torch's AdamW on the CPU (zero.cpu_adam false: no CPU Adam build): its per-parameter loop ran 6.5x slower than
+    # CPU Adam on the same cores (benchmarks/cpu_adam.py: 26.7 against 172.6 M parameters/s on 2 threads)
+    torch_adam_params_per_s: float = 2.9e9 / 6.5
     doc: str = ""
 
 
@@ -86,8 +88,8 @@ CLASSES: dict[str, GpuClass] = {
             fsdp_unit_us=2500.0,
             step_fixed_s=0.030,
             pcie_gbs=10.0,
-            cpu_adam_params_per_s=0.15e9,
-            torch_adam_params_per_s=0.05e9,
+            cpu_adam_params_per_s=0.17e9,  # benchmarks/cpu_adam.py here, 2 threads
+            torch_adam_params_per_s=0.027e9,
             doc="a CPU rank (gloo)",
         ),
     )

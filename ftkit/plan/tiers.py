@@ -20,6 +20,7 @@ import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+
 from ftkit.recipe.load import Recipe
 from ftkit.rundir.layout import RunDir, read_metrics
 from ftkit.rundir.spec import LocalTierSpec
@@ -64,9 +65,11 @@ def shm_bytes(tier: LocalTier | None) -> int:
     return int(tier.bytes_per_node * (tier.keep + 1 + tier.peer_copies))
 
 
-def default_dir(run_dir: str, name: str) -> str:
-    """``/dev/shm/ftkit-<name>-<hash of the run directory>/{host}``: one directory per run, then per node."""
-    digest = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:8]
+def default_dir(run_dir: str, name: str, resolved: bool = False) -> str:
+    """``/dev/shm/ftkit-<name>-<hash of the run directory>/{host}``: one directory per run, then per node
+    (``resolved``: ``run_dir`` is already its resolved absolute path, as :func:`ftkit.plan.inputs.gather` gives it)."""
+    path = run_dir if resolved else str(Path(run_dir).resolve())
+    digest = hashlib.sha1(path.encode()).hexdigest()[:8]
     return f"{DEFAULT_ROOT}/ftkit-{name}-{digest}/{{host}}"
 
 
@@ -109,6 +112,7 @@ def plan_local_tier(
     step_time_s: float | None,
     measured_save_s: float | None = None,
     measured_step_s: float | None = None,
+    run_dir: str | None = None,
 ) -> tuple[LocalTier | None, str]:
     """The local tier for this run, or None and why it is off (one line)."""
     c = recipe.checkpoint
@@ -130,7 +134,7 @@ def plan_local_tier(
                 f"auto: the tier needs {need_gb:.1f} GiB of host memory per node, {room:.1f} GiB is left "
                 "(cluster.host_memory_gb less 10% and the plan's offload): off; set checkpoint.local_dir to local NVMe"
             )
-        directory = default_dir(recipe.train.output_dir, recipe.name)
+        directory = default_dir(run_dir or recipe.train.output_dir, recipe.name, resolved=run_dir is not None)
         where = f"auto: {need_gb:.2f} GiB per node fits in host memory"
     else:
         directory = str(c.local_dir)

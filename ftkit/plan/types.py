@@ -48,6 +48,7 @@ class PlanInputs:
     profile: Profile | None = None  # activations and work per micro-step (ftkit.plan.profile)
     profile_zero3: Profile | None = None  # LoRA under DeepSpeed ZeRO-3
     calibration: Calibration | None = None  # step-time calibration of this GPU class (ftkit.plan.calibrate)
+    run_dir: str = ""  # train.output_dir, resolved (the local tier's default directory hashes it)
     measured_save_s: float | None = None  # earlier attempts of this run directory (the local tier's cadence)
     measured_step_s: float | None = None
     slurm_hosts: bool = False  # the hosts are a Slurm allocation's
@@ -126,7 +127,6 @@ class Plan:
     def note(self, knob: str, value: _V, why: str) -> _V:
         self.knobs[knob] = Knob(value, why)
         return value
-
 
 
 @dataclass
@@ -210,5 +210,3 @@ class MemoryReport:
             "speed_reason": self.speed_reason,
             "suggestions": self.suggestions,
         }
-
-

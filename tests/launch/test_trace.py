@@ -20,14 +20,40 @@ from ftkit.plan import profile
 pytestmark = pytest.mark.heavy
 
 TINY = {
-    "llama": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "vocab_size": 512},
-    "qwen2": {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "vocab_size": 512},
-    "mistral": {"model_type": "mistral", "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
-                "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512},
-    "gemma": {"model_type": "gemma", "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
-              "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 512},
+    "llama": {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 512,
+    },
+    "qwen2": {
+        "model_type": "qwen2",
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 512,
+    },
+    "mistral": {
+        "model_type": "mistral",
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 512,
+    },
+    "gemma": {
+        "model_type": "gemma",
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "vocab_size": 512,
+    },
     # no attention dropout: on CPU, SDPA with dropout takes the math kernel (s x s scores) where a GPU's flash kernel
     # drops out itself; the tracer counts the GPU's way, the direct measurement runs on CPU
     "gpt2": {"model_type": "gpt2", "n_embd": 64, "n_head": 4, "vocab_size": 512, "n_positions": 512, "attn_pdrop": 0.0},

@@ -106,12 +106,12 @@ def test_the_plan_says_its_activations_were_traced(h200: Path) -> None:
     assert data["activations"].startswith("activations traced: cached"), data["activations"]
 
 
-def _measured_run(root: Path, recipe: Path, overrides: list[str], step_s: float, steps: int = 12) -> Path:
+def _measured_run(
+    root: Path, recipe: Path, overrides: list[str], step_s: float, steps: int = 12, name: str = "measured-run"
+) -> Path:
     """A run directory recording the H200 run of one case: its spec (the resolved recipe, the hosts) and rank 0's
     metrics, one logged step every ``step_s`` seconds."""
-    from ftkit.recipe.load import load_recipe
-
-    run = root / "measured-run"
+    run = root / name
     (run / "ftkit").mkdir(parents=True)
     r = load_recipe(str(recipe), overrides)
     (run / "ftkit" / "spec.json").write_text(json.dumps({"recipe": r.to_dict(), "hosts": [["localhost", 1]]}))
@@ -150,3 +150,15 @@ def test_uncalibrated_step_times_are_within_2x_and_say_so(h200: Path) -> None:
         assert sel["assumptions"]["calibration"] == "uncalibrated" and data["calibration"] is None
     out = CliRunner().invoke(cli, ["plan", str(h200), "zero.stage=2"], catch_exceptions=False).output
     assert "step times uncalibrated" in out
+
+
+def test_a_run_directory_calibrates_the_next_plan_of_its_recipe(h200: Path, tmp_path: Path) -> None:
+    """No --calibrate: the recipe's own run directory measured earlier attempts (ZeRO-2's step time), and the next plan
+    of the recipe (here for ZeRO-3) is calibrated by them."""
+    z2, z3 = CASES["zero2"], CASES["zero3"]
+    _measured_run(tmp_path, h200, _overrides(z2), z2["measured"]["step_s"], name="run")  # train.output_dir: ./run
+    data = plan_json(h200, *_overrides(z3))
+    assert [p["run"] for p in data["calibration"]["points"]] == [str(tmp_path / "run")]
+    assert abs(data["selected"]["step_time_s"] - z3["measured"]["step_s"]) <= 0.25 * z3["measured"]["step_s"]
+    out = CliRunner().invoke(cli, ["plan", str(h200), *_overrides(z3)], catch_exceptions=False).output
+    assert "step times calibrated on 1 measured run" in out and "expected error ±25%" in out

@@ -16,7 +16,7 @@ from ftkit.plan.profile import POINTS, Profile, Request, closed_form, fit, from_
 DATA = Path(__file__).parent / "data"
 TRACES = json.loads((DATA / "trace-llama-0.27b.json").read_text())
 CFG = TRACES["config"]
-H, I, V, HEADS = CFG["hidden_size"], CFG["intermediate_size"], CFG["vocab_size"], CFG["num_attention_heads"]
+H, INTER, V, HEADS = CFG["hidden_size"], CFG["intermediate_size"], CFG["vocab_size"], CFG["num_attention_heads"]
 SHAPE = count_params(CFG)
 assert SHAPE is not None
 
@@ -32,11 +32,13 @@ def test_a_traced_llama_layer_saves_24h_plus_8i_bytes_per_token_and_the_loss_pea
     (2h each), the MLP's input (2h), SwiGLU's four I-sized tensors (8I), plus the log-sum-exp (4 bytes per head) and the
     norms' fp32 rsqrt; the loss keeps its fp32 log-softmax (4V) and peaks 8V higher in backward."""
     p = from_trace(TRACES["full"]["answer"], SHAPE.num_layers, "recorded")
-    assert p.saved.per_layer == pytest.approx((0, 0, 24 * H + 8 * I + 4 * HEADS + 8, 0, 0), abs=1e-6)
+    assert p.saved.per_layer == pytest.approx((0, 0, 24 * H + 8 * INTER + 4 * HEADS + 8, 0, 0), abs=1e-6)
     s, b = 1024, 8
     extra = p.peak_bytes(s, b) - p.activation_bytes(s, b)
     assert extra == pytest.approx(8 * s * b * V, rel=0.01)
-    assert p.saved.outside[2] == pytest.approx(4 * V + 8 * H, rel=1e-3)  # log-softmax, final norm, LM head input, labels
+    assert p.saved.outside[2] == pytest.approx(
+        4 * V + 8 * H, rel=1e-3
+    )  # log-softmax, final norm, LM head input, labels
     assert p.hooks.trainable_tensors == len(SHAPE.tensors) == p.hooks.modules_with_params
 
 
@@ -87,7 +89,9 @@ def test_a_model_is_traced_once_then_read_from_the_cache(cache: Path, monkeypatc
     assert len(calls) == 2
 
 
-def test_a_failed_trace_falls_back_to_the_closed_form_and_says_why(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_trace_falls_back_to_the_closed_form_and_says_why(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(profile, "run_tracer", lambda req, timeout=0: {"ok": False, "error": "RuntimeError: no meta"})
     got = load_profile(Request(CFG, "bf16", False, None), SHAPE, _closed())
     assert got.default.source == "closed form"
@@ -105,5 +109,42 @@ def test_the_cache_key_holds_the_libraries_versions() -> None:
     req = Request(CFG, "bf16", False, None)
     a = profile.cache_key(req, {"torch": "2.13.0", "transformers": "5.24.0", "peft": "0.21.2"})
     b = profile.cache_key(req, {"torch": "2.13.0", "transformers": "5.25.0", "peft": "0.21.2"})
-    c = profile.cache_key(Request(CFG, "fp32", False, None), {"torch": "2.13.0", "transformers": "5.24.0", "peft": "0.21.2"})
+    c = profile.cache_key(
+        Request(CFG, "fp32", False, None), {"torch": "2.13.0", "transformers": "5.24.0", "peft": "0.21.2"}
+    )
     assert len({a, b, c}) == 3
+
+
+def test_a_plan_is_built_from_its_inputs_without_io(write_recipe, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Everything is gathered once at the edge (ftkit.plan.inputs.gather); plan_from opens, lists, stats, spawns and
+    reads the environment nothing (``backend: auto`` picks its candidate first and builds once)."""
+    import builtins
+    import os
+    import subprocess
+
+    from ftkit.plan.inputs import gather
+    from ftkit.plan.plan import plan_from
+    from ftkit.recipe.load import load_recipe
+
+    recipe = load_recipe(str(write_recipe()), ["train.backend=auto", "zero.stage=auto"])
+    inputs = gather(recipe)
+
+    def no_io(*a: object, **k: object) -> None:
+        raise AssertionError(f"I/O while planning: {a}")
+
+    for mod, name in ((builtins, "open"), (os, "stat"), (os, "lstat"), (os, "listdir"), (os, "scandir")):
+        monkeypatch.setattr(mod, name, no_io)
+    monkeypatch.setattr(subprocess, "Popen", no_io)
+    monkeypatch.setattr(os, "environ", {})
+    plan = plan_from(inputs)
+    assert plan.recipe.train.backend in ("deepspeed", "fsdp2") and plan.memory is not None or plan.backend_report
+
+
+def test_the_planner_has_no_import_loop_even_in_type_hints() -> None:
+    import grimp
+
+    graph = grimp.build_graph("ftkit", exclude_type_checking_imports=False, cache_dir=None)
+    modules = {m for m in graph.modules if m.startswith("ftkit.plan.")}
+    for m in sorted(modules):
+        for other in sorted(graph.find_modules_directly_imported_by(m) & modules):
+            assert not graph.chain_exists(importer=other, imported=m), f"{m} <-> {other}"
