@@ -64,15 +64,10 @@ def plan_report(
             raise UserError(Problem("not an ftkit run directory (no ftkit/spec.json)", file=d))
         if measured_step(d) is None:
             raise UserError(Problem("too few logged steps to measure a step time (metrics.jsonl)", file=d))
-    measured = calibration_points(runs, inputs.gpu) if runs and inputs.shape is not None else []
-    if runs and len(measured) < len(runs):
-        missing = sorted(set(runs) - {p.run for p in measured})
-        raise UserError(
-            [
-                Problem(f"ran on another GPU class than this recipe's ({inputs.gpu}): it cannot calibrate it", file=d)
-                for d in missing
-            ]
-        )
+    skipped: dict[str, str] = {}
+    measured = calibration_points(runs, inputs.gpu, skipped) if runs and inputs.shape is not None else []
+    if skipped:
+        raise UserError([Problem(why, file=d) for d, why in skipped.items()])
     own = calibration_points([recipe.train.output_dir], inputs.gpu) if inputs.shape is not None else []
     cal = inputs.calibration
     if own or measured:

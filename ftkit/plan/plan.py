@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from ftkit.cluster.hosts import LOCAL_HOSTS
-from ftkit.errors import Problem, RecipeError
+from ftkit.errors import FtkitError, Problem, RecipeError
 from ftkit.plan.calibrate import measured_step, run_recipe
 from ftkit.plan.candidates import plan_memory, predict_plan
 from ftkit.plan.comm import ZeroPP
@@ -55,8 +55,11 @@ def build_plan(
     unknown_model_ok: bool = False,
     calibrate: bool = True,
 ) -> Plan:
-    """Gather the recipe's inputs (:func:`ftkit.plan.inputs.gather`), add the step-time calibration from the run
-    directory's own earlier attempts, and build the plan (:func:`plan_from`)."""
+    """Gather the recipe's inputs (:func:`ftkit.plan.inputs.gather`, with the calibration kept beside the run, which
+    ``ftkit plan --calibrate`` or ``--probe`` wrote) and build the plan (:func:`plan_from`).
+
+    The run directory's own earlier attempts calibrate ``ftkit plan``'s numbers (:func:`ftkit.plan.load.plan_report`),
+    not a launch's choices: a relaunch must keep the stage its checkpoints were saved with (another is refused)."""
     inputs = gather(
         recipe,
         include=include,
@@ -66,10 +69,6 @@ def build_plan(
         with_memory=with_memory,
         calibrate=calibrate,
     )
-    if calibrate and with_memory and inputs.shape is not None:
-        own = calibration_points([recipe.train.output_dir], inputs.gpu)
-        if own:
-            inputs = dataclasses.replace(inputs, calibration=merged(inputs.calibration, own, inputs.gpu))
     return plan_from(inputs, with_memory=with_memory, strict=strict, unknown_model_ok=unknown_model_ok)
 
 
@@ -82,23 +81,31 @@ def merged(cal: Calibration | None, points: list[CalPoint], gpu: str) -> Calibra
     return fit(gpu, every, source)
 
 
-def calibration_points(run_dirs: list[str], gpu: str) -> list[CalPoint]:
+def calibration_points(run_dirs: list[str], gpu: str, skipped: dict[str, str] | None = None) -> list[CalPoint]:
     """One point per run directory that measured enough steps and ran on this GPU class: its measured seconds per
-    step against this planner's uncalibrated parts for the configuration it ran (its ``ftkit/spec.json``)."""
+    step against this planner's uncalibrated parts for the configuration it ran (its ``ftkit/spec.json``). Why a
+    directory gave none goes to ``skipped``."""
     out = []
+    why: dict[str, str] = {} if skipped is None else skipped
     for d in run_dirs:
         measured = measured_step(d)
-        ran = run_recipe(d) if measured is not None else None
-        if measured is None or ran is None:
+        if measured is None:
+            why[d] = "too few logged steps to measure a step time (metrics.jsonl)"
+            continue
+        ran = run_recipe(d)
+        if ran is None:
+            why[d] = "not an ftkit run directory (no ftkit/spec.json)"
             continue
         recipe, hosts = ran
         try:
             inputs = gather(recipe, hosts=hosts, calibrate=False)
             if inputs.gpu != gpu or inputs.shape is None:
+                why[d] = f"ran on {inputs.gpu}, another GPU class than this recipe's ({gpu}): it cannot calibrate it"
                 continue
             plan = plan_from(inputs, strict=False)
             pred = predict_plan(plan)
-        except (RecipeError, OSError, ValueError):
+        except (FtkitError, OSError, ValueError, TypeError, KeyError) as e:
+            why[d] = f"its recorded recipe cannot be planned again ({(str(e).splitlines() or [type(e).__name__])[0]})"
             continue
         raw = pred.uncalibrated
         if raw is None:

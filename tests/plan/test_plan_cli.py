@@ -58,3 +58,24 @@ def test_a_huge_micro_batch_is_planned_without_trying_every_smaller_one(write_re
     fits = memory.choose(memory.estimate_all(memory.replace(w, micro_batch_size=n)), 80, None, 0.1).chosen
     over = memory.choose(memory.estimate_all(memory.replace(w, micro_batch_size=n + 1)), 80, None, 0.1).chosen
     assert fits is not None and over is None, (n, tip)
+
+
+def test_calibrate_refuses_what_is_not_a_measured_run_in_one_line(write_recipe, tmp_path: Path) -> None:
+    p = write_recipe()
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "young" / "ftkit").mkdir(parents=True)
+    (tmp_path / "young" / "ftkit" / "spec.json").write_text(json.dumps({"recipe": {}, "hosts": [["localhost", 1]]}))
+    (tmp_path / "young" / "metrics.jsonl").write_text('{"step": 1, "attempt": 0, "time": 1.0, "loss": 2.0}\n')
+    for run, says in (
+        (tmp_path / "empty", "not an ftkit run directory (no ftkit/spec.json)"),
+        (tmp_path / "young", "too few logged steps to measure a step time (metrics.jsonl)"),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "ftkit", "plan", str(p), "--calibrate", str(run)],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+        )
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.strip().splitlines() == [f"ftkit: error: {run}: {says}"], out.stderr
+    assert not (tmp_path / "run").exists()  # nothing kept
