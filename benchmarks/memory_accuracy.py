@@ -1,10 +1,9 @@
 """How close is ftkit.plan.memory's per-GPU estimate to what PyTorch really allocates?
 
 Builds a small Llama from a config (no downloads), runs a few DeepSpeed training steps at each ZeRO stage in a
-single process (world size 1) and compares ``torch.cuda.max_memory_allocated`` with the estimate. The estimate's
-``margin`` component (CUDA context, fragmentation) is left out of the comparison because
-``max_memory_allocated`` does not see it; everything else (weights, gradients, optimizer states, stage-3 working
-set, activations, logits, buckets) is compared. Peak memory is reset after ``deepspeed.initialize`` so loading
+single process (world size 1) and compares ``torch.cuda.max_memory_allocated`` with the estimate's allocator
+peak (the largest phase of a step: ``Estimate.allocator_bytes``; the reserve and the CUDA context, which
+``max_memory_allocated`` does not see, are left out). Peak memory is reset after ``deepspeed.initialize`` so loading
 transients do not count: the estimate models the training steady state.
 
 Usage::
@@ -91,10 +90,9 @@ def main(argv: list[str] | None = None) -> int:
             seq_len=args.seq,
             precision="bf16",
             gradient_checkpointing=args.ckpt,
-            flash_attention=True,
         )
         est = estimate(cand, w)
-        predicted = est.total_bytes - est.components["margin"]
+        predicted = est.allocator_bytes
 
         torch.manual_seed(0)
         model = LlamaForCausalLM(
@@ -127,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
             engine.step()
         torch.cuda.synchronize()
         measured = torch.cuda.max_memory_allocated()
-        parts = " ".join(f"{k}={v / GiB:.2f}" for k, v in est.components.items() if v and k != "margin")
+        parts = " ".join(
+            f"{k}={v / GiB:.2f}" for k, v in est.components.items() if v and k not in ("reserved", "context")
+        )
         print(
             f"{cand.label:<12}{predicted / GiB:>14.2f}{measured / GiB:>14.2f}{(predicted / measured - 1):>9.1%}   "
             f"{parts}"

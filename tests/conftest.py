@@ -13,6 +13,11 @@ from tests.helpers.recipes import MINIMAL, TINY_LLAMA
 
 _SESSION_START = __import__("time").time()
 
+# The planner's activation profile comes from the closed form in tests (and in the runs they start), unless a test
+# asks for tracing (FTKIT_PROFILE=auto with its own FTKIT_PROFILE_CACHE): a trace costs a subprocess importing torch
+# and transformers (seconds), and the golden outputs must not depend on what a machine has cached.
+__import__("os").environ.setdefault("FTKIT_PROFILE", "formula")
+
 
 def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001
     """Safety net for tests that start DeepSpeed directly (not through ftkit, which removes them itself): drop the

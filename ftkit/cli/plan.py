@@ -1,4 +1,4 @@
-"""ftkit plan: parameter counts, per-GPU memory of every ZeRO candidate, and the choice (with reasons)."""
+"""ftkit plan: parameter counts, per-GPU memory of every ZeRO candidate, step times, and the choice (with reasons)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,13 @@ import click
 
 from ftkit.cli.options import json_option, overrides_argument, recipe_argument
 from ftkit.errors import ExitCode
-from ftkit.plan.candidates import HEADROOM, full_table, plan_candidate
+from ftkit.plan.candidates import plan_candidate
 from ftkit.plan.comm import fmt_bytes
-from ftkit.plan.load import load_and_plan
+from ftkit.plan.load import PlanReport, plan_report
+from ftkit.plan.speed import expected_error_line
 from ftkit.plan.tiers import local_tier_line
+from ftkit.plan.types import HEADROOM
+from ftkit.run.probe import probe_and_plan
 
 SHORT = {
     "weights": "weights",
@@ -21,34 +24,32 @@ SHORT = {
     "largest_layer": "gather",
     "prefetch": "prefetch",
     "activations": "activ",
-    "logits": "logits",
+    "logits": "loss",
     "comm_buckets": "buckets",
     "hpz_secondary": "hpZ",
-    "margin": "margin",
+    "fsdp2_allowance": "fsdp2+",
+    "reserved": "reserved",
+    "context": "context",
 }
 
 
-@click.command(
-    "plan",
-    epilog="""\b
-Examples:
-  ftkit plan recipe.yaml
-  ftkit plan recipe.yaml cluster.gpus_per_node=4 model.gradient_checkpointing=true
-  ftkit plan recipe.yaml --json | jq .selected
-\b
-Exit codes: 0 the plan fits, 10 nothing fits (or the recipe's own choice does not; the table says what would),
-2 bad recipe, hostfile or model config.
-""",
-)
-@recipe_argument
-@overrides_argument
-@json_option
-def command(recipe: str, overrides: tuple[str, ...], as_json: bool) -> None:
-    """Print every ZeRO stage/offload candidate's memory per GPU (by component) and host RAM per node, whether
-    it fits cluster.gpu_memory_gb with headroom, and the one the run uses (zero.stage: auto picks the fastest
-    that fits; train.backend fsdp2 shows FSDP2's candidates, auto both backends')."""
-    plan = load_and_plan(recipe, overrides, strict=False)
-    rep = full_table(plan)
+def table(head: list[str], rows: list[tuple[list[str], str]]) -> list[str]:
+    """The candidates' table: the label left-aligned, every number right-aligned in a column as wide as its widest
+    cell, columns two spaces apart whatever the numbers (a tokens/s cell wider than its heading once ran into the
+    s/step cell), the verdict last."""
+    widths = [max(len(head[i]), *(len(cells[i]) for cells, _ in rows)) for i in range(len(head))]
+
+    def line(cells: list[str], verdict: str) -> str:
+        first = cells[0].ljust(widths[0])
+        return "  ".join([first, *(c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True)), verdict])
+
+    out = [line(head, "verdict")]
+    out.append("-" * len(out[0]))
+    return out + [line(cells, verdict) for cells, verdict in rows]
+
+
+def report_json(report: PlanReport) -> dict[str, object]:
+    plan, rep = report.plan, report.table
     data = rep.as_dict()
     data["plan"] = {
         "backend": plan.recipe.train.backend,
@@ -62,9 +63,68 @@ def command(recipe: str, overrides: tuple[str, ...], as_json: bool) -> None:
         "local_tier": plan.local_tier.to_json() if plan.local_tier else None,
         "local_tier_off": plan.local_tier_off or None,
     }
+    cal = report.calibration
+    data["calibration"] = cal.as_json() if cal is not None else None
+    data["calibration_stored"] = report.stored or None
+    return data
+
+
+@click.command(
+    "plan",
+    epilog="""\b
+Examples:
+  ftkit plan recipe.yaml
+  ftkit plan recipe.yaml cluster.gpus_per_node=4 model.gradient_checkpointing=true
+  ftkit plan recipe.yaml --calibrate runs/first-try          # fit the step-time model to a measured run
+  ftkit plan recipe.yaml --probe                             # measure the top candidates on one GPU first
+  ftkit plan recipe.yaml --json | jq .selected
+\b
+Exit codes: 0 the plan fits, 10 nothing fits (or the recipe's own choice does not; the table says what would),
+2 bad recipe, hostfile, model config or run directory.
+""",
+)
+@recipe_argument
+@overrides_argument
+@json_option
+@click.option(
+    "--calibrate",
+    "calibrate",
+    multiple=True,
+    type=click.Path(path_type=str),
+    metavar="RUN_DIR",
+    help="A run directory whose measured step times (metrics.jsonl) calibrate the step-time model; repeat for "
+    "more. The calibration is kept beside this recipe's run directory for later plans.",
+)
+@click.option(
+    "--probe",
+    "probe",
+    type=int,
+    default=None,
+    is_flag=False,
+    flag_value=2,
+    metavar="[N]",
+    help="Run a few steps of the N fastest candidates that fit (default 2) on one GPU of this machine, then "
+    "calibrate from them (as --calibrate).",
+)
+def command(
+    recipe: str, overrides: tuple[str, ...], as_json: bool, calibrate: tuple[str, ...], probe: int | None
+) -> None:
+    """Print every ZeRO stage/offload candidate's memory per GPU (by component, at the phase of the step that peaks:
+    allocator peak, reserved, device total with the CUDA context) and host RAM per node, its step time, whether it
+    fits cluster.gpu_memory_gb with headroom, and the one the run uses (zero.stage: auto picks the fastest that fits;
+    train.backend fsdp2 shows FSDP2's candidates, auto both backends')."""
+    if probe is not None:
+        report = probe_and_plan(recipe, overrides, top=probe, calibrate=calibrate, say=click.echo)
+    else:
+        report = plan_report(recipe, overrides, calibrate=calibrate)
     if as_json:
-        click.echo(json.dumps(data, indent=2))
+        click.echo(json.dumps(report_json(report), indent=2))
         return
+    _print(report)
+
+
+def _print(report: PlanReport) -> None:
+    plan, rep = report.plan, report.table
     shape = rep.shape
     click.echo(
         f"model: {shape.family}, {shape.total_params:,} parameters ({rep.workload.phi:,} trainable), "
@@ -79,47 +139,59 @@ def command(recipe: str, overrides: tuple[str, ...], as_json: bool) -> None:
         f"; limit {rep.gpu_memory_gb:g} GiB/GPU and {rep.host_memory_gb:g} GiB host RAM/node, "
         f"{HEADROOM:.0%} headroom"
     )
+    if rep.activations:
+        click.echo(rep.activations)
     chooser = plan.backend_report or plan.memory  # train.backend auto: the choice across both backends
     sel = chooser.selected if chooser is not None else None
-    keys = list(dict.fromkeys(k for e in rep.choice.estimates for k in e.components))
-    columns = [(k, SHORT.get(k, k[:8])) for k in keys]
-    width = max(56, *(len(e.candidate.label) + 1 for e in rep.choice.estimates))
-    head = (
-        f"{'candidate':<{width}}"
-        + "".join(f"{short:>9}" for _, short in columns)
-        + f"{'GiB/GPU':>9}{'host':>8}{'intra/step':>11}{'inter/step':>11}{'s/step':>9}{'tokens/s':>10}  verdict"
-    )
-    click.echo("\n" + head)
-    click.echo("-" * len(head))
+    found = {k for e in rep.choice.estimates for k in e.components}
+    keys = [k for k in SHORT if k in found] + sorted(found - set(SHORT))
+    head = ["candidate", *(SHORT.get(k, k[:8]) for k in keys), "alloc", "GiB/GPU", "host"]
+    head += ["intra/step", "inter/step", "s/step", "tokens/s"]
+    rows = []
     for e in rep.choice.estimates:
-        row = f"{e.candidate.label:<{width}}" + "".join(
-            f"{e.components.get(key, 0) / 2**30:>9.2f}" for key, _ in columns
-        )
+        cells = [e.candidate.label, *(f"{e.components.get(key, 0) / 2**30:.2f}" for key in keys)]
+        cells += [f"{e.allocator_bytes / 2**30:.2f}", f"{e.total_gb:.2f}", f"{e.host_ram_gb_per_node:.1f}"]
         p = rep.predictions.get(e.candidate.label)
         if p is not None:
             t = p.traffic
-            speed = (
-                f"{fmt_bytes(t.by_scope('intra')):>11}{fmt_bytes(t.by_scope('inter')):>11}"
-                f"{p.step_time_s:>9.3g}{p.tokens_per_s:>10,.0f}"
-            )
+            cells += [fmt_bytes(t.by_scope("intra")), fmt_bytes(t.by_scope("inter"))]
+            cells += [f"{p.step_time_s:.3g}", f"{p.tokens_per_s:,.0f}"]
         else:
-            speed = f"{'':>41}"
+            cells += ["", "", "", ""]
         mark = "fits" if e.fits else "no"
         why = e.reason.removeprefix("fits: ") if e.fits else e.reason
         this = "  <- this run" if sel is not None and e.candidate == sel.candidate else ""
-        click.echo(row + f"{e.total_gb:>9.2f}{e.host_ram_gb_per_node:>8.1f}{speed}  {mark}: {why}{this}")
+        rows.append((cells, f"{mark}: {why}{this}"))
+    click.echo("\n" + "\n".join(table(head, rows)))
     a = next(iter(rep.predictions.values())).assumptions if rep.predictions else None
     if a is not None:
         click.echo(
-            f"\n(step time: {a['peak_tflops']:g} TFLOP/s peak ({a['gpu_doc']}, {a['gpu_source']}) "
-            f"x MFU {a['mfu']:.0%}; "
-            f"links {a['intra_node_gbs']:g} GB/s per GPU in a node, {a['inter_node_gbs']:g} GB/s per node across "
-            f"({a['network_source']}); bytes per GPU per optimizer step as DeepSpeed's comms logger counts them)"
+            f"\n(step time: GEMMs at their own sizes on {a['peak_tflops']:g} TFLOP/s ({a['gpu_doc']}, "
+            f"{a['gpu_source']}), memory-bound work at {a['hbm_gbs']:g} GB/s, {a['launch_us']:g} us per kernel "
+            f"launched and each engine's hooks; links {a['intra_node_gbs']:g} GB/s per GPU in a node, "
+            f"{a['inter_node_gbs']:g} GB/s per node across ({a['network_source']}); bytes per GPU per optimizer step "
+            "as DeepSpeed's comms logger counts them)"
         )
-    click.echo("\n(GiB; gather = ZeRO-3's gathered largest layer; host = host RAM per node)")
+        click.echo(expected_error_line(report.calibration, str(a["gpu"])))
+    for point in report.measured:
+        c = report.calibration
+        pred = point.predicted(c.gpu_scale, c.host_scale) if c is not None else point.predicted(1.0, 1.0)
+        raw = point.predicted(1.0, 1.0)
+        click.echo(
+            f"  {point.run}: {point.label} measured {point.measured_s:.3g} s/step (median of {point.steps}); "
+            f"predicted {pred:.3g} s ({(pred - point.measured_s) / point.measured_s:+.0%}), uncalibrated "
+            f"{raw:.3g} s ({(raw - point.measured_s) / point.measured_s:+.0%})"
+        )
+    if report.stored:
+        click.echo(f"calibration kept in {report.stored}")
+    click.echo(
+        "\n(GiB at the peak of a step; gather = ZeRO-3's gathered largest layer; loss = the loss's fp32 logits and "
+        "temporaries; alloc = the allocator's peak; GiB/GPU = the device total with reserved and the CUDA context; "
+        "host = host RAM per node)"
+    )
     label = (sel.candidate if sel is not None else plan_candidate(plan)).label
     click.echo(f"\nthis run: {label} ({'auto' if rep.auto else 'set in the recipe'}): {plan.sharding_why}")
-    click.echo(local_tier_line(plan))
+    click.echo(local_tier_line(plan.local_tier, plan.local_tier_off))
     if sel is not None and not sel.fits:
         click.echo(f"warning: {label} does not fit: {sel.reason}", err=True)
     if rep.suggestions:

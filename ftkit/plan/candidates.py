@@ -11,11 +11,11 @@ nodes, with a margin; the order of docs/design.md, Memory planning, breaks ties)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, TypeVar
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from ftkit.errors import RecipeError, UserError
-from ftkit.model.shape import ModelShape, count_params, count_params_meta, lora_tensors, lora_trainable_params
+from ftkit.model.shape import ModelShape, count_params, lora_tensors, lora_trainable_params
 from ftkit.plan.comm import (
     ZEROPP_MARGIN,
     Network,
@@ -31,6 +31,7 @@ from ftkit.plan.comm import (
 from ftkit.plan.knobs import overlap_comm_auto, persistence_threshold
 from ftkit.plan.memory import (
     PRECISION_BYTES,
+    RESERVED_FACTOR,
     Candidate,
     Choice,
     Estimate,
@@ -44,6 +45,9 @@ from ftkit.plan.memory import (
     judge,
     suggestions,
 )
+from ftkit.plan.speed import Calibration
+from ftkit.plan.types import HEADROOM, MemoryReport, Plan
+from ftkit.recipe.load import Recipe
 from ftkit.rundir.records import as_int
 
 _D = TypeVar("_D", int, None)
@@ -57,98 +61,22 @@ class PlanContext:
     gpu_source: str
     net: Network
     lora_tensors: list[int] | None
+    calibration: Calibration | None = None
+    cpu_adam: bool = True  # offload steps with DeepSpeed's CPU Adam (else torch's AdamW on the CPU)
 
 
-HEADROOM = 0.10  # fraction of GPU memory and host RAM kept free
 TIGHT = 0.80  # above this share of the (headroom-reduced) limit, memory counts as tight for buffer sizing
-
-if TYPE_CHECKING:
-    from ftkit.plan.plan import Plan
-    from ftkit.recipe.load import Recipe
-
-
-@dataclass
-class MemoryReport:
-    shape: ModelShape
-    workload: Workload
-    choice: Choice  # every candidate the recipe allows, judged, fastest first
-    selected: Estimate | None  # the candidate the run will use (auto: the choice; fixed: the recipe's)
-    gpu_memory_gb: float
-    host_memory_gb: float
-    auto: bool
-    tight: bool
-    host_tight: bool
-    room_for_overlap: bool
-    suggestions: list[str]
-    choice_reason: str
-    recipe: Recipe | None = None
-    # step-time prediction of every candidate judged (label -> Prediction), and the one-line why of the choice
-    predictions: dict[str, Prediction] = field(default_factory=dict)
-    speed_reason: str = ""
-
-    def choice_for(self, stage: int | str, opt: str, strict: bool = True) -> Candidate:
-        if self.choice.chosen is None and not strict:
-            return self.choice.estimates[-1].candidate
-        if self.choice.chosen is None:
-            assert self.recipe is not None  # plan_memory sets it
-            raise RecipeError(
-                self.recipe.problem(
-                    "zero.stage",
-                    f"auto: nothing fits in cluster.gpu_memory_gb={self.gpu_memory_gb:g} GiB per GPU with "
-                    f"{HEADROOM:.0%} headroom; run `ftkit plan` for the table"
-                    + ("; try: " + " | ".join(self.suggestions) if self.suggestions else ""),
-                )
-            )
-        return self.choice.chosen.candidate
-
-    def as_dict(self) -> dict[str, object]:
-        def est(e: Estimate) -> dict[str, object]:
-            return {
-                "candidate": e.candidate.label,
-                "stage": e.candidate.stage,
-                "offload_optimizer": e.candidate.offload_optimizer,
-                "offload_params": e.candidate.offload_params,
-                "gpu_gib": round(e.total_gb, 3),
-                "components_gib": {k: round(v / 2**30, 3) for k, v in e.components.items()},
-                "host_ram_gib_per_node": round(e.host_ram_gb_per_node, 3),
-                "fits": e.fits,
-                "reason": e.reason,
-                **(self.predictions[e.candidate.label].as_dict() if e.candidate.label in self.predictions else {}),
-            }
-
-        s = self.shape
-        return {
-            "model": {
-                "family": s.family,
-                "total_params": s.total_params,
-                "trainable_params": self.workload.phi,
-                "hidden_size": s.hidden_size,
-                "layers": s.num_layers,
-                "heads": s.num_heads,
-                "kv_heads": s.num_kv_heads,
-                "vocab_size": s.vocab_size,
-                "largest_layer_params": s.largest_layer_params,
-                "count_source": s.source,
-            },
-            "limits": {
-                "gpu_memory_gib": self.gpu_memory_gb,
-                "host_memory_gib": self.host_memory_gb,
-                "headroom": HEADROOM,
-            },
-            "candidates": [est(e) for e in self.choice.estimates],
-            "selected": est(self.selected) if self.selected else None,
-            "auto": self.auto,
-            "reason": self.choice_reason,
-            "speed_reason": self.speed_reason,
-            "suggestions": self.suggestions,
-        }
 
 
 def model_shape(plan: Plan) -> ModelShape:
-    """Closed form for known families; the meta device (imports transformers, ~seconds) for anything else."""
-    path = plan.recipe.model.path
-    shape = count_params(plan.model_config, source=plan.model_config_label or f"{path}/config.json")
-    return shape if shape is not None else count_params_meta(plan.model_config_file or path)
+    """The parameter counts gathered with the plan's inputs, else the closed form (no I/O: a family without one
+    needs the inputs gathered with memory, :func:`ftkit.plan.inputs.gather`)."""
+    if plan.inputs is not None and plan.inputs.shape is not None:
+        return plan.inputs.shape
+    shape = count_params(plan.model_config, source=plan.model_config_label or "config.json")
+    if shape is None:
+        raise ValueError("the model's family has no closed-form parameter count (run `ftkit plan` for it)")
+    return shape
 
 
 def _size(value: int | str) -> int | None:
@@ -180,6 +108,11 @@ def plan_memory(plan: Plan) -> MemoryReport:
         stage3_max_live_parameters=Workload.stage3_max_live_parameters if live is None else live,
         pin_memory=r.cluster.accelerator != "cpu",
         grad_accum=plan.grad_accum,
+        accelerator=r.cluster.accelerator,
+        profile=plan.inputs.profile if plan.inputs is not None else None,
+        profile_zero3=plan.inputs.profile_zero3 if plan.inputs is not None else None,
+        lora_dropout=float(r.peft.dropout) if r.peft is not None else 0.0,
+        eager_attention=str(plan.model_config.get("_attn_implementation") or "") == "eager",
     )
     gpu, host = float(r.cluster.gpu_memory_gb), float(r.cluster.host_memory_gb)
     stage, opt, par = r.zero.stage, r.zero.offload_optimizer, r.zero.offload_params
@@ -258,11 +191,12 @@ def plan_memory(plan: Plan) -> MemoryReport:
         recipe=r,
         predictions=preds,
         speed_reason=speed,
+        activations=w.profile_for(selected.candidate if selected else allowed[0]).line(),
     )
 
 
 def plan_context_for(plan: Plan, shape: ModelShape) -> PlanContext:
-    return plan_context(plan.recipe, plan.hosts, shape)
+    return plan_context(plan, shape)
 
 
 def predict_for(c: Candidate, w: Workload, plan: Plan, ctx: PlanContext, gpu_gb: float) -> Prediction:
@@ -281,6 +215,8 @@ def predict_for(c: Candidate, w: Workload, plan: Plan, ctx: PlanContext, gpu_gb:
         gpu_source=ctx.gpu_source,
         persistence_threshold=persistence_threshold(w.shape.hidden_size),
         lora_tensors=ctx.lora_tensors,
+        calibration=ctx.calibration,
+        cpu_adam=ctx.cpu_adam,
     )
 
 
@@ -289,12 +225,15 @@ def with_zeropp(estimates: list[Estimate], w: Workload) -> list[Estimate]:
     out = []
     for e in estimates:
         extra = zeropp_memory_bytes(e.candidate, w)
-        if extra:
+        if extra:  # resident for the whole step: every phase and the allocator's reserve grow with it
             comp = dict(e.components)
-            margin = comp.pop("margin")
+            tail: dict[str, int] = {k: comp.pop(k) for k in ("reserved", "context") if k in comp}
             comp["hpz_secondary"] = extra
-            comp["margin"] = margin + int(0.05 * extra)
-            e = replace(e, components=comp)
+            if tail.get("reserved"):
+                tail["reserved"] += int(extra * (RESERVED_FACTOR - 1))
+            comp.update(tail)
+            phases = {k: v + extra for k, v in e.phases.items()}
+            e = replace(e, components=comp, phases=phases)
         out.append(e)
     return out
 
@@ -409,25 +348,34 @@ def _default_lora(shape: ModelShape) -> int | None:
         return None
 
 
-def plan_context(recipe: Recipe, hosts: list[tuple[str, int]], shape: ModelShape) -> PlanContext:
-    """What the predictions for one plan share: the network, the GPU, the LoRA tensor sizes."""
-    r = recipe
-    gpu, gpu_src = resolve_gpu(r.cluster)
-    net = resolve_network(r.cluster, [h for h, _ in hosts])
+def plan_context(plan: Plan, shape: ModelShape) -> PlanContext:
+    """What the predictions for one plan share: the network, the GPU and the calibration its inputs gathered, the
+    LoRA tensor sizes."""
+    r = plan.recipe
+    inputs = plan.inputs
+    if inputs is not None and inputs.network is not None and inputs.gpu:
+        gpu, gpu_src, net = inputs.gpu, inputs.gpu_source, inputs.network
+    else:  # a plan built without its inputs (tests building a Plan by hand): the recipe's own
+        gpu, gpu_src = resolve_gpu(r.cluster)
+        net = resolve_network(r.cluster, [h for h, _ in plan.hosts])
     lora = None
     if r.peft is not None:
         try:
             lora = lora_tensors(shape, r.peft.r, r.peft.target_modules)
         except Exception:  # noqa: BLE001 - the memory planner reported a bad target already
             lora = None
-    return PlanContext(gpu=gpu, gpu_source=gpu_src, net=net, lora_tensors=lora)
+    # priced as the plan renders it (plan.knobs.decide_optimizer): CPU Adam when asked for, or auto and the launch's
+    # preflight found every host can load it; else torch's fused AdamW on the CPU
+    cpu_adam = r.zero.cpu_adam is True or (r.zero.cpu_adam == "auto" and plan.cpu_adam_ok is True)
+    cal = inputs.calibration if inputs is not None else None
+    return PlanContext(gpu=gpu, gpu_source=gpu_src, net=net, lora_tensors=lora, calibration=cal, cpu_adam=cpu_adam)
 
 
 def predict_plan(plan: Plan, candidate: Candidate | None = None) -> Prediction:
     """The prediction for the plan's own choice (or ``candidate``) with the plan's knobs."""
     if plan.memory is None:
         plan.memory = plan_memory(plan)
-    ctx = plan_context(plan.recipe, plan.hosts, plan.memory.shape)
+    ctx = plan_context(plan, plan.memory.shape)
     k = plan.knobs
     c = candidate or plan_candidate(plan)
     oc = k["overlap_comm"].value if "overlap_comm" in k else c.stage == 3
@@ -444,6 +392,8 @@ def predict_plan(plan: Plan, candidate: Candidate | None = None) -> Prediction:
         max_reuse_distance=_knob_int(plan, "stage3_max_reuse_distance", 10**9),
         lora_tensors=ctx.lora_tensors,
         reduce_bucket_size=_knob_int(plan, "reduce_bucket_size", None),
+        calibration=ctx.calibration,
+        cpu_adam=ctx.cpu_adam,
     )
 
 

@@ -43,8 +43,8 @@ the tail and root again in backward; it reduce-scatters each unit's trainable gr
 Time: a collective of logger size M on n ranks moves M·f bus bytes, f = 2(n−1)/n for all-reduce, (n−1)/n for
 reduce-scatter (input size) and (n−1) for all-gather (M is one rank's input; NCCL's busbw convention), at the bus
 bandwidth of the slowest link it crosses (a group spanning nodes is limited by min(intra per GPU, inter per node):
-NCCL runs one ring per NIC), plus a latency per ring step. Compute is FLOPs over peak × MFU. Exposed communication
-is what does not fit under the compute it can overlap with (see :func:`predict`).
+NCCL runs one ring per NIC), plus a latency per ring step. Compute and host overheads are :mod:`ftkit.plan.speed`'s.
+Exposed communication is what does not fit under the compute it can overlap with (see :func:`predict`).
 
 Everything here is arithmetic on the standard library (import-light controller).
 """
@@ -57,12 +57,11 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TypedDict
+from typing import TypedDict
 
 from ftkit.plan.memory import PRECISION_BYTES, Candidate, Fsdp2, Workload
-
-if TYPE_CHECKING:
-    from ftkit.recipe.sections import ClusterSection
+from ftkit.plan.speed import Calibration, Engine, Parts, gpu_class, step_parts
+from ftkit.recipe.sections import ClusterSection
 
 # ------------------------------------------------------------------------------------------------ hardware tables
 
@@ -80,9 +79,6 @@ GPU_PEAK_TFLOPS: dict[str, tuple[float, float, str]] = {
     "v100": (125.0, 15.7, "V100 (fp16 tensor cores; no bf16)"),
     "cpu": (0.2, 0.1, "a CPU rank (gloo; order of magnitude only)"),
 }
-MFU = 0.40  # model FLOPs utilisation assumed for GPUs (typical for HF Trainer + ZeRO on dense decoders)
-CPU_MFU = 0.25
-
 # by gpu_memory_gb when cluster.gpu is auto (first whose memory is >= the recipe's, within 10%)
 _GPU_BY_MEMORY = ((24, "a10"), (40, "a100-40"), (48, "l40s"), (80, "h100"), (141, "h200"))
 
@@ -115,15 +111,9 @@ NETWORK_PRESETS: dict[str, Network] = {
     )
 }
 DEFAULT_NETWORK = "nvlink-ib400"
-PCIE_GBS = 20.0  # host <-> GPU copies for offload (PCIe 4 x16, effective)
-CPU_ADAM_PARAMS_PER_S = 1.0e9
 # Communication under compute is not free: NCCL kernels take SMs and memory bandwidth from the matmuls, and ZeRO-3
 # fetches/releases per module. This share of the overlapped communication time still shows in the step.
 OVERLAP_COST = 0.2
-# ZeRO-3 fetches and releases parameters module by module from Python hooks (bookkeeping, a launch per gather, the
-# wait on the prefetch): a cost per gathered tensor per fetch that does not overlap with anything.
-STAGE3_FETCH_OVERHEAD_S = 50e-6
-STAGE3_FETCH_OVERHEAD_CPU_S = 2e-3  # CPU ranks, measured here (benchmarks/step_time.py, 2 ranks on 2 shared cores)
 # ZeRO++ must win by this much to be chosen: qwZ/qgZ quantize weights and gradients on the wire (numerics change),
 # hpZ costs memory; on a fast network they are not worth it (the issue: "recommended when the inter-node link is
 # the bottleneck").
@@ -135,7 +125,7 @@ def ranking_time(p: Prediction) -> float:
     c = p.candidate
     if isinstance(c, ZeroPP):
         return p.step_time_s * (1 + ZEROPP_MARGIN["quantized" if c.qwz or c.qgz else "hpz"])
-    return p.step_time_s  # DeepSpeed's CPUAdam per rank (AVX-512, a few cores)
+    return p.step_time_s
 
 
 BANDWIDTH_FILE_ENV = "FTKIT_BANDWIDTH_FILE"
@@ -564,20 +554,28 @@ class Assumptions(TypedDict, total=False):
     overlap_comm: bool
     pcie_gbs: float
     overlap_cost: float
-    stage3_fetch_overhead_s: float
+    hbm_gbs: float
+    launch_us: float
+    activations: str  # where the profile came from (traced, closed form)
+    calibration: str  # "uncalibrated" or the calibration's line
+    calibration_error: float
+    parts_s: dict[str, float]
 
 
 @dataclass(frozen=True)
 class Prediction:
     candidate: Candidate
     traffic: Traffic
-    compute_s: float
+    compute_s: float  # everything but communication and offload: GPU work and host overheads (calibrated)
     comm_s: float  # all communication, as if nothing overlapped
     exposed_comm_s: float
-    host_s: float
+    host_s: float  # offload's host work: the CPU optimizer and PCIe copies
     step_time_s: float
     tokens_per_step: int  # all ranks
     assumptions: Assumptions = field(default_factory=lambda: Assumptions())  # what the numbers rest on
+    gpu_s: float = 0.0  # the parts of compute_s
+    overhead_s: float = 0.0
+    uncalibrated: Parts | None = field(default=None, compare=False)  # before calibration (for calibrating)
 
     @property
     def tokens_per_s(self) -> float:
@@ -605,6 +603,9 @@ class Prediction:
             "compute_s": round(self.compute_s, 6),
             "comm_s": round(self.comm_s, 6),
             "exposed_comm_s": round(self.exposed_comm_s, 6),
+            "gpu_s": round(self.gpu_s, 6),
+            "overhead_s": round(self.overhead_s, 6),
+            "offload_s": round(self.host_s, 6),
             "step_time_s": round(self.step_time_s, 6),
             "tokens_per_s": round(self.tokens_per_s, 1),
             "assumptions": self.assumptions,
@@ -645,19 +646,21 @@ def predict(
     *,
     overlap_comm: bool,
     gpu_source: str = "",
-    mfu: float | None = None,
     comm_bytes: int | None = None,
     persistence_threshold: int | None = None,
     lora_tensors: list[int] | None = None,
     reduce_bucket_size: int | None = None,
     max_reuse_distance: int = 1_000_000_000,
+    calibration: Calibration | None = None,
+    cpu_adam: bool = True,
 ) -> Prediction:
-    """Step time = compute + exposed communication + offload's host work.
+    """Step time = GPU work + host overheads (:mod:`ftkit.plan.speed`, calibrated when ``calibration`` is of this GPU
+    class) + exposed communication + offload's host work.
 
-    Overlap: with overlap_comm the gradient reduction hides under the backward pass (2/3 of compute; ZeRO-1 only
-    under the last micro-step's); ZeRO-3's prefetched gathers hide under forward and backward whatever
-    overlap_comm says. Communication that exceeds its window, and the rest (after the optimizer step), is exposed;
-    hidden communication still costs :data:`OVERLAP_COST` of its time.
+    Overlap: with overlap_comm the gradient reduction hides under the backward pass (2/3 of a micro-step's GPU work;
+    ZeRO-1 only under the last micro-step's); ZeRO-3's and FSDP2's prefetched gathers hide under forward and backward
+    whatever overlap_comm says. Communication that exceeds its window, and the rest (after the optimizer step), is
+    exposed; hidden communication still costs :data:`OVERLAP_COST` of its time.
     """
     t = traffic(
         c,
@@ -671,10 +674,37 @@ def predict(
     )
     peak_bf16, peak_tf32, gpu_doc = GPU_PEAK_TFLOPS[gpu]
     peak = (peak_tf32 if w.precision == "fp32" else peak_bf16) * 1e12
-    eff = mfu if mfu is not None else (CPU_MFU if gpu == "cpu" else MFU)
-    tokens_rank = w.micro_batch_size * w.seq_len * grad_accum
-    compute = flops_per_token(w) * tokens_rank / (peak * eff)
-    micro = compute / grad_accum
+    cls = gpu_class(gpu)
+    n = w.world_size
+    part_phi = _ceil_div(w.phi, n) if c.stage else w.phi
+    part_psi = _ceil_div(w.psi, n) if c.stage == 3 else w.psi
+    fsdp = isinstance(c, Fsdp2)
+    units = fsdp2_units(w) if fsdp else None
+    engine = Engine(
+        "fsdp2" if fsdp else "deepspeed",
+        c.stage,
+        c.offload_optimizer,
+        c.offload_params,
+        fsdp_units=len(units.resharded) + len(units.kept) if units is not None else 0,
+        cpu_adam=cpu_adam,
+    )
+    prof = w.profile_for(c)
+    raw = step_parts(
+        prof,
+        seq_len=w.seq_len,
+        micro_batch=w.micro_batch_size,
+        grad_accum=grad_accum,
+        k=w.k,
+        peak_flops=peak,
+        cls=cls,
+        engine=engine,
+        trainable_part=part_phi,
+        weight_part=part_psi,
+    )
+    cal = calibration if calibration is not None and calibration.gpu_class == gpu else None
+    parts = raw.scaled(cal)
+    compute = parts.gpu_s + parts.host_s
+    micro = parts.gpu_s / grad_accum  # the GPU's micro-step: what communication can hide under
     backward = micro * 2 / 3
     total = 0.0
     exposed = 0.0
@@ -695,23 +725,16 @@ def predict(
     per_micro_exposed = max(0.0, fb_comm + bwd_comm - micro, bwd_comm - backward)
     per_micro_exposed += OVERLAP_COST * min(fb_comm + bwd_comm, micro)
     exposed += per_micro_exposed * grad_accum if grad_calls > 1 or fb_comm else per_micro_exposed
-    fetches = sum(
-        col.calls
-        for col in t.collectives
-        if (c.stage == 3 or isinstance(c, Fsdp2)) and col.what.startswith("parameters")
-    )
-    exposed += fetches * (STAGE3_FETCH_OVERHEAD_CPU_S if gpu == "cpu" else STAGE3_FETCH_OVERHEAD_S)
-    host = t.host_bytes / (PCIE_GBS * 1e9)
-    if c.offload_optimizer != "none":
-        part = _ceil_div(w.phi, w.world_size) if c.stage else w.phi
-        host += part / CPU_ADAM_PARAMS_PER_S
+    host = parts.offload_s
     step = compute + exposed + host
+    tokens = w.micro_batch_size * w.seq_len * grad_accum
+    model_flops = flops_per_token(w) * tokens
     assumptions: Assumptions = {
         "gpu": gpu,
         "gpu_doc": gpu_doc,
         "gpu_source": gpu_source,
         "peak_tflops": peak / 1e12,
-        "mfu": eff,
+        "mfu": model_flops / (step * peak) if step > 0 else 0.0,
         "flops_per_token": flops_per_token(w),
         "network": net.name,
         "network_source": net.source,
@@ -720,11 +743,29 @@ def predict(
         "intra_latency_us": net.intra_latency_us,
         "inter_latency_us": net.inter_latency_us,
         "overlap_comm": overlap_comm,
-        "pcie_gbs": PCIE_GBS,
+        "pcie_gbs": cls.pcie_gbs,
         "overlap_cost": OVERLAP_COST,
-        "stage3_fetch_overhead_s": STAGE3_FETCH_OVERHEAD_CPU_S if gpu == "cpu" else STAGE3_FETCH_OVERHEAD_S,
+        "hbm_gbs": cls.hbm_gbs,
+        "launch_us": cls.launch_us,
+        "activations": f"{prof.source}",
+        "calibration": "uncalibrated" if cal is None else f"GPU x{cal.gpu_scale:.3g}, host x{cal.host_scale:.3g}",
+        "calibration_error": cal.error if cal is not None else -1.0,
+        "parts_s": {k: round(v, 6) for k, v in parts.detail.items()},
     }
-    return Prediction(c, t, compute, total, exposed, host, step, tokens_rank * w.world_size, assumptions)
+    return Prediction(
+        c,
+        t,
+        compute,
+        total,
+        exposed,
+        host,
+        step,
+        tokens * w.world_size,
+        assumptions,
+        gpu_s=parts.gpu_s,
+        overhead_s=parts.host_s,
+        uncalibrated=raw,
+    )
 
 
 # ------------------------------------------------------------------------------------------------ from a plan

@@ -5,14 +5,11 @@ the ``fsdp`` section's candidate has (:class:`ftkit.plan.memory.Fsdp2`; the plan
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from ftkit.model.shape import decoder_layer_class
 from ftkit.plan.memory import fsdp2_candidate
-
-if TYPE_CHECKING:
-    from ftkit.plan.plan import Plan
-    from ftkit.recipe.load import Recipe
+from ftkit.plan.types import Plan
+from ftkit.recipe.load import Recipe
 
 MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}  # train.precision -> Accelerate's mixed_precision
 FSDP_CONFIG_KEYS = (  # in the order Accelerate writes them

@@ -17,14 +17,11 @@ unless on the cpu accelerator or host RAM is tight; ZeRO++'s knobs only when ``a
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
+from ftkit.plan.types import KnobValue, Plan
+from ftkit.recipe.load import Recipe
 from ftkit.recipe.rules import SCHEDULER_PARAMS
 from ftkit.recipe.schema import DEEPSPEED_SCHEDULES
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ftkit.plan.plan import KnobValue, Plan
-    from ftkit.recipe.load import Recipe
 
 SUB_GROUP_SIZE = int(1e9)
 # fp16's dynamic loss scaling: (knob, value, why) for each train.fp16_* field left at auto

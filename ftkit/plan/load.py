@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from ftkit.errors import FtkitError
+from ftkit.errors import FtkitError, Problem, UserError
+from ftkit.plan.calibrate import measured_step, run_recipe, store
+from ftkit.plan.candidates import full_table
+from ftkit.plan.inputs import gather
 from ftkit.plan.memory import zero_label
-from ftkit.plan.plan import Plan, build_plan
+from ftkit.plan.plan import Plan, build_plan, calibration_points, merged, plan_from
+from ftkit.plan.speed import Calibration, CalPoint
+from ftkit.plan.types import MemoryReport
 from ftkit.recipe.load import Recipe, load_recipe
 from ftkit.recipe.scaffold import commented_recipe, split_header
 from ftkit.recipe.schema import SECTIONS
@@ -29,6 +36,47 @@ def load_and_plan(
 ) -> Plan:
     recipe = load_recipe(recipe_path, list(overrides))
     return build_plan(recipe, include=include, exclude=exclude, strict=strict, with_memory=with_memory)
+
+
+@dataclass
+class PlanReport:
+    """What ``ftkit plan`` prints: the plan, every candidate judged, and the calibration it used."""
+
+    plan: Plan
+    table: MemoryReport
+    calibration: Calibration | None
+    measured: list[CalPoint] = field(default_factory=list)  # the runs --calibrate (or --probe) measured
+    stored: str = ""  # where the calibration was kept (beside the recipe's run directory)
+
+
+def plan_report(
+    recipe_path: str, overrides: tuple[str, ...] | list[str], *, calibrate: tuple[str, ...] | list[str] = ()
+) -> PlanReport:
+    """``ftkit plan``: the plan with every candidate's memory and step time. ``calibrate``: run directories whose
+    measured step times calibrate the step-time model (:mod:`ftkit.plan.calibrate`); the calibration is then kept
+    beside the recipe's run directory, so later plans of the recipe use it. Whatever it is given, a plan also uses
+    the calibration already kept there and the run directory's own earlier attempts."""
+    recipe = load_recipe(recipe_path, list(overrides))
+    inputs = gather(recipe)
+    runs = [str(Path(d)) for d in calibrate]
+    for d in runs:
+        if run_recipe(d) is None:
+            raise UserError(Problem("not an ftkit run directory (no ftkit/spec.json)", file=d))
+        if measured_step(d) is None:
+            raise UserError(Problem("too few logged steps to measure a step time (metrics.jsonl)", file=d))
+    skipped: dict[str, str] = {}
+    measured = calibration_points(runs, inputs.gpu, skipped) if runs and inputs.shape is not None else []
+    if skipped:
+        raise UserError([Problem(why, file=d) for d, why in skipped.items()])
+    own = calibration_points([recipe.train.output_dir], inputs.gpu) if inputs.shape is not None else []
+    cal = inputs.calibration
+    if own or measured:
+        cal = merged(cal, [*measured, *own], inputs.gpu)
+    stored = ""
+    if measured and cal is not None:
+        stored = str(store(recipe.train.output_dir, cal))
+    plan = plan_from(dataclasses.replace(inputs, calibration=cal), strict=False)
+    return PlanReport(plan, full_table(plan), cal, measured, stored)
 
 
 def sized_for_model(text: str) -> tuple[str, str]:

@@ -30,18 +30,23 @@ optimizer column and the stage-2/3 gradient partition to host RAM (stage 1/2 als
 copy of the partition there); offloading parameters (stage 3) moves the weight partition. NVMe offload keeps the
 fp32 states (or the parameter partitions) on disk and needs pinned swap buffers in RAM.
 
-On top of model states ftkit counts what DeepSpeed's estimators leave out:
+On top of model states ftkit counts what DeepSpeed's estimators leave out, and takes the peak over the phases of a
+step, not the sum of everything (measured on an H200: the sum made ftkit 44-57% high):
 
-* activations (Korthikanti et al. 2022, 16-bit activations, per layer):
-  without checkpointing ``s·b·h·(34 + 5·a·s/h)``; with full checkpointing ``2·s·b·h`` per layer (the saved layer
-  input) plus one layer's full working set recomputed in backward. ``flash_attention`` drops the ``5·a·s/h``
-  attention-score term (SDPA/flash kernels never materialise the s×s matrix). Scaled by k/2 for fp32.
-* logits: ``s·b·V·(k + 4)`` — the k-bit lm_head output plus the fp32 upcast HF's causal-LM loss makes.
+* activations and the loss's temporaries from the model's :class:`~ftkit.plan.profile.Profile`: traced from the real
+  HF model (bytes autograd saves, the most bytes live at once in forward and backward), or the closed form counted
+  for HF decoders with SDPA (``ftkit.plan.profile``). At ZeRO-3 with LoRA the profile is traced with DeepSpeed's
+  ZeRO-3 linear, which keeps the inputs of frozen layers too.
+* the phases: **forward/backward** (weights, the gradient buffers that exist before backward, the optimizer's
+  resident states, stage 3's gathered layer and prefetch, buckets, the activation peak, the largest gradient tensor
+  before its hook takes it), the **end of backward** (all gradients, no activations) and the **optimizer step**
+  (weights, gradients, states and the step's fp32 gradient partition). The allocator peak is the largest.
 * communication buckets: stage 1/2 gradient reduction buffers ``k·reduce_bucket_size`` (two with overlap_comm,
   DeepSpeed double-buffers them); stage 3 one ``k·reduce_bucket_size`` buffer. ``allgather_bucket_size`` costs
   nothing: DeepSpeed gathers straight into its flat parameter buffer with ``all_gather_into_tensor``.
-* margin: ``MARGIN_FIXED_BYTES`` (CUDA context ~0.5 GiB, NCCL communicators and cuBLAS workspaces) plus
-  ``MARGIN_FRACTION`` of everything else for the caching allocator's fragmentation.
+* **reserved**: PyTorch's caching allocator holds more than it hands out (:data:`RESERVED_FACTOR` of the allocator
+  peak, measured), and the **device total** adds the CUDA context, cuBLAS workspace and NCCL buffers
+  (:data:`CONTEXT_BYTES`, measured). ``fits`` is decided on the device total.
 
 Host RAM per node is the larger of two moments that do not overlap: loading (each of the g local ranks
 materialises the weights, ``g·load_bytes·Ψ``; at stage 3 under zero.Init one layer at a time, ``g·load_bytes·L``,
@@ -58,6 +63,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from ftkit.model.shape import ModelShape, TensorSpec
+from ftkit.plan.profile import Profile, closed_form
 from ftkit.recipe.rules import offload_problems
 
 GiB = 1024**3
@@ -65,21 +71,21 @@ GiB = 1024**3
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 OFFLOAD_TARGETS = ("none", "cpu", "nvme")
 
-# Fixed part of the margin: CUDA context (~0.5 GiB on H100), NCCL communicator buffers and cuBLAS workspaces.
-MARGIN_FIXED_BYTES = int(1.5 * GiB)
-# Proportional part: PyTorch's caching allocator fragments; 5% of the rest has been enough in practice.
-MARGIN_FRACTION = 0.05
+# Measured on an H200 (tests/plan/data/h200-2026-11-27.json, from ../shared/gpu/measurements-2026-11-27.json): the
+# caching allocator's reserved peak was 1.093, 1.125 and 1.059 x its allocated peak (ZeRO-2, ZeRO-3, LoRA ZeRO-3), and
+# nvidia-smi showed 1.29-1.67 GiB more than reserved (CUDA context, cuBLAS workspace, NCCL buffers).
+RESERVED_FACTOR = 1.09
+CONTEXT_BYTES = int(1.45 * GiB)
+# FSDP2's device total was 1.1 GiB above ZeRO-2's on the same model (16.26 against 15.17 GiB) though it holds less
+# (fp32 parameters but no 16-bit copy); not explained by the allocator model (no allocator numbers were read for it):
+# an allowance of 4 bytes per parameter it updates (its fp32 gradients' size) until measured (docs/accuracy.md).
+FSDP2_ALLOWANCE_PER_PARAM = 4
 
 # DeepSpeed defaults used by the NVMe and sub-group terms (deepspeed/runtime/zero/offload_config.py, config.py).
 SUB_GROUP_SIZE = 1_000_000_000
 NVME_OPTIMIZER_BUFFER_COUNT = 4  # offload_optimizer.buffer_count
 NVME_PARAM_BUFFER_COUNT = 5  # offload_param.buffer_count
 NVME_PARAM_BUFFER_SIZE = 100_000_000  # offload_param.buffer_size (elements)
-
-# Korthikanti et al. 2022, bytes per (token × hidden) per layer with 16-bit activations, no recomputation
-ACT_CONST = 34
-ACT_SCORES = 5
-
 
 # ------------------------------------------------------------------------------------------------ candidates
 
@@ -185,7 +191,7 @@ class Workload:
     precision: str = "bf16"  # bf16 | fp16 | fp32
     lora_params: int | None = None  # trainable adapter parameters; None = full fine-tuning
     gradient_checkpointing: bool = False
-    flash_attention: bool = False  # attention kernel never materialises the s×s scores (SDPA/flash)
+    eager_attention: bool = False  # attention materialises the s×s scores (config.json's attn_implementation eager)
     reduce_bucket_size: int | None = None  # None: h² (docs/design.md, Rendering rules)
     allgather_bucket_size: int = 500_000_000
     stage3_prefetch_bucket_size: int | None = None  # None: int(0.9·h²)
@@ -193,7 +199,11 @@ class Workload:
     overlap_comm: bool | None = None  # None: docs/design.md, Rendering rules (true at stage 3, false at 1/2)
     pin_memory: bool = True  # offloaded states in page-locked host memory
     load_bytes_per_param: int | None = None  # bytes per weight while loading; None: k (loaded in training dtype)
-    grad_accum: int = 1  # micro-steps per optimizer step (FSDP2 holds unsharded gradients across them)
+    grad_accum: int = 1  # micro-steps per optimizer step (gradients some engines hold across them)
+    accelerator: str = "cuda"  # cuda | cpu: a CPU rank has no CUDA context nor caching allocator
+    profile: Profile | None = None  # activations and work per micro-step (None: the closed form, ftkit.plan.profile)
+    profile_zero3: Profile | None = None  # LoRA at DeepSpeed ZeRO-3 (its linear keeps frozen layers' inputs)
+    lora_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISION_BYTES:
@@ -237,6 +247,21 @@ class Workload:
     def overlap(self, stage: int) -> bool:
         return self.overlap_comm if self.overlap_comm is not None else stage == 3
 
+    def profile_for(self, c: Candidate) -> Profile:
+        """The activation profile the candidate's engine runs: ZeRO-3's own for LoRA under DeepSpeed stage 3."""
+        if c.stage == 3 and not isinstance(c, Fsdp2) and self.lora_params is not None and self.profile_zero3:
+            return self.profile_zero3
+        if self.profile is not None:
+            return self.profile
+        return closed_form(
+            self.shape,
+            self.k,
+            gradient_checkpointing=self.gradient_checkpointing,
+            eager_attention=self.eager_attention,
+            lora_dropout=self.lora_dropout,
+            why="no profile given",
+        )
+
 
 # ------------------------------------------------------------------------------------------------ the estimate
 
@@ -250,17 +275,36 @@ class Estimate:
     """
 
     candidate: Candidate
-    components: dict[str, int]
+    components: dict[str, int]  # the device total by component, at the phase that peaks (+ reserved, context)
     host_components: dict[str, int]
     pinned_bytes_per_node: int = 0  # the part of the offload terms that is page-locked (cannot be swapped out)
     nvme_bytes_per_node: int = 0
     fits: bool = True
     reason: str = ""
     notes: tuple[str, ...] = field(default=(), compare=False)
+    # model states as DeepSpeed's estimators count them (weights, gradient and fp32 partitions, stage 3's gathered
+    # largest layer), whatever the phase; and the allocator's bytes at each phase of a step
+    states: dict[str, int] = field(default_factory=dict, compare=False)
+    phases: dict[str, int] = field(default_factory=dict, compare=False)
 
     @property
     def total_bytes(self) -> int:
+        """The device total: what nvidia-smi shows at the peak (allocator peak + reserved + CUDA context)."""
         return sum(self.components.values())
+
+    @property
+    def allocator_bytes(self) -> int:
+        """``torch.cuda.max_memory_allocated()``'s prediction: the largest phase."""
+        return max(self.phases.values()) if self.phases else self.total_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        """``torch.cuda.max_memory_reserved()``'s prediction."""
+        return self.allocator_bytes + self.components.get("reserved", 0)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda k: self.phases[k]) if self.phases else ""
 
     @property
     def total_gb(self) -> float:
@@ -269,7 +313,7 @@ class Estimate:
     @property
     def model_states_bytes(self) -> int:
         """Weights + gradients + optimizer states (+ stage 3's gathered largest layer): what DeepSpeed estimates."""
-        c = self.components
+        c = self.states or self.components
         return c["weights"] + c["gradients"] + c["optimizer_states"] + c["largest_layer"]
 
     @property
@@ -305,21 +349,22 @@ def _flat_partition(numel: int, world_size: int) -> int:
     return _ceil_div(numel, alignment) * alignment // world_size
 
 
-def activation_bytes(w: Workload) -> int:
-    """Activations per GPU (Korthikanti et al. 2022), see the module docstring."""
-    s, b, h, a, layers = w.seq_len, w.micro_batch_size, w.shape.hidden_size, w.shape.num_heads, w.shape.num_layers
-    per_token = ACT_CONST + (0 if w.flash_attention else ACT_SCORES * a * s / h)
-    per_layer = s * b * h * per_token * w.k / 2
-    if w.gradient_checkpointing:
-        total = layers * 2 * s * b * h * w.k / 2 + per_layer
-    else:
-        total = layers * per_layer
-    return int(total)
+def activation_bytes(w: Workload, c: Candidate | None = None) -> int:
+    """Bytes autograd keeps from forward to backward (the profile's ``saved``), per GPU."""
+    prof = w.profile_for(c or Candidate(2))
+    return prof.activation_bytes(w.seq_len, w.micro_batch_size)
 
 
-def logits_bytes(w: Workload) -> int:
-    """k-bit logits from lm_head plus the fp32 upcast the loss makes: s·b·V·(k + 4)."""
-    return w.seq_len * w.micro_batch_size * w.shape.vocab_size * (w.k + 4)
+def activation_peak_bytes(w: Workload, c: Candidate | None = None) -> int:
+    """The most bytes live at once in forward or backward besides the model states: activations, the loss's fp32
+    logits and cross-entropy temporaries, the gradients of activations (the profile's ``peak``)."""
+    prof = w.profile_for(c or Candidate(2))
+    return prof.peak_bytes(w.seq_len, w.micro_batch_size)
+
+
+def logits_bytes(w: Workload, c: Candidate | None = None) -> int:
+    """What the peak holds beyond the saved activations: mostly the loss's fp32 logits and temporaries."""
+    return max(0, activation_peak_bytes(w, c) - activation_bytes(w, c))
 
 
 def estimate(c: Candidate, w: Workload) -> Estimate:
@@ -330,6 +375,8 @@ def estimate(c: Candidate, w: Workload) -> Estimate:
     full_ft = w.lora_params is None
     mixed = k == 2
     opt_on_gpu = c.offload_optimizer == "none"
+    fsdp = isinstance(c, Fsdp2)
+    ga = w.grad_accum
 
     # per-rank element counts, padded as DeepSpeed pads them (rank_partition has the exact per-tensor version)
     if c.stage == 3:
@@ -342,45 +389,93 @@ def estimate(c: Candidate, w: Workload) -> Estimate:
         part_psi = psi
         part_phi = phi if c.stage == 0 else _flat_partition(phi, n)
 
-    comp: dict[str, int] = {}
     host: dict[str, int] = {}
     nvme = 0
     notes: list[str] = []
 
-    # weights
-    if c.stage < 3:
-        comp["weights"] = k * psi
+    # weights resident on the GPU: FSDP2 keeps fp32 masters as its (sharded) parameters (Accelerate upcasts them)
+    if fsdp:
+        weights = 4 * part_psi if c.offload_params == "none" else 0
+    elif c.stage < 3:
+        weights = k * psi
     else:
-        comp["weights"] = k * part_psi if c.offload_params == "none" else 0
+        weights = k * part_psi if c.offload_params == "none" else 0
 
-    # gradients (k-bit): full at stage 0/1, the partition at 2/3; with optimizer offload they go to the host. FSDP2
-    # under gradient accumulation keeps them unsharded until the step (Accelerate's no_sync: one reduce-scatter per
-    # optimizer step, tests/integration/plan/test_fsdp2_traffic.py)
-    if c.stage <= 1 or (isinstance(c, Fsdp2) and w.grad_accum > 1):
-        comp["gradients"] = k * phi
+    # optimizer states resident on the GPU: fp32 master + exp_avg + exp_avg_sq (FSDP2: Adam's two, its parameters are
+    # the masters); stage 0's bf16 optimizer also keeps fp32 gradients; plain Adam in fp32 training has no master copy
+    if not opt_on_gpu:
+        resident_opt, step_tmp = 0, 0
+    elif fsdp:
+        resident_opt, step_tmp = 8 * part_phi, 0  # torch's fused AdamW: no temporaries
+    elif c.stage == 0:
+        resident_opt, step_tmp = (16 if mixed else 8) * phi, 0
     else:
-        comp["gradients"] = k * part_phi if opt_on_gpu else 0
+        resident_opt, step_tmp = 12 * part_phi, 4 * part_phi  # + the fp32 gradient partition the step makes
 
-    # optimizer states: fp32 master + exp_avg + exp_avg_sq + fp32 gradient partition
-    if c.stage == 0:
-        comp["optimizer_states"] = (16 if mixed else 8) * phi
+    # gradients: those that exist when backward starts (kept across micro-steps, or a persistent buffer), and all of
+    # them at its end. Stage 0/1 keep param.grad; stage 2 a partition (reduced every micro-step); stage 3 a flat
+    # partition buffer for its whole life; FSDP2 fp32 sharded gradients, unsharded across gradient accumulation
+    # (Accelerate's no_sync). With optimizer offload the partitions are on the host.
+    if fsdp:
+        grads_end = 4 * part_phi if c.offload_params == "none" else 0
+        grads_start = k * phi if ga > 1 else 0
+        grads_end = max(grads_end, grads_start)
+    elif c.stage <= 1:
+        grads_end = k * phi
+        grads_start = k * phi if ga > 1 and c.stage == 1 else 0
+    elif c.stage == 2:
+        grads_end = k * part_phi if opt_on_gpu else 0
+        grads_start = grads_end if ga > 1 else 0
     else:
-        comp["optimizer_states"] = 16 * part_phi if opt_on_gpu else 0
+        grads_end = grads_start = k * part_phi if opt_on_gpu else 0
 
-    # stage 3: the largest layer gathered whole (params + grads), plus the prefetched parameters
-    if c.stage == 3:
-        comp["largest_layer"] = 2 * k * L
+    # stage 3 (and FSDP2 resharding after forward): the largest layer gathered whole (params + grads), plus the
+    # prefetched parameters; FSDP2 without resharding keeps every unit's 16-bit parameters from forward to backward
+    if fsdp and c.stage == 2:
+        largest, prefetch = k * psi, 0
+    elif c.stage == 3:
+        largest = 2 * k * L
         live_budget = max(0, w.stage3_max_live_parameters - L)
-        comp["prefetch"] = k * min(w.prefetch_bucket(), live_budget, max(0, psi - L))
+        prefetch = k * min(w.prefetch_bucket(), live_budget, max(0, psi - L))
     else:
-        comp["largest_layer"] = 0
-        comp["prefetch"] = 0
-
-    comp["activations"] = activation_bytes(w)
-    comp["logits"] = logits_bytes(w)
+        largest = prefetch = 0
     # stage 1/2 double-buffer the gradient reduction bucket with overlap_comm; stage 3 keeps one (stage3.py)
-    comp["comm_buckets"] = k * w.reduce_bucket() * (2 if c.stage in (1, 2) and w.overlap(c.stage) else 1)
-    comp["margin"] = MARGIN_FIXED_BYTES + int(MARGIN_FRACTION * sum(comp.values()))
+    buckets = 0 if fsdp else k * w.reduce_bucket() * (2 if c.stage in (1, 2) and w.overlap(c.stage) else 1)
+    allowance = FSDP2_ALLOWANCE_PER_PARAM * part_phi if fsdp and w.accelerator != "cpu" else 0
+
+    prof = w.profile_for(c)
+    s_, b_ = w.seq_len, w.micro_batch_size
+    saved = prof.activation_bytes(s_, b_)
+    peak = max(saved, prof.peak_bytes(s_, b_))
+    first_grad = prof.largest_grad_bytes if full_ft else 0
+    fixed = weights + resident_opt + largest + prefetch + buckets + allowance
+    fwd_bwd = fixed + grads_start + peak + first_grad
+    bwd_end = fixed + grads_end + int(prof.peak.layer(s_, b_))
+    step = weights + resident_opt + step_tmp + grads_end + buckets + allowance
+    phases = {"forward/backward": fwd_bwd, "end of backward": bwd_end, "optimizer step": step}
+    top = max(phases, key=lambda x: phases[x])
+    comp: dict[str, int] = {"weights": weights}
+    if top == "forward/backward":
+        comp.update(gradients=grads_start + first_grad, optimizer_states=resident_opt)
+        comp.update(largest_layer=largest, prefetch=prefetch, activations=saved, logits=peak - saved)
+    elif top == "end of backward":
+        comp.update(gradients=grads_end, optimizer_states=resident_opt, largest_layer=largest, prefetch=prefetch)
+        comp.update(activations=phases[top] - fixed - grads_end, logits=0)
+    else:
+        comp.update(gradients=grads_end, optimizer_states=resident_opt + step_tmp, largest_layer=0, prefetch=0)
+        comp.update(activations=0, logits=0)
+    comp["comm_buckets"] = buckets
+    if allowance:
+        comp["fsdp2_allowance"] = allowance
+    cuda = w.accelerator != "cpu"
+    comp["reserved"] = int(phases[top] * (RESERVED_FACTOR - 1)) if cuda else 0
+    comp["context"] = CONTEXT_BYTES if cuda else 0
+    states = {
+        "weights": weights if not fsdp else (k * part_psi if c.offload_params == "none" else 0),
+        "gradients": (k * phi if c.stage <= 1 else k * part_phi if opt_on_gpu else 0),
+        "optimizer_states": (16 if (mixed or c.stage) else 8) * (part_phi if c.stage else phi) if opt_on_gpu else 0,
+        "largest_layer": largest,
+    }
 
     # host RAM per node
     load_bytes = w.load_bytes_per_param if w.load_bytes_per_param is not None else k
@@ -405,7 +500,16 @@ def estimate(c: Candidate, w: Workload) -> Estimate:
         swap = NVME_PARAM_BUFFER_COUNT * NVME_PARAM_BUFFER_SIZE * k
         host["param_swap"] = g * swap
         pinned += g * swap
-    return Estimate(c, comp, host, pinned_bytes_per_node=pinned, nvme_bytes_per_node=nvme, notes=tuple(notes))
+    return Estimate(
+        c,
+        comp,
+        host,
+        pinned_bytes_per_node=pinned,
+        nvme_bytes_per_node=nvme,
+        notes=tuple(notes),
+        states=states,
+        phases=phases,
+    )
 
 
 def estimate_all(w: Workload, cands: Iterable[Candidate] | None = None) -> list[Estimate]:
@@ -479,6 +583,19 @@ def choose(
     return Choice(chosen, tuple(out))
 
 
+def largest_fitting_micro_batch(w: Workload, fits: Callable[[Workload], bool]) -> int:
+    """The largest micro batch below ``w.micro_batch_size`` for which ``fits`` holds, 0 if not even 1 does. Memory
+    grows with the micro batch, so a bisection finds it in log2(micro batch) tries (trying every smaller one took
+    minutes for ``train.micro_batch_size=1000000``)."""
+    if w.micro_batch_size <= 1 or not fits(replace(w, micro_batch_size=1)):
+        return 0
+    lo, hi = 1, w.micro_batch_size  # lo fits; hi is not known to
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(replace(w, micro_batch_size=mid)) else (lo, mid)
+    return lo
+
+
 def suggestions(
     w: Workload,
     gpu_memory_gb: float,
@@ -504,14 +621,14 @@ def suggestions(
         e = best(replace(w, gradient_checkpointing=True))
         if e:
             out.append(f"enable gradient checkpointing (model.gradient_checkpointing: true): {e.summary()}")
-    for mb in range(w.micro_batch_size - 1, 0, -1):
+    mb = largest_fitting_micro_batch(w, lambda v: best(v) is not None)
+    if mb:
         e = best(replace(w, micro_batch_size=mb))
-        if e:
-            out.append(
-                f"lower train.micro_batch_size to {mb} (raise gradient accumulation to keep the global "
-                f"batch): {e.summary()}"
-            )
-            break
+        assert e is not None  # largest_fitting_micro_batch saw it fit
+        out.append(
+            f"lower train.micro_batch_size to {mb} (raise gradient accumulation to keep the global batch): "
+            f"{e.summary()}"
+        )
     for nodes in range(w.num_nodes + 1, max_nodes + 1):
         v = replace(w, world_size=nodes * w.gpus_per_node)
         e = best(v)

@@ -1,111 +1,36 @@
-"""From a validated recipe (plus cluster and model config) to a Plan: every number the configs need, with its reason.
+"""From the inputs of a recipe to a Plan: every number the configs need, with its reason.
 
 The plan is the single place where derived values are computed: world size, the batch triple, the ZeRO stage and
-offload (resolving ``auto`` through :mod:`ftkit.plan.memory`), bucket sizes from the model's hidden size. Renderers and
-the training entry only read it, so the DeepSpeed JSON, the Accelerate YAML and the TrainingArguments agree.
-Every knob the configs carry is decided here (the rules in :mod:`ftkit.plan.knobs`) with where its value came from;
-``ftkit explain`` prints that without rendering anything.
+offload (resolving ``auto`` through :mod:`ftkit.plan.candidates`), bucket sizes from the model's hidden size.
+Renderers and the training entry only read it, so the DeepSpeed JSON, the Accelerate YAML and the TrainingArguments
+agree. Every knob the configs carry is decided here (the rules in :mod:`ftkit.plan.knobs`) with where its value
+came from; ``ftkit explain`` prints that without rendering anything.
+
+:func:`plan_from` is pure: everything it reads is in its :class:`~ftkit.plan.types.PlanInputs`, gathered once at the
+edge (:func:`ftkit.plan.inputs.gather`). :func:`build_plan` is the two together, with the step-time calibration from
+the run directory's own earlier attempts (:func:`calibration_points`). ``train.backend: auto`` picks its candidate
+first and builds the plan once, for that backend.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, TypeAlias, TypeVar
 
-from ftkit.cluster.hostfile import apply_filters, parse_hostfile
 from ftkit.cluster.hosts import LOCAL_HOSTS
-from ftkit.cluster.slurm import allocation_hosts, in_allocation, job_port
-from ftkit.errors import Problem, RecipeError, UserError
-from ftkit.model.config import config_source
-from ftkit.model.shape import hidden_size, load_config_file, load_model_config
-from ftkit.plan.candidates import plan_memory
+from ftkit.errors import FtkitError, Problem, RecipeError
+from ftkit.plan.calibrate import measured_step, run_recipe
+from ftkit.plan.candidates import plan_memory, predict_plan
 from ftkit.plan.comm import ZeroPP
 from ftkit.plan.fsdp import resolve_fsdp
+from ftkit.plan.inputs import gather, resolve_cluster
 from ftkit.plan.knobs import decide_config_knobs, decide_zero_knobs
 from ftkit.plan.memory import PRECISION_BYTES, Candidate, Fsdp2
-from ftkit.plan.tiers import LocalTier, measured_costs, plan_local_tier
+from ftkit.plan.speed import Calibration, CalPoint, fit
+from ftkit.plan.tiers import plan_local_tier
+from ftkit.plan.types import Knob, KnobValue, MemoryReport, Plan, PlanInputs
 from ftkit.recipe.load import CLI, DEFAULT, Recipe
-from ftkit.recipe.schema import Value
-from ftkit.rundir.records import JSONObject
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ftkit.plan.candidates import MemoryReport
-
-
-KnobValue: TypeAlias = Value  # one value of ds_config.json or accelerate.yaml (a recipe value, or a rule's)
-_V = TypeVar("_V", bound=KnobValue)
-
-
-@dataclass(frozen=True)
-class Knob:
-    value: KnobValue
-    why: str  # the rule or source that produced the value
-
-
-@dataclass
-class Plan:
-    recipe: Recipe
-    hosts: list[tuple[str, int]]  # (host, processes) in rank order
-    master_addr: str
-    master_port: int
-    micro_batch_size: int
-    grad_accum: int
-    global_batch_size: int
-    stage: int
-    offload_optimizer: str
-    offload_params: str
-    hidden_size: int
-    model_config: JSONObject
-    knobs: dict[str, Knob] = field(default_factory=dict)
-    memory: MemoryReport | None = None  # the memory and step-time plan (ftkit.plan.candidates), when computed
-    # host -> the device (slot) indices an --include/--exclude selection kept (empty without a filter): the command
-    # builder hands them to the engine (deepspeed --include, else CUDA_VISIBLE_DEVICES on the node)
-    devices: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    # the config.json read for model_config (a model directory's, the hub cache's, or model.config) and its label
-    model_config_file: str = ""
-    model_config_label: str = ""
-    # what the plan could not estimate (a user command's model whose config.json cannot be read): one line each
-    unknown: list[str] = field(default_factory=list)
-    local_tier: LocalTier | None = None  # the node-local checkpoint tier (ftkit.plan.tiers), None: off
-    local_tier_off: str = ""  # why it is off
-    # train.backend auto: the memory and step-time plan across both backends that chose this plan's backend
-    backend_report: MemoryReport | None = None
-    # whether every host of the launch can load DeepSpeed's CPU Adam (prebuilt, or a C++ compiler, ninja and, on a
-    # CUDA host, nvcc to build it), as ftkit launch's preflight found (ftkit.run.ops); None: not checked (render,
-    # plan): zero.cpu_adam auto then renders torch's AdamW, which needs nothing compiled
-    cpu_adam_ok: bool | None = None
-
-    @property
-    def world_size(self) -> int:
-        return sum(n for _, n in self.hosts)
-
-    @property
-    def num_nodes(self) -> int:
-        return len(self.hosts)
-
-    @property
-    def procs_per_node(self) -> int:
-        return self.hosts[0][1]
-
-    @property
-    def uniform(self) -> bool:
-        return len({n for _, n in self.hosts}) == 1
-
-    @property
-    def is_local(self) -> bool:
-        return self.num_nodes == 1 and self.hosts[0][0] in LOCAL_HOSTS
-
-    @property
-    def sharding_why(self) -> str:
-        """Why the run shards as it does: the ZeRO stage's reason, or FSDP2's resharding choice."""
-        knob = "fsdp_reshard_after_forward" if self.recipe.train.backend == "fsdp2" else "zero_optimization.stage"
-        return self.knobs[knob].why
-
-    def note(self, knob: str, value: _V, why: str) -> _V:
-        self.knobs[knob] = Knob(value, why)
-        return value
+__all__ = ["Knob", "KnobValue", "MemoryReport", "Plan", "PlanInputs", "build_plan", "plan_from", "resolve_hosts"]
 
 
 def _src(recipe: Recipe, key: str) -> str:
@@ -118,52 +43,6 @@ def resolve_hosts(recipe: Recipe, include: str | None = None, exclude: str | Non
     return resolve_cluster(recipe, include, exclude)[0]
 
 
-def resolve_cluster(
-    recipe: Recipe, include: str | None = None, exclude: str | None = None
-) -> tuple[list[tuple[str, int]], dict[str, tuple[int, ...]]]:
-    """The (host, slots) list in rank order, and the device indices a slot selection kept on each host.
-
-    ``--include 'w0:1,3'`` on ``w0 slots=4`` gives ``[("w0", 2)]`` and ``{"w0": (1, 3)}``: two ranks, on devices 1
-    and 3. With a filter every kept host is in the dict (as DeepSpeed, which sets each node's visible devices to
-    its selection); without one the dict is empty and the ranks use devices ``0..n-1`` (of what is visible).
-    """
-    hostfile = recipe.cluster.hostfile
-    if recipe.cluster.engine == "slurm":  # the allocation's nodes (ftkit launch refuses outside one)
-        import os
-
-        if include or exclude:
-            raise RecipeError(Problem("--include/--exclude do not apply to engine slurm (use sbatch -w/-x)", file=CLI))
-        if in_allocation(os.environ):
-            return allocation_hosts(os.environ, recipe.cluster.gpus_per_node), {}
-        return [(f"node{i}", recipe.cluster.gpus_per_node) for i in range(recipe.cluster.num_nodes)], {}
-    if hostfile is None:
-        if include or exclude:
-            raise RecipeError(Problem("--include/--exclude need a hostfile (cluster.hostfile or --hostfile)", file=CLI))
-        n = recipe.cluster.num_nodes
-        if n == 1:
-            return [("localhost", recipe.cluster.gpus_per_node)], {}
-        return [(f"node{i}", recipe.cluster.gpus_per_node) for i in range(n)], {}
-
-    hf = parse_hostfile(hostfile)
-    if include or exclude:
-        hf = apply_filters(hf, include=include, exclude=exclude)
-    # This machine by any of its names (127.0.0.1, its hostname, its FQDN) is started locally, no ssh.
-    local = hf.num_nodes == 1 and hf.is_local_only
-    hosts = [("localhost" if local else h.name, h.slots) for h in hf.hosts]
-    devices = {name: h.slot_indices for (name, _), h in zip(hosts, hf.hosts, strict=True)} if include or exclude else {}
-    return hosts, devices
-
-
-def _master_port(recipe: Recipe) -> int:
-    """The recipe's port; under Slurm with the default port, one of the job's own (two jobs may share a node)."""
-    import os
-
-    port = recipe.cluster.master_port
-    if recipe.cluster.engine == "slurm" and recipe.sources.get("cluster.master_port", DEFAULT) == DEFAULT:
-        return job_port(os.environ, port)
-    return port
-
-
 def build_plan(
     recipe: Recipe,
     *,
@@ -174,23 +53,92 @@ def build_plan(
     with_memory: bool = True,
     strict: bool = True,
     unknown_model_ok: bool = False,
+    calibrate: bool = True,
     cpu_adam_ok: bool | None = None,
 ) -> Plan:
-    """Compute every derived value of the run; raises RecipeError naming the numbers when they do not fit.
+    """Gather the recipe's inputs (:func:`ftkit.plan.inputs.gather`, with the calibration kept beside the run, which
+    ``ftkit plan --calibrate`` or ``--probe`` wrote) and build the plan (:func:`plan_from`).
 
+    The run directory's own earlier attempts calibrate ``ftkit plan``'s numbers (:func:`ftkit.plan.load.plan_report`),
+    not a launch's choices: a relaunch must keep the stage its checkpoints were saved with (another is refused).
     ``cpu_adam_ok`` (ftkit launch, after its preflight probed every host): whether DeepSpeed's CPU Adam loads
-    everywhere, for ``zero.cpu_adam: auto`` (:attr:`Plan.cpu_adam_ok`).
+    everywhere, for ``zero.cpu_adam: auto`` (:attr:`PlanInputs.cpu_adam_ok`)."""
+    inputs = gather(
+        recipe,
+        include=include,
+        exclude=exclude,
+        hosts=hosts,
+        devices=devices,
+        with_memory=with_memory,
+        calibrate=calibrate,
+    )
+    if cpu_adam_ok is not None:
+        inputs = dataclasses.replace(inputs, cpu_adam_ok=cpu_adam_ok)
+    return plan_from(inputs, with_memory=with_memory, strict=strict, unknown_model_ok=unknown_model_ok)
+
+
+def merged(cal: Calibration | None, points: list[CalPoint], gpu: str) -> Calibration:
+    """``cal``'s points and ``points`` (a run's newer measurement replaces its older one), fitted again."""
+    runs = {p.run for p in points}
+    kept = [p for p in (cal.points if cal is not None else ()) if p.run not in runs]
+    every = [*kept, *points]
+    source = ", ".join(dict.fromkeys(p.run for p in every))
+    return fit(gpu, every, source)
+
+
+def calibration_points(run_dirs: list[str], gpu: str, skipped: dict[str, str] | None = None) -> list[CalPoint]:
+    """One point per run directory that measured enough steps and ran on this GPU class: its measured seconds per
+    step against this planner's uncalibrated parts for the configuration it ran (its ``ftkit/spec.json``). Why a
+    directory gave none goes to ``skipped``."""
+    out = []
+    why: dict[str, str] = {} if skipped is None else skipped
+    for d in run_dirs:
+        measured = measured_step(d)
+        if measured is None:
+            why[d] = "too few logged steps to measure a step time (metrics.jsonl)"
+            continue
+        ran = run_recipe(d)
+        if ran is None:
+            why[d] = "not an ftkit run directory (no ftkit/spec.json)"
+            continue
+        recipe, hosts = ran
+        try:
+            inputs = gather(recipe, hosts=hosts, calibrate=False)
+            if inputs.gpu != gpu or inputs.shape is None:
+                why[d] = f"ran on {inputs.gpu}, another GPU class than this recipe's ({gpu}): it cannot calibrate it"
+                continue
+            plan = plan_from(inputs, strict=False)
+            pred = predict_plan(plan)
+        except (FtkitError, OSError, ValueError, TypeError, KeyError) as e:
+            why[d] = f"its recorded recipe cannot be planned again ({(str(e).splitlines() or [type(e).__name__])[0]})"
+            continue
+        raw = pred.uncalibrated
+        if raw is None:
+            continue
+        other = pred.exposed_comm_s + pred.host_s
+        out.append(CalPoint(str(d), pred.candidate.label, measured[0], raw.gpu_s, raw.host_s, other, measured[1]))
+    return out
+
+
+def plan_from(
+    inputs: PlanInputs,
+    *,
+    with_memory: bool = True,
+    strict: bool = True,
+    unknown_model_ok: bool = False,
+) -> Plan:
+    """Compute every derived value of the run from ``inputs`` (no I/O); raises RecipeError naming the numbers when
+    they do not fit.
 
     ``strict=False`` (``ftkit plan``) keeps going when ``auto`` finds nothing that fits: the plan then carries
     the slowest candidate so the table and the suggestions can still be printed. ``unknown_model_ok`` (a user
     command, which loads its own model): a config.json that cannot be read is no error; the plan uses DeepSpeed's
     default bucket sizes, estimates no memory, and says so in ``Plan.unknown`` (``zero.stage: auto`` still needs it).
     """
-
+    recipe = inputs.recipe
     problems: list[Problem] = []
-    if hosts is None:
-        hosts, devices = resolve_cluster(recipe, include, exclude)
-    devices = {h: d for h, d in (devices or {}).items() if h in {name for name, _ in hosts}}
+    hosts = list(inputs.hosts)
+    devices = dict(inputs.devices)
     world = sum(n for _, n in hosts)
 
     def problem(key: str, message: str) -> None:
@@ -234,20 +182,12 @@ def build_plan(
     else:
         master_why = _src(recipe, "cluster.master_addr")
 
-    source, unknown_why = None, ""
-    try:
-        source = config_source(recipe.model, base=recipe.base_dir)
-        cfg = (
-            load_config_file(source.file)
-            if source.hub_id or recipe.model.config
-            else load_model_config(recipe.model.path)
-        )
-        h = hidden_size(cfg)
-    except UserError as e:  # ModelConfigError: re-anchor it at the recipe's model.path line
+    cfg, h = inputs.model_config, inputs.hidden_size
+    unknown_why = inputs.model_unknown
+    if inputs.model_problems:  # ModelConfigError: re-anchor it at the recipe's model.path line
         key = "model.config" if recipe.model.config else "model.path"
-        unknown_why = "; ".join(p.message for p in e.problems) or str(e)
         if not unknown_model_ok:
-            for p in e.problems:
+            for p in inputs.model_problems:
                 problem(key, p.message if p.file else str(p))
         elif recipe.zero.stage == "auto" or recipe.zero.offload_optimizer == "auto":
             problem("zero.stage", f"auto needs the model's config ({unknown_why}): set zero.stage and offload")
@@ -259,7 +199,7 @@ def build_plan(
         recipe=recipe,
         hosts=hosts,
         master_addr=master,
-        master_port=_master_port(recipe),
+        master_port=inputs.master_port,
         micro_batch_size=micro,
         grad_accum=gbs // per_step,
         global_batch_size=gbs,
@@ -268,11 +208,12 @@ def build_plan(
         offload_params="none",
         hidden_size=h,
         model_config=cfg,
-        model_config_file=source.file if source else "",
-        model_config_label=source.label if source else "",
+        model_config_file=inputs.model_config_file,
+        model_config_label=inputs.model_config_label,
         devices=devices,
-        cpu_adam_ok=cpu_adam_ok,
+        inputs=inputs,
     )
+    label = inputs.model_config_label or f"{recipe['model.path']}/config.json"
     plan.note(
         "world_size",
         world,
@@ -287,7 +228,7 @@ def build_plan(
         "gradient_accumulation_steps", plan.grad_accum, f"global_batch_size {gbs} / (micro {micro} x world {world})"
     )
     plan.note("train_batch_size", gbs, f"train.global_batch_size ({_src(recipe, 'train.global_batch_size')})")
-    plan.note("hidden_size", h, source.label if source else f"{recipe['model.path']}/config.json")
+    plan.note("hidden_size", h, label)
 
     if not cfg and unknown_model_ok:
         plan.unknown.append(
@@ -295,10 +236,11 @@ def build_plan(
         )
         with_memory = False
     if recipe.train.backend == "auto":
-        return _resolve_backend(plan, with_memory, strict, unknown_model_ok)
-    if recipe.train.backend == "fsdp2":
+        _resolve_backend(plan, with_memory, strict)
+    if plan.recipe.train.backend == "fsdp2":
         resolve_fsdp(plan, _src)
         _resolve_local_tier(plan)
+        _note_backend(plan)
         return plan
     _resolve_zero(plan, with_memory, strict)
     if plan.unknown:  # no hidden size: DeepSpeed's own defaults instead of h-derived sizes
@@ -311,14 +253,29 @@ def build_plan(
                 plan.note(knob, value, "DeepSpeed's default: the model's hidden size is unknown")
     decide_config_knobs(plan)
     _resolve_local_tier(plan)
+    _note_backend(plan)
     return plan
 
 
-def _resolve_backend(plan: Plan, with_memory: bool, strict: bool, unknown_model_ok: bool) -> Plan:
+def _note_backend(plan: Plan) -> None:
+    """``train.backend: auto``: the backend and the choice's knobs, with the choice's reason."""
+    report = plan.backend_report
+    if report is None:
+        return
+    why = f"auto: {report.choice_reason}"
+    plan.note("backend", plan.recipe.train.backend, why)
+    if plan.recipe.train.backend == "fsdp2":
+        plan.note("fsdp_reshard_after_forward", plan.stage == 3, why)
+        plan.note("fsdp_offload_params", plan.offload_params != "none", why)
+    else:
+        plan.note("zero_optimization.stage", plan.stage, why)
+
+
+def _resolve_backend(plan: Plan, with_memory: bool, strict: bool) -> None:
     """``train.backend: auto``: the fastest candidate that fits across ZeRO and FSDP2 (one memory and step-time
-    model, :func:`ftkit.plan.candidates.plan_memory`) picks the backend; the plan is then built for that backend
-    with that candidate's settings, so everything downstream (configs, spec, ranks) sees a concrete backend. A tie
-    goes to DeepSpeed (listed first)."""
+    model, :func:`ftkit.plan.candidates.plan_memory`) picks the backend, first; the plan then goes on with the
+    recipe made concrete (that backend, that candidate's settings), so everything downstream (configs, spec, ranks)
+    sees ``deepspeed`` or ``fsdp2``. A tie goes to DeepSpeed (listed first)."""
     r = plan.recipe
     if not with_memory or plan.unknown:
         raise RecipeError(
@@ -348,25 +305,8 @@ def _resolve_backend(plan: Plan, with_memory: bool, strict: bool, unknown_model_
         )
     else:
         values["train.backend"] = "deepspeed"
-    concrete = dataclasses.replace(r, values=values)
-    out = build_plan(
-        concrete,
-        hosts=plan.hosts,
-        devices=plan.devices,
-        with_memory=with_memory,
-        strict=strict,
-        unknown_model_ok=unknown_model_ok,
-        cpu_adam_ok=plan.cpu_adam_ok,
-    )
-    why = f"auto: {report.choice_reason}"
-    out.note("backend", values["train.backend"], why)
-    if isinstance(cand, Fsdp2):
-        out.note("fsdp_reshard_after_forward", cand.stage == 3, why)
-        out.note("fsdp_offload_params", cand.offload_params != "none", why)
-    else:
-        out.note("zero_optimization.stage", out.stage, why)
-    out.backend_report = report
-    return out
+    plan.recipe = dataclasses.replace(r, values=values)
+    plan.backend_report = report
 
 
 def _resolve_local_tier(plan: Plan) -> None:
@@ -379,7 +319,8 @@ def _resolve_local_tier(plan: Plan) -> None:
     step_s = None
     if rep is not None and selected is not None and selected.candidate.label in rep.predictions:
         step_s = rep.predictions[selected.candidate.label].step_time_s
-    save_s, measured_step = measured_costs(Path(r.train.output_dir))
+    save_s = plan.inputs.measured_save_s if plan.inputs is not None else None
+    measured_step = plan.inputs.measured_step_s if plan.inputs is not None else None
     tier, why = plan_local_tier(
         r,
         num_nodes=plan.num_nodes,
@@ -394,6 +335,7 @@ def _resolve_local_tier(plan: Plan) -> None:
         step_time_s=step_s,
         measured_save_s=save_s,
         measured_step_s=measured_step,
+        run_dir=plan.inputs.run_dir if plan.inputs is not None and plan.inputs.run_dir else None,
     )
     plan.local_tier, plan.local_tier_off = tier, why
     if tier is not None:

@@ -20,14 +20,10 @@ import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from ftkit.recipe.load import Recipe
 from ftkit.rundir.layout import RunDir, read_metrics
 from ftkit.rundir.spec import LocalTierSpec
-
-if TYPE_CHECKING:
-    from ftkit.plan.plan import Plan
-    from ftkit.recipe.load import Recipe
 
 GiB = 1 << 30
 DEFAULT_ROOT = "/dev/shm"  # a RAM disk on every Linux node: the fastest local tier there is
@@ -69,9 +65,11 @@ def shm_bytes(tier: LocalTier | None) -> int:
     return int(tier.bytes_per_node * (tier.keep + 1 + tier.peer_copies))
 
 
-def default_dir(run_dir: str, name: str) -> str:
-    """``/dev/shm/ftkit-<name>-<hash of the run directory>/{host}``: one directory per run, then per node."""
-    digest = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:8]
+def default_dir(run_dir: str, name: str, resolved: bool = False) -> str:
+    """``/dev/shm/ftkit-<name>-<hash of the run directory>/{host}``: one directory per run, then per node
+    (``resolved``: ``run_dir`` is already its resolved absolute path, as :func:`ftkit.plan.inputs.gather` gives it)."""
+    path = run_dir if resolved else str(Path(run_dir).resolve())
+    digest = hashlib.sha1(path.encode()).hexdigest()[:8]
     return f"{DEFAULT_ROOT}/ftkit-{name}-{digest}/{{host}}"
 
 
@@ -114,6 +112,7 @@ def plan_local_tier(
     step_time_s: float | None,
     measured_save_s: float | None = None,
     measured_step_s: float | None = None,
+    run_dir: str | None = None,
 ) -> tuple[LocalTier | None, str]:
     """The local tier for this run, or None and why it is off (one line)."""
     c = recipe.checkpoint
@@ -135,7 +134,7 @@ def plan_local_tier(
                 f"auto: the tier needs {need_gb:.1f} GiB of host memory per node, {room:.1f} GiB is left "
                 "(cluster.host_memory_gb less 10% and the plan's offload): off; set checkpoint.local_dir to local NVMe"
             )
-        directory = default_dir(recipe.train.output_dir, recipe.name)
+        directory = default_dir(run_dir or recipe.train.output_dir, recipe.name, resolved=run_dir is not None)
         where = f"auto: {need_gb:.2f} GiB per node fits in host memory"
     else:
         directory = str(c.local_dir)
@@ -152,7 +151,7 @@ def plan_local_tier(
     return LocalTier(directory, steps, int(c.local_keep), int(c.peer_copies), size, f"{where}; {cadence}"), ""
 
 
-def measured_costs(run_dir: Path) -> tuple[float | None, float | None]:
+def measured_costs(run_dir: str | Path) -> tuple[float | None, float | None]:
     """(median seconds the ranks blocked per local save, median seconds per optimizer step) from earlier attempts'
     metrics.jsonl; None where nothing was measured."""
     try:
@@ -169,11 +168,10 @@ def measured_costs(run_dir: Path) -> tuple[float | None, float | None]:
     return (statistics.median(saves) if saves else None), (statistics.median(gaps) if gaps else None)
 
 
-def local_tier_line(plan: Plan) -> str:
+def local_tier_line(t: LocalTier | None, off: str) -> str:
     """``ftkit plan``'s line for the local tier: where, how often, the host memory per node, or why it is off."""
-    t = plan.local_tier
     if t is None:
-        return f"local checkpoint tier: off ({plan.local_tier_off})"
+        return f"local checkpoint tier: off ({off})"
     held = f"{t.keep} kept + 1 being copied" + (" + the previous node's part" if t.peer_copies else "")
     return (
         f"local checkpoint tier: {t.dir}, a save every {t.steps} step(s), copies to the run directory every "

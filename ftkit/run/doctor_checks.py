@@ -259,12 +259,10 @@ def check_facts(
     shm = f.get("shm") or {}
     if shm.get("error"):
         rep.fail(host, "shm", shm["error"], "mount a tmpfs on /dev/shm")
-    elif shm_need and shm.get("free", 0) < shm_need + tier_bytes:
+    elif shm_need and shm.get("free", 0) < shm_need:
         what = (
             f"DeepSpeed's CPU collectives need {shm_need // ranks >> 20} MiB per rank ({ranks} here: {_gib(shm_need)})"
         )
-        if tier_bytes:
-            what += f" and the local checkpoint tier {_gib(tier_bytes)}"
         rep.fail(
             host,
             "shm",

@@ -193,8 +193,9 @@ def test_plan_prints_and_exports_the_step_time(write_recipe, tmp_path: Path) -> 
     run = [sys.executable, "-m", "ftkit", "plan", str(p), *args]
     text = subprocess.run(run, capture_output=True, text=True, cwd=tmp_path)
     assert text.returncode == 0, text.stderr
-    assert "inter/step" in text.stdout and "tokens/s" in text.stdout and "MFU 40%" in text.stdout
-    assert "is the fastest predicted that fits" in text.stdout and "2.5 GB/s inter-node link" in text.stdout
+    assert "inter/step" in text.stdout and "tokens/s" in text.stdout and "per kernel launched" in text.stdout
+    assert "step times uncalibrated" in text.stdout
+    assert "ZeRO-1 is chosen" in text.stdout and "2.5 GB/s inter-node link" in text.stdout
     data = json.loads(subprocess.run([*run, "--json"], capture_output=True, text=True, cwd=tmp_path).stdout)
     for c in data["candidates"]:
         comm = c["comm_bytes_per_step"]
@@ -222,7 +223,7 @@ def test_bandwidth_file_overrides_the_recipe(write_recipe, tmp_path: Path, monke
 
 
 def test_plan_states_the_zeropp_margin_when_a_faster_candidate_loses_by_it(write_recipe, tmp_path: Path) -> None:
-    """At 3 GB/s between two nodes ZeRO-3 + hpZ/qwZ/qgZ is predicted 6% faster than ZeRO-1 but must win by 10%;
+    """At 2 GB/s between two nodes ZeRO-3 + hpZ/qwZ/qgZ is predicted 7% faster than ZeRO-1 but must win by 10%;
     the plan used to call ZeRO-1 "the fastest predicted" anyway."""
     import shutil
 
@@ -230,9 +231,9 @@ def test_plan_states_the_zeropp_margin_when_a_faster_candidate_loses_by_it(write
     p = write_recipe()
     args = ["zero.stage=auto", "cluster.num_nodes=2", "cluster.master_addr=10.0.0.1", "cluster.network=pcie-eth25"]
     args += ["train.global_batch_size=64", "train.micro_batch_size=1", "model.gradient_checkpointing=true"]
-    run = [sys.executable, "-m", "ftkit", "plan", str(p), *args, "cluster.inter_node_gbs=3"]
+    run = [sys.executable, "-m", "ftkit", "plan", str(p), *args, "cluster.inter_node_gbs=2"]
     out = subprocess.run(run, capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     line = next(x for x in out.stdout.splitlines() if x.startswith("this run:"))
     assert "ZeRO-1 is chosen" in line and "is the fastest predicted" not in line, line
-    assert "ZeRO-3 + hpZ/qwZ/qgZ is predicted 6% faster" in line and "must win by 10%" in line, line
+    assert "ZeRO-3 + hpZ/qwZ/qgZ is predicted 7% faster" in line and "must win by 10%" in line, line

@@ -112,7 +112,14 @@ def test_the_fsdp2_candidates_are_planned_on_zeros_model_of_the_same_sharding(wr
         ((False, False), Candidate(2)),
         ((True, True), Candidate(3, "cpu", "cpu")),
     ):
-        assert estimate(fsdp2_candidate(*fsdp), w).total_gb == estimate(zero, w).total_gb
+        f, z = estimate(fsdp2_candidate(*fsdp), w), estimate(zero, w)
+        # the same 16 bytes per parameter of model states as ZeRO's sharding, held FSDP2's way (fp32 sharded
+        # parameters, fp32 gradients, Adam's two states), plus the allowance measured on an H200 (docs/accuracy.md)
+        assert f.model_states_bytes >= z.model_states_bytes - 2 * w.shape.total_params
+        assert abs(f.total_gb - z.total_gb) < 0.1 * z.total_gb + 4 * w.shape.total_params / 2**30
+    # without resharding, every unit's 16-bit parameters stay gathered from forward to backward
+    no, yes = estimate(fsdp2_candidate(False, False), w), estimate(fsdp2_candidate(True, False), w)
+    assert no.components["largest_layer"] == 2 * w.shape.total_params > yes.components["largest_layer"]
     preds = rep.predictions
     assert preds["FSDP2"].step_time_s >= preds["FSDP2 (no reshard after forward)"].step_time_s
     runner = CliRunner()
@@ -216,11 +223,12 @@ def _auto(write_recipe, model_dir: Path, *overrides: str):
 
 
 def test_auto_picks_fsdp2_without_gradient_accumulation_and_zero1_with_it(write_recipe, model_dir, tmp_path) -> None:
-    """Llama-3.2-1B on 8 GPUs. One micro-step per optimizer step: FSDP2 without resharding moves the least (one
-    all-gather of the parameters and one reduce-scatter of the gradients, against ZeRO-1's all-reduce and the
-    gather of the updated partition). Eight micro-steps: FSDP2 gathers the parameters again every micro-step, ZeRO-1
-    reduces once per step, so ZeRO-1 wins. Each plan is then built for its backend: the configs follow."""
-    fsdp = _auto(write_recipe, model_dir, "train.global_batch_size=16")
+    """Llama-3.2-1B on 8 GPUs over PCIe. One micro-step per optimizer step: FSDP2 without resharding moves the least
+    (one all-gather of the parameters and one reduce-scatter of the gradients, against ZeRO-1's all-reduce and the
+    gather of the updated partition) and has the lightest hooks. Eight micro-steps: FSDP2 gathers the parameters again
+    every micro-step, ZeRO-1 reduces once per step, so ZeRO-1 wins. Each plan is then built for its backend: the
+    configs follow."""
+    fsdp = _auto(write_recipe, model_dir, "train.global_batch_size=16", "cluster.network=pcie-eth25")
     assert fsdp.recipe.train.backend == "fsdp2" and fsdp.grad_accum == 1
     why = fsdp.knobs["backend"].why
     assert why.startswith("auto: FSDP2 (no reshard after forward) is the fastest predicted that fits"), why
@@ -230,7 +238,7 @@ def test_auto_picks_fsdp2_without_gradient_accumulation_and_zero1_with_it(write_
     assert yaml.safe_load(files[ACCELERATE_FILE])["fsdp_config"]["fsdp_reshard_after_forward"] is False
     assert fsdp.recipe.cluster.engine == "accelerate"
 
-    zero = _auto(write_recipe, model_dir, "train.global_batch_size=128")
+    zero = _auto(write_recipe, model_dir, "train.global_batch_size=128", "cluster.network=pcie-eth25")
     assert zero.recipe.train.backend == "deepspeed" and zero.grad_accum == 8 and zero.stage == 1
     why = zero.knobs["backend"].why
     assert why.startswith("auto: ZeRO-1 is the fastest predicted that fits"), why
