@@ -12,6 +12,9 @@ The builds run with the ``PATH`` every rank gets (:func:`ftkit.rundir.env.path_w
 the ranks run finds them current. One op after another: ninja already compiles an op's sources in parallel (two
 at once took 95 s on 2 cores, one after the other 67 s).
 
+A build lock no process on the host holds (a killed build left it, :mod:`ftkit.cluster.buildlocks`) is removed
+first, with one line: torch would wait on it forever.
+
 With ``--json`` the last line is ``FTKIT_WARMUP {"op": {"ok": bool, "seconds": s, "error": "last line"}}``.
 """
 
@@ -24,6 +27,7 @@ import sys
 import time
 import traceback
 
+from ftkit.cluster.buildlocks import clear_stale_locks
 from ftkit.rundir.env import path_with_python_first
 
 MARK = "FTKIT_WARMUP "
@@ -49,6 +53,10 @@ def build(ops: list[str]) -> dict[str, dict[str, object]]:
 
     acc = get_accelerator()
     out: dict[str, dict[str, object]] = {}
+    # a build killed while it held torch's baton left its lock: torch would wait on it forever (make install hung
+    # until CI's time ran out); a lock no process holds is removed, one line each
+    for lock in clear_stale_locks(ops):
+        print(f"removed a stale build lock: {lock} (a killed build left it; nothing on this host held it)", flush=True)
     for op in ops:
         t0 = time.monotonic()
         name = BUILDERS.get(op, op)

@@ -131,6 +131,22 @@ def stale_build_locks(env: Mapping[str, str] | None = None) -> list[Path]:
     return [p for p, pid in lock_states(env) if pid is None]
 
 
+def clear_stale_locks(ops: Iterable[str], env: Mapping[str, str] | None = None) -> list[Path]:
+    """Remove the stale build locks (the module's rule) of the ops named; returns the locks removed. For the
+    warm-up, which is about to build those ops: torch would wait on such a lock forever."""
+    wanted = set(ops)
+    removed: list[Path] = []
+    for lock in stale_build_locks(env):
+        if lock.parent.name not in wanted:
+            continue
+        try:
+            lock.unlink()
+        except FileNotFoundError:  # its builder let go meanwhile
+            continue
+        removed.append(lock)
+    return removed
+
+
 def loading_hint(
     heartbeats: Iterable[Mapping[str, object]],
     now: float,

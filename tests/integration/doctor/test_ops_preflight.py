@@ -65,3 +65,32 @@ def test_a_failing_build_runs_once_before_the_ranks_and_is_one_line(tmp_path):
     auto = _recipe(tmp_path / "auto", "auto")
     r = clean_ftkit("explain", str(auto), env=env)
     assert r.returncode == 0 and "optimizer.impl                      torch-cpu" in r.stdout, r.stdout
+
+
+@pytest.mark.timeout(400)
+def test_the_warm_up_clears_a_build_lock_a_killed_build_left(tmp_path):
+    """A build killed while it held torch's build baton leaves ``<op>/lock``; torch waits on it forever, so
+    ``make install`` (and the launch's own warm-up) hung until CI's 90 minutes ran out. The warm-up removes a lock no
+    process holds (ftkit.cluster.buildlocks' rule), says so in one line, and builds."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers.runs import copy_op_builds
+
+    ext = copy_op_builds(tmp_path / "ext") or tmp_path / "ext"
+    lock = ext / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext), "DS_ACCELERATOR": "cpu"}
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "ftkit.launch.warmup", "--ops", "deepspeed_shm_comm", "--json"],
+            env=env, capture_output=True, text=True, timeout=300,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the warm-up still waits on the stale lock {lock} after 300 s")
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-2000:]
+    assert f"removed a stale build lock: {lock}" in text, text[-2000:]
+    assert not lock.exists()
