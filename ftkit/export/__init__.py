@@ -42,6 +42,7 @@ from ftkit.export.lora import adapter_entries, lora_math, merge_transform
 from ftkit.export.source import ADAPTER_CONFIG, FINAL, ExportRefused, RunFacts, Source, resolve, run_facts
 from ftkit.export.verify import Verdict, prove
 from ftkit.export.weights import OUT_DTYPES, Reader, parse_size
+from ftkit.rundir.outputs import run_state
 from ftkit.rundir.records import CommitExtra, FileEntry
 
 __all__ = [
@@ -240,6 +241,9 @@ def _check_target(target: Path, source: Source, *, force: bool, allow_final: boo
         raise UserError(Problem(f"overlaps {source.name}, the checkpoint being exported", file=where, key="-o"))
     if t.parent == run and (_CKPT_NAME.match(t.name) or (t.name == FINAL and not allow_final)):
         raise UserError(Problem("is a name the run itself uses (checkpoint-N, final); pick another", file=where))
+    state = None if allow_final and t == run / FINAL else run_state(t)
+    if state is not None:  # this run's or another's: its records, logs, checkpoints (--force or not)
+        raise UserError(Problem(f"{state}: an export never goes there; pick another", file=where, key="-o"))
     if t.exists() or t.is_symlink():
         if not t.is_dir() or target.is_symlink():
             raise UserError(Problem("exists and is not a directory", file=where, key="-o"))

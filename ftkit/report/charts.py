@@ -9,9 +9,11 @@ report cannot use.
 
 from __future__ import annotations
 
+import functools
 import io
 import re
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from ftkit.errors import UserError
 from ftkit.report.goodput import CATEGORIES, Attempt, Goodput
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 # Okabe-Ito (colour-blind safe), then greys
 ATTEMPT_COLOURS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000")
@@ -61,6 +64,23 @@ MARK_STYLE = {  # marker, colour
 
 def attempt_colour(i: int) -> str:
     return ATTEMPT_COLOURS[i % len(ATTEMPT_COLOURS)]
+
+
+def plain_text(draw: Callable[P, T]) -> Callable[P, T]:
+    """Draw with every text as written: a host or run directory name may hold ``$``, which matplotlib would read as
+    mathtext (and raise on, e.g. ``node$x``). Text objects take the setting when they are made, tick labels when
+    drawn: the whole drawing, saving included, runs inside it."""
+
+    @functools.wraps(draw)
+    def drawn(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            import matplotlib
+        except ImportError:
+            raise UserError("ftkit report needs matplotlib: pip install 'ftkit[plot]'") from None
+        with matplotlib.rc_context({"text.parse_math": False}):
+            return draw(*args, **kwargs)
+
+    return drawn
 
 
 def _figure(width: float, height: float) -> Figure:
@@ -111,6 +131,7 @@ def thin(points: list[T]) -> list[T]:
     return points if k <= 1 else points[::k] + ([points[-1]] if (len(points) - 1) % k else [])
 
 
+@plain_text
 def loss_chart(atts: list[Attempt]) -> str | None:
     """Loss against step, one colour per attempt; the steps a later attempt recomputed drawn dotted over a red
     band; eval loss as crosses; a dashed line where each restart resumed."""
@@ -176,6 +197,7 @@ def _time_unit(span_s: float) -> tuple[float, str]:
     return 1.0, "s"
 
 
+@plain_text
 def timeline_chart(tl: Timeline, atts: list[Attempt]) -> str | None:
     """One row per host: each attempt's start-up, training and ending; backoff hatched; decisions as markers."""
     if not tl.bars and not tl.marks:
@@ -241,6 +263,7 @@ def timeline_chart(tl: Timeline, atts: list[Attempt]) -> str | None:
 # ------------------------------------------------------------------------------------------------ goodput
 
 
+@plain_text
 def breakdown_chart(g: Goodput) -> str | None:
     """The wall time as one stacked bar, by category."""
     if g.wall_s <= 0:
@@ -268,6 +291,7 @@ def breakdown_chart(g: Goodput) -> str | None:
     return to_svg(fig, "breakdown-chart", "where the wall time went")
 
 
+@plain_text
 def host_chart(rows: list[tuple[int, str, float, bool]]) -> str | None:
     """Compute time per step by host and attempt: (attempt, host, seconds, straggler)."""
     if not rows:

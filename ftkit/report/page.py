@@ -31,6 +31,7 @@ from ftkit.report.goodput import (
 )
 from ftkit.report.timeline import PHASES, Timeline, build_timeline
 from ftkit.rundir.layout import RunDir, atomic_write, read_events, read_metrics
+from ftkit.rundir.outputs import check_output_file, starts_with
 from ftkit.rundir.records import CommitRecord, Event, HostStepTimes
 
 if TYPE_CHECKING:
@@ -317,8 +318,15 @@ def build_report(run_dir: str | Path) -> str:
     return "\n".join(p for p in parts if p)
 
 
-def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """``ftkit report``: write the page (default ``RUN_DIR/report.html``) atomically; returns its path."""
+def is_report_page(path: Path) -> bool:
+    """A page :func:`write_report` wrote (what ``ftkit report`` may replace without ``--force``)."""
+    return starts_with(path, b"<!DOCTYPE html>", b"<title>ftkit report: ")
+
+
+def write_report(run_dir: str | Path, out: str | Path | None = None, *, force: bool = False) -> Path:
+    """``ftkit report``: write the page (default ``RUN_DIR/report.html``) atomically; returns its path. Refused
+    (exit 2, nothing written): a path in a run's own state, in a directory that does not exist, or over a file
+    that is not a report page unless ``force`` (:mod:`ftkit.rundir.outputs`)."""
     run = Path(run_dir)
     if not run.exists():
         raise UserError(Problem("does not exist [give the run's train.output_dir]", file=str(run_dir)))
@@ -326,7 +334,13 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         raise UserError(Problem("not a directory [give the run's train.output_dir]", file=str(run_dir)))
     if not RunDir(run).events.exists() and not RunDir(run).meta.is_dir():
         raise UserError(Problem("not an ftkit run directory (no events.jsonl)", file=str(run_dir)))
-    target = Path(out) if out is not None else run / "report.html"
+    target = check_output_file(
+        Path(out) if out is not None else run / "report.html",
+        ours=is_report_page,
+        force=force,
+        what="report page",
+        key="-o",
+    )
     page = build_report(run)
     try:
         atomic_write(target, page)

@@ -26,6 +26,7 @@ from ftkit.errors import ExitCode, FtkitError, NoSpace, Problem, UserError
 from ftkit.report.goodput import GoodputDict, goodput
 from ftkit.rundir import layout
 from ftkit.rundir.layout import RunDir
+from ftkit.rundir.outputs import check_output_file, starts_with
 from ftkit.rundir.records import JSON, Event, JSONObject, MetricsRecord, as_int, as_number
 from ftkit.supervise.stragglers import score_run
 
@@ -410,6 +411,11 @@ def loss_figure(s: RunSummary) -> Figure:
     except ImportError:
         raise UserError("--plot needs matplotlib: pip install 'ftkit[plot]'") from None
     matplotlib.use("Agg")
+    with matplotlib.rc_context({"text.parse_math": False}):  # a run directory's name may hold `$` (not mathtext)
+        return _loss_figure(s)
+
+
+def _loss_figure(s: RunSummary) -> Figure:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
@@ -451,14 +457,29 @@ def loss_figure(s: RunSummary) -> Figure:
     return fig
 
 
+PLOT_SOFTWARE = "ftkit status --plot"  # the PNG's Software text: how a plot ftkit wrote is recognised
+
+
+def is_plot(path: Path) -> bool:
+    """A PNG :func:`plot_losses` wrote (what ``--plot`` may replace without ``--force``)."""
+    return starts_with(path, b"\x89PNG", b"Software\x00" + PLOT_SOFTWARE.encode())
+
+
+def plot_target(out: str | Path, force: bool = False) -> Path:
+    """``--plot``'s path, checked before anything is drawn: never in a run's own state, its directory must exist,
+    and what is there must be a plot ftkit wrote unless ``force`` (:mod:`ftkit.rundir.outputs`; exit 2)."""
+    return check_output_file(out, ours=is_plot, force=force, what="loss plot", key="--plot")
+
+
 def plot_losses(s: RunSummary, out: Path) -> Path:
-    """Write :func:`loss_figure` as a PNG to ``out``. Needs matplotlib."""
+    """Write :func:`loss_figure` as a PNG to ``out`` (checked by :func:`plot_target` first). Needs matplotlib."""
     fig = loss_figure(s)
+    import matplotlib
     import matplotlib.pyplot as plt
 
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, format="png")
+        with matplotlib.rc_context({"text.parse_math": False}):  # tick labels are made while saving
+            fig.savefig(out, format="png", metadata={"Software": PLOT_SOFTWARE})
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise NoSpace(f"{out}: cannot write the plot: no space left on {e.filename or out.parent}") from None

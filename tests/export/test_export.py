@@ -123,6 +123,11 @@ def test_fsdp_checkpoint_is_refused_in_one_line(tmp_path: Path) -> None:
         (["-o", "{run}/final"], "is a name the run itself uses"),
         (["-o", "{tmp}/full"], "exists and is not empty (--force replaces it)"),
         (["-o", "{tmp}/afile"], "exists and is not a directory"),
+        # issue 36, item 4: the run's own state, even with --force (it replaced RUN/ftkit, and the run was gone)
+        (["-o", "{run}/ftkit", "--force"], "ftkit, the run's own state: an export never goes there"),
+        (["-o", "{run}/logs", "--force"], "logs, the run's own state"),
+        (["-o", "{run}/logs/attempt-0/x", "--force"], "logs, the run's own state"),
+        (["-o", "{run}/events.jsonl", "--force"], "events.jsonl, the run's own state"),
     ],
 )
 def test_bad_options_and_destinations_exit_2_and_write_nothing(
@@ -131,6 +136,9 @@ def test_bad_options_and_destinations_exit_2_and_write_nothing(
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     (tmp_path / "afile").write_text("a file")
+    (synthetic / "logs" / "attempt-0").mkdir(parents=True)
+    (synthetic / "logs" / "attempt-0" / "rank-0.log").write_text("a log\n")
+    (synthetic / "events.jsonl").write_text('{"event": "launch"}\n')
     before = tree(tmp_path)
     argv = [a.format(run=synthetic, tmp=tmp_path) for a in args]
     r = run_cli(str(synthetic), "--checkpoint", "8", *argv)

@@ -286,3 +286,72 @@ def test_plan_record_has_the_compute_model_and_the_memory(write_recipe):
     assert rec["flops_per_token"] > 0 and rec["predicted_step_s"] > 0 and rec["memory_gib_per_gpu"] > 0
     assert "not_estimated" not in rec
     json.dumps(rec)  # it goes into events.jsonl
+
+
+# ------------------------------------------------------------------------------------------------ where it writes
+
+
+def test_report_never_writes_into_a_runs_state_nor_over_what_it_did_not_write(tmp_path):
+    """Issue 36, item 3: `-o` overwrote any file (events.jsonl, the final model, the spec) and created a missing
+    directory. Refused now, nothing changed: the run's own state even with --force; a file that is not a report
+    page without --force; a directory that does not exist."""
+    from ftkit.errors import UserError
+    from ftkit.report import write_report
+
+    run = _hand_run(tmp_path)
+    (run / "ftkit" / "spec.json").write_text('{"name": "x"}')
+    (run / "final").mkdir()
+    (run / "final" / "model.safetensors").write_bytes(b"weights")
+    (run / "logs").mkdir()
+    mine = tmp_path / "notes.html"
+    mine.write_text("<p>my own notes</p>")
+    (tmp_path / "link.html").symlink_to(run / "metrics.jsonl")  # a link to the state is the state
+    before = {p: p.read_bytes() for p in [*run.rglob("*"), mine] if p.is_file()}
+    state = [
+        run / "events.jsonl",
+        run / "metrics.jsonl",
+        run / "ftkit" / "spec.json",
+        run / "final" / "model.safetensors",
+        run / "logs" / "page.html",
+        run / "ftkit" / "new.html",
+        run / "checkpoint-4",
+        tmp_path / "link.html",
+    ]
+    for target in state:
+        for force in (False, True):
+            with pytest.raises(UserError, match="the run's own state"):
+                write_report(run, target, force=force)
+    with pytest.raises(UserError, match=r"is not a report page ftkit wrote \(--force replaces it\)"):
+        write_report(run, mine)
+    missing = tmp_path / "nonexistent" / "x.html"
+    with pytest.raises(UserError, match="does not exist"):
+        write_report(run, missing)
+    assert not missing.parent.exists()
+    assert {p: p.read_bytes() for p in [*run.rglob("*"), mine] if p.is_file()} == before
+    assert not (run / "logs" / "page.html").exists() and not (run / "ftkit" / "new.html").exists()
+    # on the command line: one line, exit 2
+    out = run_ftkit("report", str(run), "-o", str(run / "events.jsonl"), "--force")
+    assert out.returncode == ExitCode.USAGE and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith(f"ftkit: error: {run / 'events.jsonl'} -o: is inside"), out.stderr
+    # its own pages are replaced (the default, and -o twice); --force replaces the user's file
+    for out_path in (None, tmp_path / "page.html", tmp_path / "page.html"):
+        write_report(run, out_path)
+    write_report(run, mine, force=True)
+    assert mine.read_text().startswith("<!DOCTYPE html>")
+
+
+def test_dollar_signs_in_host_and_run_directory_names_are_text_not_mathtext(tmp_path):
+    """Issue 36, item 15: a host named `n$\\frac{1}{$x` crashed `ftkit report` (matplotlib parsed it as mathtext)."""
+    from ftkit.report import build_report
+
+    host = "n$\\frac{1}{$x"
+    run = tmp_path / "run$\\alpha{$"
+    events = [dict(e) for e in EVENTS]
+    events[1]["hosts"] = [[host, 2]]
+    times = [{"host": host, "compute_s": 0.5, "ranks": [0, 1]}, {"host": "b$_", "compute_s": 0.25, "ranks": [2]}]
+    events.insert(6, {"time": 131.0, "event": "step_times", "attempt": 0, "hosts": times})  # after its teardown
+    _jsonl(run / "events.jsonl", events)
+    _jsonl(run / "metrics.jsonl", METRICS)
+    (run / "ftkit").mkdir()
+    page = build_report(run)
+    assert page.count("n$\\frac{1}{$x") >= 2 and "b$_" in page  # the timeline's and the host chart's labels, as text
