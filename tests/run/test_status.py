@@ -402,3 +402,14 @@ def test_plot_of_a_run_whose_directory_name_holds_dollar_signs(tmp_path: Path) -
         plt.close(fig)
     png = plot_losses(s, tmp_path / "loss.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_failure_without_a_message_is_said_not_left_blank(tmp_path: Path) -> None:
+    """Issue 36 (rough edges): a failure record without a message printed as "failure: " (and as "None" in a
+    tier's clean-up lines): the summary says what the record holds."""
+    run = make_run(tmp_path)
+    _append(run / "events.jsonl", [{"event": "failure", "kind": "hang", "step": 14, "time": 5.0}])
+    out = run_ftkit("status", str(run))
+    assert (out.returncode, out.stderr) == (0, ""), out.stderr
+    assert "failure: hang (no message recorded) at step 14" in out.stdout and "failure: \n" not in out.stdout
+    assert "None" not in out.stdout, out.stdout
