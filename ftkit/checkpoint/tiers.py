@@ -40,7 +40,7 @@ import xxhash
 
 from ftkit.checkpoint.checksums import DEFAULT_SPEC, SAMPLED, SampleSpec, recompute_or_error
 from ftkit.checkpoint.commit import CommitError, write_commit
-from ftkit.checkpoint.directory import list_checkpoints, rotate
+from ftkit.checkpoint.directory import list_checkpoints, rotate, written_by_ftkit
 from ftkit.checkpoint.layout import (
     COMMIT_FILE,
     DURABLE_MARK,
@@ -63,6 +63,7 @@ PEER_DIR = "peer"  # <local_dir(host)>/peer/<other host>/checkpoint-N: the previ
 COPY_CHUNK = 8 << 20
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 _ARRIVING_RE = re.compile(r"^\.checkpoint-(\d+)\.tmp$")  # a peer copy on its way in (copy_to_peer, the ssh send)
+_CKPT_PREFIX = re.compile(r"^checkpoint-\d+")  # a checkpoint, or one set aside
 
 
 def node_dir(template: str, host: str) -> Path:
@@ -203,14 +204,7 @@ def remove_tier(template: str, host: str) -> list[str]:
         return []
     try:
         node = chain[-1]
-        for name in os.listdir(node.fd):
-            if not _TIER_NAMES.match(name) or name == TIER_MARK:
-                continue
-            st = os.stat(name, dir_fd=node.fd, follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                shutil.rmtree(name, dir_fd=node.fd)
-            else:
-                os.unlink(name, dir_fd=node.fd)
+        _remove_written(node)
         kept: list[str] = []
         for parent, o in reversed(list(zip(chain, chain[1:], strict=False))):
             left = [n for n in os.listdir(o.fd) if n != TIER_MARK]
@@ -230,6 +224,44 @@ def remove_tier(template: str, host: str) -> list[str]:
         return kept
     finally:
         _close(chain)
+
+
+def _remove_written(node: _Opened) -> None:
+    """What ftkit wrote in the node's tier directory: in one ftkit made (marked), everything of ftkit's names; in the
+    user's own, only what is verifiably ftkit's (checkpoints with a commit or save record, peer copies with their
+    record, its save records, its hidden work names) and the directories of its names that this leaves empty.
+    Checkpoints first: a save record says whose a checkpoint is."""
+    names = sorted(os.listdir(node.fd), key=lambda n: n in ("ftkit", "peer"))
+    for name in names:
+        if not _TIER_NAMES.match(name) or name == TIER_MARK:
+            continue
+        st = os.stat(name, dir_fd=node.fd, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode):
+            if node.ours or name.startswith("."):
+                os.unlink(name, dir_fd=node.fd)  # a link goes as a link
+            continue
+        path = node.path / name
+        if node.ours or name.startswith(".") or (_CKPT_PREFIX.match(name) and written_by_ftkit(path)):
+            shutil.rmtree(name, dir_fd=node.fd)
+        elif name == "peer":
+            for src in [p for p in path.iterdir() if p.is_dir() and not p.is_symlink()]:
+                for p in src.iterdir():
+                    if (_CKPT_RE.match(p.name) and (p / COMMIT_FILE).is_file()) or _ARRIVING_RE.match(p.name):
+                        shutil.rmtree(p, ignore_errors=True)
+                _rmdir_if_empty(src)
+            _rmdir_if_empty(path)
+        elif name == "ftkit":
+            for p in (path / "saves").glob("checkpoint-*.json"):
+                p.unlink(missing_ok=True)
+            _rmdir_if_empty(path / "saves")
+            _rmdir_if_empty(path)
+
+
+def _rmdir_if_empty(path: Path) -> None:
+    try:
+        path.rmdir()
+    except OSError:
+        pass
 
 
 def resume_path(template: str, step: int) -> str:

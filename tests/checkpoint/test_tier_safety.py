@@ -150,8 +150,19 @@ def test_the_end_of_a_launch_removes_only_what_ftkit_made(tmp_path: Path) -> Non
     commit(make_ckpt(nvme, 3))
     (nvme / ".checkpoint-4.tmp").mkdir()
     (nvme / "ftkit" / "saves").mkdir(parents=True)
+    (nvme / "ftkit" / "saves" / "checkpoint-3.json").write_text("{}")
+    commit(make_ckpt(nvme / "peer" / "node1", 2))
+    make_ckpt(nvme, 9)  # the user's own checkpoint-9 (no commit or save record), and the user's own peer/ notes
+    (nvme / "peer" / "mine.txt").write_text("mine too\n")
     kept = remove_tier(str(nvme), "localhost")
-    assert sorted(os.listdir(nvme)) == ["notes.txt"] and kept == [f"{nvme} (not made by ftkit; holds notes.txt)"]
+    assert sorted(
+        str(p.relative_to(nvme)) for p in nvme.rglob("*") if p.is_file() and "checkpoint-9" not in str(p)
+    ) == [
+        "notes.txt",
+        "peer/mine.txt",
+    ]
+    assert (nvme / "checkpoint-9").is_dir() and not (nvme / "ftkit").exists() and not (nvme / "peer" / "node1").exists()
+    assert kept == [f"{nvme} (not made by ftkit; holds checkpoint-9, notes.txt, peer)"]
 
     # the default: /dev/shm-like root and node directory both made by ftkit, both go; what holds them stays
     shm = tmp_path / "shm"
