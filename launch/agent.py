@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -37,15 +36,19 @@ from ftkit.checkpoint.layout import COMMIT_FILE, DURABLE_MARK, PEER_MARK, PEER_S
 from ftkit.checkpoint.tiers import (
     CopyError,
     NodePart,
+    TierUnsafe,
     claim_peer_copy,
     copy_to_durable,
     copy_to_peer,
     discard_newer,
+    flush_part,
     local_checkpoints,
     newest_durable,
     node_dir,
+    open_tier,
     peer_parts,
     publish,
+    remove_tier,
     rotate_peer_copies,
     verify_part,
 )
@@ -108,7 +111,8 @@ class Agent:
         )
 
     def pending(self) -> list[NodePart]:
-        """Committed local parts due in the run directory and not there yet, oldest first."""
+        """Committed local parts due in the run directory and not there yet, oldest first (all of them: copying only
+        the newest let a lagging copier skip a due step for good)."""
         durable = newest_durable(self.rd.path)
         out = []
         for step, path, rec in local_checkpoints(self.dir):
@@ -119,7 +123,8 @@ class Agent:
                 continue
             if _due(step, rec, int(self.tier["durable_steps"])):
                 out.append(NodePart(self.host, step, path, rec))
-        return sorted(out, key=lambda p: p.step)[-1:]  # the newest due one: older ones are superseded
+        # every due one, oldest first: each is a save the recipe asked to be durable (rotation keeps them meanwhile)
+        return sorted(out, key=lambda p: p.step)
 
     def copy(self, part: NodePart) -> None:
         t0 = time.time()
@@ -138,6 +143,13 @@ class Agent:
     def peer_copy(self) -> None:
         if not self.peer or not int(self.tier.get("peer_copies") or 0):
             return
+        if is_local(self.peer):  # its tier is a path here: written into only when it is that node's own, private
+            try:
+                if open_tier(self.tier["dir"], self.peer, create=False) is None:
+                    return
+            except TierUnsafe as e:
+                print(f"ftkit agent on {self.host}: no peer copy: {e}", file=sys.stderr, flush=True)
+                return
         held = {s for s, _ in peer_parts(node_dir(self.tier["dir"], self.peer), self.host)}
         for step, path, rec in local_checkpoints(self.dir)[:1]:
             if step in held or step in getattr(self, "_peered", set()):
@@ -186,19 +198,28 @@ def main(argv: list[str] | None = None) -> int:
     if a.command == "clean":
         spec = RunSpec.read(RunDir(a.run_dir).spec)
         tier = spec.local_tier or {}
-        d = node_dir(tier.get("dir", ""), a.host) if tier.get("dir") else None
-        if d is not None and a.newer_than is not None:
-            gone = discard_newer(d, None if a.newer_than < 0 else a.newer_than)
-            print(json.dumps({"host": a.host, "ok": True, "discarded": sorted(p.name for p in gone)}))
+        template = str(tier.get("dir") or "")
+        try:
+            if template and a.newer_than is not None:  # before an attempt: the tier made (or checked) private
+                d = open_tier(template, a.host)
+                gone = discard_newer(d, None if a.newer_than < 0 else a.newer_than) if d is not None else []
+                print(json.dumps({"host": a.host, "ok": True, "discarded": sorted(p.name for p in gone)}))
+                return 0
+            kept = remove_tier(template, a.host) if template else []
+        except TierUnsafe as e:
+            print(json.dumps({"host": a.host, "ok": False, "unsafe": True, "reason": str(e)}))
             return 0
-        if d is not None:
-            shutil.rmtree(d, ignore_errors=True)
-            root = d.parent
-            if "{host}" in tier["dir"] and root.is_dir() and not any(root.iterdir()):
-                root.rmdir()  # the run's own directory under /dev/shm, once every node's is gone
-        print(json.dumps({"host": a.host, "ok": True, "cleaned": str(d) if d else None}))
+        where = str(node_dir(template, a.host)) if template else None
+        print(json.dumps({"host": a.host, "ok": True, "cleaned": where, "kept": kept}))
         return 0
     agent = Agent(a.run_dir, a.host, a.attempt)
+    try:  # ownership checked again at every resume, flush and assembly: nothing is read from a tier not ours alone
+        if a.command != "run" and open_tier(agent.tier["dir"], a.host, create=False) is None:
+            print(json.dumps({"host": a.host, "ok": False, "reason": f"no local tier at {agent.dir}"}))
+            return 0
+    except TierUnsafe as e:
+        print(json.dumps({"host": a.host, "ok": False, "unsafe": True, "reason": str(e)}))
+        return 0
     if a.command == "run":
         return agent.run(a.parent or os.getppid())
     if a.command == "verify":
@@ -207,14 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"host": a.host, "ok": v.ok, "reason": v.reason}))
         return 0
     if a.command == "flush":
-        path = agent.dir / f"checkpoint-{a.step}"
-        v = verify_part(path)
-        if not v.ok:
-            print(json.dumps({"host": a.host, "ok": False, "reason": v.reason}))
-            return 0
-        copy_to_durable(agent.rd.path, NodePart(a.host, a.step, path, v.record or {}))
-        published = publish(agent.rd.path, a.step, v.record or {})
-        print(json.dumps({"host": a.host, "ok": True, "published": published is not None}))
+        ok, why, made = flush_part(agent.rd.path, agent.dir, a.host, a.step)
+        print(json.dumps({"host": a.host, "ok": ok, "reason": why, "published": made}))
         return 0
     # assemble
     own = agent.dir / f"checkpoint-{a.step}"

@@ -538,7 +538,8 @@ def _record_orphan_outcome(r: _Rank, event: str, why: str) -> None:
 
 def _at_exit(r: _Rank) -> None:
     """A rank that ends on its own while its supervisor is gone (orphaned ranks finishing the run) cleans up what
-    the supervisor's teardown would have: the node's /dev/shm buffers; rank 0 records the outcome."""
+    the supervisor's teardown would have: the node's /dev/shm buffers and, the run finished, its local checkpoint
+    tier; rank 0 records the outcome."""
     dog = r.dog
     try:
         if dog is None or not dog.gone_now():
@@ -547,6 +548,8 @@ def _at_exit(r: _Rank) -> None:
         return
 
     remove_own_shm()
+    if r.tier is not None and r.final_step is not None:
+        r.tier.end_orphaned(r.ctx, r.spec)  # the run is finished: its local tier is not needed any more
     _record_orphan_outcome(r, "orphan_finished" if r.final_step is not None else "orphan_stopped", "supervisor gone")
 
 

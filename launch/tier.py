@@ -15,15 +15,22 @@ import types
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
-from ftkit.checkpoint.commit import manifest_part, write_commit
-from ftkit.checkpoint.layout import COMMIT_FILE
+from ftkit.checkpoint.commit import CommitError, manifest_part, write_commit
+from ftkit.checkpoint.layout import COMMIT_FILE, SAVES_DIR
 from ftkit.checkpoint.tiers import (
+    CopyError,
+    TierUnsafe,
     files_on_node,
+    flush_due,
+    flush_part,
     local_checkpoints,
+    make_private,
     newest_durable,
     node_dir,
+    open_tier,
     peer_claims,
     prune_set_records,
+    remove_tier,
     rotate_local,
     write_set_record,
 )
@@ -52,8 +59,15 @@ class NodeTier:
         self.agent: subprocess.Popen[bytes] | None = None
 
     def start(self, ctx: RankContext) -> None:
-        """The tier directory, and on the node's first rank its agent (a child: it ends with the rank)."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        """The tier directory, made (or checked) private to this user (:func:`open_tier`: a directory another local
+        user made or can write to is refused, exit 3), and on the node's first rank its agent (a child: it ends
+        with the rank)."""
+        try:
+            open_tier(self.template, self.host)
+        except TierUnsafe as e:
+            ctx.record_error(e, repeats=True)
+            print(f"ftkit: error: the local checkpoint tier: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(e.exit_code) from None
         if ctx.local_rank != 0:
             return
         self._start_agent(ctx)
@@ -127,6 +141,7 @@ class NodeTier:
             "stop": stop or None,
         }
         if ctx.local_rank == 0:
+            make_private(ckpt)  # every rank finished writing (the gather): the node's files, 0600
             if self.agent is not None and self.agent.poll() is not None:  # died (killed, out of memory): again
                 print(
                     f"ftkit: the checkpoint agent on {self.host} ended ({self.agent.returncode}): restarted", flush=True
@@ -142,6 +157,10 @@ class NodeTier:
                 extra=extra,
                 kind="node" if multi else "checkpoint",
             )
+            os.chmod(ckpt / COMMIT_FILE, 0o600)
+            saves = self.dir / SAVES_DIR
+            if saves.is_dir():
+                make_private(saves)
         if dist.is_available() and dist.is_initialized():
             dist.barrier()  # every node's part is committed
         commit_s = round(time.time() - t0, 3)
@@ -169,6 +188,31 @@ class NodeTier:
             held = {s for s, _, _ in local_checkpoints(self.dir)}
             prune_set_records(ctx.rd.path, self.keep, self.durable_steps, protect=held)
         return {"tier": "local", "commit_s": commit_s, "rotated": removed}
+
+    def end_orphaned(self, ctx: RankContext, spec: RunSpec) -> None:
+        """The ranks finished the run while its supervisor was gone (an orphan-finished run): nobody else ends this
+        node's tier, which would stay in /dev/shm (tens of GB on a real model). The node's first rank stops its
+        agent, copies its part of what the end of a launch copies (:func:`flush_due`: the last node to copy
+        publishes each step), then removes what ftkit made of the tier."""
+        if ctx.local_rank != 0 or not spec.local_tier:
+            return
+        if self.agent is not None and self.agent.poll() is None:
+            self.agent.terminate()
+            try:
+                self.agent.wait(10)
+            except subprocess.TimeoutExpired:
+                self.agent.kill()
+        try:
+            for rec in flush_due(ctx.rd.path, spec.local_tier):
+                if self.host in (rec.get("nodes") or []):
+                    ok, why, _ = flush_part(ctx.rd.path, self.dir, self.host, rec["step"])
+                    if not ok:
+                        print(f"ftkit: warning: step {rec['step']} not copied to the run directory: {why}", flush=True)
+            kept = remove_tier(self.template, self.host)
+        except (OSError, TierUnsafe, CopyError, CommitError) as e:
+            print(f"ftkit: warning: the local tier on {self.host} was not removed: {e}", flush=True)
+            return
+        print(f"ftkit: removed the local tier {self.dir}" + (f" (kept {'; '.join(kept)})" if kept else ""), flush=True)
 
     def wait_durable(self, run_dir: Path, step: int, timeout_s: float) -> bool:
         """A graceful stop's save: wait (bounded) until the agents made it durable in the run directory."""

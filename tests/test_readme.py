@@ -30,3 +30,17 @@ def test_readme_example_is_a_complete_script():
     assert code.startswith("# train.py\n") and len(code.splitlines()) <= 25
     for name in ("training_arguments", "callbacks()", "resume_checkpoint()", "save_final"):
         assert f"ftkit.hf.{name}" in code, name
+
+
+def test_no_merge_conflict_markers_in_the_readme_or_docs():
+    """A committed merge conflict once left two definitions of exit codes 12-14 in the README (issue 36)."""
+    # ours, theirs and diff3's base ("=======" alone is Markdown too)
+    marker = re.compile(r"^(<{7}|>{7}|\|{7})( |$)", flags=re.M)
+    files = [REPO / "README.md", *sorted(p for p in (REPO / "docs").rglob("*") if p.is_file())]
+    found = [
+        f"{p.relative_to(REPO)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)}"
+        for p in files
+        for text in [p.read_text(errors="replace")]
+        for m in marker.finditer(text)
+    ]
+    assert not found, "merge-conflict markers: " + "; ".join(found)

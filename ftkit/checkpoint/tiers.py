@@ -25,10 +25,12 @@ loaded machine, a large part) still lands beside the part it completes.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
+import stat
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +40,7 @@ import xxhash
 
 from ftkit.checkpoint.checksums import DEFAULT_SPEC, SAMPLED, SampleSpec, recompute_or_error
 from ftkit.checkpoint.commit import CommitError, write_commit
-from ftkit.checkpoint.directory import list_checkpoints, rotate
+from ftkit.checkpoint.directory import list_checkpoints, rotate, written_by_ftkit
 from ftkit.checkpoint.layout import (
     COMMIT_FILE,
     DURABLE_MARK,
@@ -49,8 +51,10 @@ from ftkit.checkpoint.layout import (
     read_commit,
 )
 from ftkit.checkpoint.verify import Verdict, verify
+from ftkit.errors import PreflightError
 from ftkit.rundir.layout import atomic_write, read_metrics
 from ftkit.rundir.records import CommitExtra, CommitRecord, FileEntry, MetricsRecord
+from ftkit.rundir.spec import LocalTierSpec
 
 SETS_DIR = "ftkit/local"  # RUN/ftkit/local/checkpoint-N.json: every node committed its part of step N
 CLAIMS_DIR = f"{SETS_DIR}/peer-claims"  # RUN/ftkit/local/peer-claims/<holder>/<sender>.json: the step being sent
@@ -59,11 +63,205 @@ PEER_DIR = "peer"  # <local_dir(host)>/peer/<other host>/checkpoint-N: the previ
 COPY_CHUNK = 8 << 20
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 _ARRIVING_RE = re.compile(r"^\.checkpoint-(\d+)\.tmp$")  # a peer copy on its way in (copy_to_peer, the ssh send)
+_CKPT_PREFIX = re.compile(r"^checkpoint-\d+")  # a checkpoint, or one set aside
 
 
 def node_dir(template: str, host: str) -> Path:
     """The local tier directory of ``host`` (``{host}`` in the template becomes the node's name)."""
     return Path(template.replace("{host}", host))
+
+
+# ------------------------------------------------------------------------------------------------ a private place
+
+
+class TierUnsafe(PreflightError):
+    """The node's tier directory, or one above it, is not this user's alone: another local user could read the
+    weights, or swap what a resume verifies (exit 3; nothing is written there, nothing removed)."""
+
+
+TIER_MARK = ".ftkit-tier"  # in every directory ftkit created for a tier: what the end of a launch may remove
+# What ftkit (and the Trainer it points there) puts in a node's tier directory; nothing else is ever removed
+_TIER_NAMES = re.compile(r"^(checkpoint-\d+.*|\.checkpoint-\d+\.tmp|peer|ftkit|\.deleting-.*|\.ftkit-tier)$")
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+@dataclass
+class _Opened:
+    """One directory of the tier's path, open: its fd, its path, and whether ftkit created it (its mark)."""
+
+    fd: int
+    path: Path
+    ours: bool
+
+
+def _judge(o: _Opened, *, own: bool) -> None:
+    """A directory above the tier (``own=False``): root's or this user's, and writable by others only when sticky
+    (``/dev/shm``, ``/tmp``). The tier's own (``own=True``: the node's directory and those ftkit made): this user's
+    and writable by no one else."""
+    st = os.fstat(o.fd)
+    uid = os.geteuid()
+    if st.st_uid != uid and (own or st.st_uid != 0):
+        raise TierUnsafe(
+            f"{o.path}: owned by uid {st.st_uid}, not by this user (uid {uid}): another local user made it, and could "
+            "read or replace the checkpoints saved there; remove it, or set checkpoint.local_dir to a directory of "
+            "your own"
+        )
+    writable = st.st_mode & 0o022
+    if writable and (own or not st.st_mode & stat.S_ISVTX):
+        raise TierUnsafe(
+            f"{o.path}: writable by its group or by others (mode {stat.filemode(st.st_mode)}): another local user "
+            "could replace the checkpoints saved there; chmod go-w it, or set checkpoint.local_dir elsewhere"
+        )
+
+
+def _marked(fd: int) -> bool:
+    try:
+        os.stat(TIER_MARK, dir_fd=fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return True
+
+
+def _open_chain(directory: Path, *, create: bool) -> list[_Opened] | None:
+    """Every directory from ``/`` down to ``directory``, each opened without following a symbolic link (a link
+    above the tier is followed only when root or this user made it, e.g. ``/dev/shm -> /run/shm``) and judged
+    (:func:`_judge`); with ``create``, the missing ones are made private (0700) and marked as ftkit's. None when
+    ``directory`` does not exist and ``create`` is false. The caller closes the fds."""
+    if not directory.is_absolute():
+        raise TierUnsafe(f"{directory}: the local tier's directory must be an absolute path (checkpoint.local_dir)")
+    chain = [_Opened(os.open("/", _DIR_FLAGS), Path("/"), False)]
+    try:
+        parts = directory.parts[1:]
+        for i, name in enumerate(parts):
+            parent, last = chain[-1], i == len(parts) - 1
+            path = parent.path / name
+            made = False
+            try:
+                fd = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=parent.fd)
+            except FileNotFoundError:
+                if not create:
+                    _close(chain)
+                    return None
+                try:
+                    os.mkdir(name, 0o700, dir_fd=parent.fd)
+                    made = True
+                except FileExistsError:  # another rank of this node, at this moment
+                    pass
+                fd = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=parent.fd)
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                st = os.stat(name, dir_fd=parent.fd, follow_symlinks=False)
+                if not stat.S_ISLNK(st.st_mode):
+                    raise TierUnsafe(f"{path}: not a directory") from None
+                if last or parent.ours or st.st_uid not in (0, os.geteuid()):
+                    raise TierUnsafe(
+                        f"{path}: a symbolic link (to {os.readlink(name, dir_fd=parent.fd)}, made by uid {st.st_uid}): "
+                        "the local tier never follows one it did not make; remove it"
+                    ) from None
+                fd = os.open(name, _DIR_FLAGS, dir_fd=parent.fd)
+            o = _Opened(fd, path, False)
+            chain.append(o)
+            if made:
+                mark = os.open(TIER_MARK, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=fd)
+                os.close(mark)
+            o.ours = _marked(fd)
+            _judge(o, own=last or o.ours)
+        node = chain[-1]
+        if os.fstat(node.fd).st_mode & 0o077:
+            os.fchmod(node.fd, 0o700)  # this user's (judged above): private, whatever made it
+        return chain
+    except BaseException:
+        _close(chain)
+        raise
+
+
+def _close(chain: list[_Opened]) -> None:
+    for o in chain:
+        os.close(o.fd)
+
+
+def open_tier(template: str, host: str, *, create: bool = True) -> Path | None:
+    """The node's tier directory, checked (made, with ``create``) private to this user: :class:`TierUnsafe` names
+    what is wrong. Every part of its path is then root's or this user's and replaceable by no one else, so it is
+    used by name from here on. None when it does not exist (``create=False``). Every rank at its start, every
+    agent before it verifies a part (at every resume), and the supervisor before every attempt call it."""
+    chain = _open_chain(node_dir(template, host), create=create)
+    if chain is None:
+        return None
+    _close(chain)
+    return node_dir(template, host)
+
+
+def remove_tier(template: str, host: str) -> list[str]:
+    """The end of a launch on one node: what ftkit put in the node's tier directory (checkpoints, peer copies, its
+    records) is removed, then every directory ftkit created for it (marked) once nothing else is in it, from the
+    node's up; a directory ftkit did not create is kept, as is anything ftkit did not write. Nothing is followed:
+    a link is removed as a link. Returns what was kept (directories with other content), [] when all went.
+    :class:`TierUnsafe` when the path is not this user's alone: then nothing is removed."""
+    chain = _open_chain(node_dir(template, host), create=False)
+    if chain is None:
+        return []
+    try:
+        node = chain[-1]
+        _remove_written(node)
+        kept: list[str] = []
+        for parent, o in reversed(list(zip(chain, chain[1:], strict=False))):
+            left = [n for n in os.listdir(o.fd) if n != TIER_MARK]
+            if not o.ours:  # the user's own directory (or one an older ftkit made): emptied of ftkit's, kept
+                if o is node and left:
+                    kept.append(f"{o.path} (not made by ftkit; holds {', '.join(sorted(left)[:3])})")
+                break
+            if left:
+                kept.append(f"{o.path} (holds {', '.join(sorted(left)[:3])})")
+                break
+            os.unlink(TIER_MARK, dir_fd=o.fd)
+            try:
+                os.rmdir(o.path.name, dir_fd=parent.fd)
+            except OSError:  # something arrived meanwhile (another node's directory on a shared file system)
+                kept.append(str(o.path))
+                break
+        return kept
+    finally:
+        _close(chain)
+
+
+def _remove_written(node: _Opened) -> None:
+    """What ftkit wrote in the node's tier directory: in one ftkit made (marked), everything of ftkit's names; in the
+    user's own, only what is verifiably ftkit's (checkpoints with a commit or save record, peer copies with their
+    record, its save records, its hidden work names) and the directories of its names that this leaves empty.
+    Checkpoints first: a save record says whose a checkpoint is."""
+    names = sorted(os.listdir(node.fd), key=lambda n: n in ("ftkit", "peer"))
+    for name in names:
+        if not _TIER_NAMES.match(name) or name == TIER_MARK:
+            continue
+        st = os.stat(name, dir_fd=node.fd, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode):
+            if node.ours or name.startswith("."):
+                os.unlink(name, dir_fd=node.fd)  # a link goes as a link
+            continue
+        path = node.path / name
+        if node.ours or name.startswith(".") or (_CKPT_PREFIX.match(name) and written_by_ftkit(path)):
+            shutil.rmtree(name, dir_fd=node.fd)
+        elif name == "peer":
+            for src in [p for p in path.iterdir() if p.is_dir() and not p.is_symlink()]:
+                for p in src.iterdir():
+                    if (_CKPT_RE.match(p.name) and (p / COMMIT_FILE).is_file()) or _ARRIVING_RE.match(p.name):
+                        shutil.rmtree(p, ignore_errors=True)
+                _rmdir_if_empty(src)
+            _rmdir_if_empty(path)
+        elif name == "ftkit":
+            for p in (path / "saves").glob("checkpoint-*.json"):
+                p.unlink(missing_ok=True)
+            _rmdir_if_empty(path / "saves")
+            _rmdir_if_empty(path)
+
+
+def _rmdir_if_empty(path: Path) -> None:
+    try:
+        path.rmdir()
+    except OSError:
+        pass
 
 
 def resume_path(template: str, step: int) -> str:
@@ -139,6 +337,38 @@ def prune_set_records(
                 (Path(run_dir) / SETS_DIR / f"checkpoint-{step}.json").unlink()
             except OSError:
                 pass
+
+
+def due_in_run_dir(rec: SetRecord, tier: LocalTierSpec) -> bool:
+    """A step the recipe asks to be durable: every ``train.save_steps``, and a graceful stop's save."""
+    return rec["step"] % max(1, int(tier.get("durable_steps") or 1)) == 0 or bool(rec.get("stop"))
+
+
+def flush_due(run_dir: str | os.PathLike[str], tier: LocalTierSpec) -> list[SetRecord]:
+    """What the end of a launch copies from the local tier, oldest first: every step every node committed that is
+    due in the run directory (:func:`due_in_run_dir`) and not there yet, and the newest step the run directory
+    lacks. Only the newest was copied when the background copies lagged: a 12-step run saving every 5 kept
+    checkpoint-5 and -12, never -10."""
+    run = Path(run_dir)
+    durable = newest_durable(run)
+    later = [r for r in set_records(run) if durable is None or r["step"] > durable]
+    if not later:
+        return []
+    missing = [r for r in later if not (run / f"checkpoint-{r['step']}" / COMMIT_FILE).is_file()]
+    wanted = [r for r in missing if due_in_run_dir(r, tier)]
+    if later[0] in missing and later[0] not in wanted:
+        wanted.append(later[0])
+    return sorted(wanted, key=lambda r: r["step"])
+
+
+def flush_part(run_dir: Path, directory: Path, host: str, step: int) -> tuple[bool, str | None, bool]:
+    """This node's part of ``step`` (in its tier ``directory``) copied to the run directory now, verified first;
+    the step is published when every node's part is there. (ok, why not, published by this call)."""
+    v = verify_part(directory / f"checkpoint-{step}")
+    if not v.ok:
+        return False, v.reason, False
+    copy_to_durable(run_dir, NodePart(host, step, directory / f"checkpoint-{step}", v.record or {}))
+    return True, None, publish(run_dir, step, v.record or {}) is not None
 
 
 def clear_set_records(run_dir: str | os.PathLike[str]) -> None:
@@ -289,19 +519,25 @@ def copy_part(
     files: Mapping[str, FileEntry],
     record: CommitRecord | None = None,
     after_file: Callable[[str], None] | None = None,
+    private: bool = False,
 ) -> dict[str, FileEntry]:
     """Copy ``files`` (relative path -> the node record's entry) from ``src`` to ``dst``, hashing every byte as it
     is copied and comparing with the entry; each file is fsynced. Returns the entries (for the part record).
-    ``after_file`` is called with each file copied (the agent's test-only pause)."""
+    ``after_file`` is called with each file copied (the agent's test-only pause). ``private``: into another node's
+    tier (a peer copy): files 0600, directories 0700, no link followed."""
     out: dict[str, FileEntry] = {}
     for rel, entry in sorted(files.items()):
         s, d = src / rel, dst / rel
-        d.parent.mkdir(parents=True, exist_ok=True)
+        if private:
+            d.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        else:
+            d.parent.mkdir(parents=True, exist_ok=True)
         expected = str(entry["checksum"])
         algo = expected.split(":", 1)[0]
         h = xxhash.xxh3_128() if algo == "xxh3_128" else None
         size = 0
-        with open(s, "rb") as fi, open(d, "wb") as fo:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | (os.O_NOFOLLOW if private else 0)
+        with open(s, "rb") as fi, open(os.open(d, flags, 0o600 if private else 0o666), "wb") as fo:
             while chunk := fi.read(COPY_CHUNK):
                 if h is not None:
                     h.update(chunk)
@@ -324,6 +560,17 @@ def _other(path: Path, expected: str, record: CommitRecord | None) -> str:
     if record is not None and expected.startswith(SAMPLED + ":"):
         spec = SampleSpec.from_json(record["checksum"])
     return recompute_or_error(path, expected, spec)
+
+
+def make_private(path: Path) -> None:
+    """Files 0600 and directories 0700 under ``path`` (a checkpoint in a node's tier: the full weights), links left
+    alone. The tier's directory is private already; this is the second wall."""
+    for here, dirs, files in os.walk(path):
+        for name, mode in [(d, 0o700) for d in dirs] + [(f, 0o600) for f in files]:
+            p = os.path.join(here, name)
+            if not os.path.islink(p):
+                os.chmod(p, mode)
+    os.chmod(path, 0o700)
 
 
 def _staging(run_dir: Path, step: int) -> Path:
@@ -429,8 +676,9 @@ def copy_to_peer(part: NodePart, peer_tier: Path, send: Callable[[Path, Path], N
         return dst
     tmp = dst.with_name(f".{dst.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    copy_part(part.path, tmp, part.record.get("files") or {}, part.record)
-    shutil.copy2(part.path / COMMIT_FILE, tmp / COMMIT_FILE)
+    copy_part(part.path, tmp, part.record.get("files") or {}, part.record, private=True)
+    shutil.copyfile(part.path / COMMIT_FILE, tmp / COMMIT_FILE, follow_symlinks=False)
+    os.chmod(tmp / COMMIT_FILE, 0o600)
     shutil.rmtree(dst, ignore_errors=True)
     os.rename(tmp, dst)
     return dst

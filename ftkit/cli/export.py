@@ -26,9 +26,13 @@ at the end: a refused or failed export leaves DIR as it was.
 Exit codes:
   0   exported (and verified unless --no-verify); --verify: the export checks out
   2   bad option, RUN is not a run directory, DIR exists and is not empty (see --force),
-      or DIR would overlap the checkpoint or a name the run uses
+      or DIR would overlap the checkpoint or a name the run uses, or lie in a run's own
+      state (its ftkit/, logs/, records: never, even with --force)
   5   the checkpoint is not committed, fails verification (the reason is printed), or
-      has a layout export cannot read yet (FSDP2); --verify: its source changed or is gone
+      has a layout export cannot read yet (FSDP2); a LoRA merge whose base model's weights
+      changed since training (by content); --verify: its source changed or is gone
+  11  the run, still training, deleted the checkpoint (its rotation) before the export
+      could hold it: not damaged; export a newer one (a held checkpoint is read to the end)
   12  no space left on the device
   13  --verify: a file of the export differs from the export's commit record
   15  the export's logits differ from the checkpoint's (nothing is put in place)

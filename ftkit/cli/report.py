@@ -21,7 +21,9 @@ after every attempt.
 \b
 Exit codes:
   0   the page was written
-  2   RUN_DIR is not a readable ftkit run directory, or FILE cannot be written
+  2   RUN_DIR is not a readable ftkit run directory, or FILE cannot be written: its
+      directory does not exist, it is part of a run's own state (never written, even
+      with --force), or it exists and is not a report page (see --force)
   12  no space left on the device
 
 \b
@@ -36,8 +38,9 @@ Examples:
     "--out",
     type=click.Path(path_type=str),
     default=None,
-    help="Where to write the page (default: RUN_DIR/report.html).",
+    help="Where to write the page (default: RUN_DIR/report.html). Its directory must exist.",
 )
-def command(run_dir: str, out: str | None) -> None:
+@click.option("--force", is_flag=True, help="Replace FILE even when it is not a page ftkit report wrote.")
+def command(run_dir: str, out: str | None, force: bool) -> None:
     """Write one HTML page of RUN_DIR: goodput, loss, timeline, throughput, checkpoints, plan."""
-    click.echo(f"wrote {write_report(run_dir, out)}")
+    click.echo(f"wrote {write_report(run_dir, out, force=force)}")

@@ -10,7 +10,7 @@ import click
 from ftkit.cli.options import json_option, ssh_config_option
 from ftkit.errors import Problem, UserError
 from ftkit.run.owner import liveness
-from ftkit.run.status import VerifyFailed, format_summary, plot_losses, summarize
+from ftkit.run.status import VerifyFailed, format_summary, plot_losses, plot_target, summarize
 
 
 @click.command(
@@ -19,7 +19,9 @@ from ftkit.run.status import VerifyFailed, format_summary, plot_losses, summariz
 Exit codes:
   0   summary printed (with --verify: every checkpoint-N and final/ verifies)
   2   RUN_DIR is not a readable ftkit run directory, ftkit/spec.json or a log is damaged,
-      or --plot cannot be written (one line naming the path)
+      or --plot cannot be written (one line naming the path): its directory does not
+      exist, it is part of a run's own state, or it exists and is not a plot ftkit
+      wrote (see --force)
   12  --plot: no space left on the device
   13  --verify: a checkpoint-N or final/ failed verification (printed after the summary;
       copies a restart set aside as checkpoint-N.rejected-* do not count)
@@ -48,9 +50,10 @@ Examples:
     is_flag=True,
     help="Re-read every file of every checkpoint and of final/ against its recorded checksum; exit 13 if any fails.",
 )
+@click.option("--force", is_flag=True, help="--plot: replace the file even when it is not a plot ftkit wrote.")
 @ssh_config_option
 @json_option
-def command(run_dir: str, plot: str | None, verify: bool, ssh_config: str | None, as_json: bool) -> None:
+def command(run_dir: str, plot: str | None, verify: bool, force: bool, ssh_config: str | None, as_json: bool) -> None:
     """Summarise RUN_DIR: attempts, restarts, current step, loss and eval loss, checkpoints (committed or rejected,
     and why), Slurm job events, straggling hosts."""
     path = Path(run_dir)
@@ -60,16 +63,17 @@ def command(run_dir: str, plot: str | None, verify: bool, ssh_config: str | None
         raise UserError(Problem("not a directory [give the run's train.output_dir]", file=run_dir))
     if not (path / "events.jsonl").exists() and not (path / "ftkit").is_dir():
         raise UserError(Problem("not an ftkit run directory (no events.jsonl)", file=run_dir))
+    target = plot_target(plot, force) if plot else None
     s = summarize(run_dir, checksums=verify)
     s.running = liveness(run_dir, ssh_config)
     if as_json:
         click.echo(json.dumps(s.as_dict(), indent=2, default=str))
     else:
         click.echo(format_summary(s))
-    if plot:
+    if target is not None:
         if not s.losses:
             raise UserError(Problem("no losses recorded yet: nothing to plot", file=run_dir))
-        click.echo(f"wrote {plot_losses(s, Path(plot))}")
+        click.echo(f"wrote {plot_losses(s, target)}")
     if verify and (failures := s.verify_failures):
         more = f" (and {len(failures) - 1} more, listed above)" if len(failures) > 1 else ""
         raise VerifyFailed(f"{run_dir}: verification failed: {failures[0]}{more}")

@@ -39,15 +39,33 @@ from ftkit.export import card, weights
 from ftkit.export import weights as w
 from ftkit.export.card import read_record
 from ftkit.export.lora import adapter_entries, lora_math, merge_transform
-from ftkit.export.source import ADAPTER_CONFIG, FINAL, ExportRefused, RunFacts, Source, resolve, run_facts
+from ftkit.export.source import (
+    ADAPTER_CONFIG,
+    FINAL,
+    LATEST_CHOICE,
+    CheckpointGone,
+    ExportRefused,
+    RunFacts,
+    Source,
+    hold,
+    parse_choice,
+    release,
+    remove_stale_holds,
+    resolve,
+    run_facts,
+    unheld,
+)
 from ftkit.export.verify import Verdict, prove
 from ftkit.export.weights import OUT_DTYPES, Reader, parse_size
+from ftkit.run.fingerprint import changed_weights
+from ftkit.rundir.outputs import run_state
 from ftkit.rundir.records import CommitExtra, FileEntry
 
 __all__ = [
     "ExportResult",
     "ExportRefused",
     "ExportMismatch",
+    "CheckpointGone",
     "ExportTorn",
     "Verdict",
     "export",
@@ -134,69 +152,102 @@ def export(
     Refusals, all before anything is written: a checkpoint that is not committed or fails verification, or
     whose layout cannot be read (:class:`ExportRefused`, exit 5); bad options or destination (exit 2).
     """
-    source = resolve(run_dir, checkpoint, universal=universal)
-    facts = run_facts(source)
-    kind = _kind(source, lora)
-    dtype = _dtype(dtype, facts)
-    max_bytes = _size(max_shard_size)
-    target = Path(out) if out is not None else default_out(source, kind)
-    _check_target(target, source, force=force, allow_final=allow_final)
-    for line in source.skipped:
-        note(f"skipped: {line}")
-    note(f"source: {source.reason}; reading {source.describe()}")
-    if kind == "merged":
-        note(f"LoRA: merging the adapter into {facts.model_path} (--adapter writes the adapter alone)")
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_staging(target)
-    staging = target.parent / f".{target.name}{_STAGING}{os.getpid()}-{secrets.token_hex(4)}"
-    staging.mkdir()
+    source = _take(run_dir, checkpoint, universal, note)
     try:
-        import torch  # noqa: F401 - imported before the peak is reset: the phase's peak is then its data's
+        facts = run_facts(source)
+        kind = _kind(source, lora)
+        dtype = _dtype(dtype, facts)
+        max_bytes = _size(max_shard_size)
+        target = Path(out) if out is not None else default_out(source, kind)
+        _check_target(target, source, force=force, allow_final=allow_final)
+        for line in source.skipped:
+            note(f"skipped: {line}")
+        note(f"source: {source.reason}; reading {source.describe()}")
+        if kind == "merged":
+            note(f"LoRA: merging the adapter into {facts.model_path} (--adapter writes the adapter alone)")
+            _check_base(_base_dir(facts), facts)  # before anything is written
 
-        t0 = time.monotonic()
-        _reset_peak_rss()
-        files, tensors, nbytes = _write(staging, source, facts, kind, dtype, max_bytes)
-        seconds = round(time.monotonic() - t0, 2)
-        peak = _peak_rss()
-        shards = [f for f in files if f.endswith(".safetensors")]
-        note(
-            f"wrote {len(shards)} safetensors file(s), {tensors} tensors, {weights.human(nbytes)} {dtype} in "
-            f"{seconds:.2f} s" + (f", peak RSS {weights.human(peak)}" if peak else "")
-        )
-        verdict = None
-        if verify:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_staging(target)
+        staging = target.parent / f".{target.name}{_STAGING}{os.getpid()}-{secrets.token_hex(4)}"
+        staging.mkdir()
+        try:
+            import torch  # noqa: F401 - imported before the peak is reset: the phase's peak is then its data's
+
+            t0 = time.monotonic()
             _reset_peak_rss()
-            verdict = prove(staging, source, facts, kind, dtype, probe=None if probe is None else Path(probe))
-            verdict.peak_rss_bytes = _peak_rss()
-            _say(verdict, note)
-            if not verdict.ok:
-                raise ExportMismatch(
-                    f"{source.name}: the export's logits differ from the checkpoint's ({verdict.summary()}); "
-                    f"nothing was written to {target}"
-                )
-        _finish(
-            staging,
-            target,
-            source,
-            facts,
-            kind,
-            dtype,
-            files,
-            tensors,
-            nbytes,
-            max_bytes,
-            seconds,
-            peak,
-            verdict,
-            commit_extra,
-        )
-        _put_in_place(staging, target, force=force)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    note(f"exported {source.name} (step {source.step}) to {target}")
-    return ExportResult(target, source, kind, dtype, files, tensors, nbytes, seconds, peak, verdict)
+            files, tensors, nbytes = _write(staging, source, facts, kind, dtype, max_bytes)
+            seconds = round(time.monotonic() - t0, 2)
+            peak = _peak_rss()
+            shards = [f for f in files if f.endswith(".safetensors")]
+            note(
+                f"wrote {len(shards)} safetensors file(s), {tensors} tensors, {weights.human(nbytes)} {dtype} in "
+                f"{seconds:.2f} s" + (f", peak RSS {weights.human(peak)}" if peak else "")
+            )
+            verdict = None
+            if verify:
+                _reset_peak_rss()
+                verdict = prove(staging, source, facts, kind, dtype, probe=None if probe is None else Path(probe))
+                verdict.peak_rss_bytes = _peak_rss()
+                _say(verdict, note)
+                if not verdict.ok:
+                    raise ExportMismatch(
+                        f"{source.name}: the export's logits differ from the checkpoint's ({verdict.summary()}); "
+                        f"nothing was written to {target}"
+                    )
+            _finish(
+                staging,
+                target,
+                source,
+                facts,
+                kind,
+                dtype,
+                files,
+                tensors,
+                nbytes,
+                max_bytes,
+                seconds,
+                peak,
+                verdict,
+                commit_extra,
+            )
+            _put_in_place(staging, target, force=force)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        note(f"exported {source.name} (step {source.step}) to {target}")
+        return ExportResult(target, unheld(source), kind, dtype, files, tensors, nbytes, seconds, peak, verdict)
+    except ExportRefused:
+        if source.path.exists():
+            raise
+        raise CheckpointGone(  # read in place (the run directory could not hold it): the run's rotation deleted it
+            f"{source.name} was deleted by the run's checkpoint rotation (the run is still training) while it was "
+            "exported; it was not damaged: export a newer one (--checkpoint latest)"
+        ) from None
+    finally:
+        release(source)
+
+
+HOLD_TRIES = 3  # a live run saving faster than an export can hold its newest checkpoint: give up after this many
+
+
+def _take(
+    run_dir: str | os.PathLike[str], checkpoint: str | int | None, universal: bool, note: Callable[[str], None]
+) -> Source:
+    """The checkpoint to export, verified and held against the run's rotation (:func:`ftkit.export.source.hold`).
+    When the newest committed one was asked for (``latest``, or the default without a committed final/) and the
+    live run rotated it away before it was held, the newest one is chosen again."""
+    source = resolve(run_dir, checkpoint, universal=universal)
+    remove_stale_holds(source.run_dir)
+    for tries in range(1, HOLD_TRIES + 1):
+        try:
+            return hold(source)
+        except CheckpointGone:
+            if parse_choice(checkpoint) not in (None, LATEST_CHOICE) or tries == HOLD_TRIES:
+                raise
+            note(f"{source.name} was rotated away by the live run before it was held: choosing the newest again")
+            source = resolve(run_dir, checkpoint, universal=universal)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def default_out(source: Source, kind: str) -> Path:
@@ -235,11 +286,14 @@ def _check_target(target: Path, source: Source, *, force: bool, allow_final: boo
     """Refuse a destination that would damage the run or another directory, before anything is written."""
     where = str(target)
     t = target.resolve()
-    src, run = source.path.resolve(), source.run_dir.resolve()
+    src, run = (source.run_dir / source.name).resolve(), source.run_dir.resolve()  # the checkpoint, not its hold
     if t == src or src in t.parents or t in src.parents:
         raise UserError(Problem(f"overlaps {source.name}, the checkpoint being exported", file=where, key="-o"))
     if t.parent == run and (_CKPT_NAME.match(t.name) or (t.name == FINAL and not allow_final)):
         raise UserError(Problem("is a name the run itself uses (checkpoint-N, final); pick another", file=where))
+    state = None if allow_final and t == run / FINAL else run_state(t)
+    if state is not None:  # this run's or another's: its records, logs, checkpoints (--force or not)
+        raise UserError(Problem(f"{state}: an export never goes there; pick another", file=where, key="-o"))
     if t.exists() or t.is_symlink():
         if not t.is_dir() or target.is_symlink():
             raise UserError(Problem("exists and is not a directory", file=where, key="-o"))
@@ -303,7 +357,6 @@ def _write(
             _copy_tokenizer(staging, source, facts)
             return ["adapter_model.safetensors", ADAPTER_CONFIG], len(adapter), nbytes
         base_dir = _base_dir(facts)
-        _check_base(base_dir, facts)
         with w.hf_reader(base_dir) as base:
             transform, merged = merge_transform(
                 adapter, {e.name for e in base.entries}, lora_math(source.adapter_config)
@@ -341,17 +394,15 @@ def _base_dir(facts: RunFacts) -> Path:
 
 
 def _check_base(base_dir: Path, facts: RunFacts) -> None:
-    """A merge into another base than the one trained on would verify (both sides use it) and still be wrong."""
-    for name, size in facts.model_weights.items():
-        try:
-            now = (base_dir / name).stat().st_size
-        except OSError:
-            now = None
-        if now != size:
-            raise ExportRefused(
-                f"{base_dir}/{name}: {now if now is not None else 'missing'} bytes, the run trained on {size}: "
-                "the base model changed since training, merging into it would not give the trained model"
-            )
+    """A merge into another base than the one trained on would verify (both sides use it) and still be wrong: every
+    weight file is compared with the checkpoint's fingerprint, by content (the checksums a commit record uses)."""
+    changed = changed_weights(base_dir, facts.model)
+    if changed:
+        more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+        raise ExportRefused(
+            f"{changed[0]}{more}: the base model changed since training, merging into it would not give the "
+            "trained model"
+        )
 
 
 def _copy_config(staging: Path, from_dir: Path, dtype: str) -> None:

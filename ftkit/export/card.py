@@ -236,8 +236,9 @@ def render(rec: ExportRecord, where: str) -> str:
         f"| checkpoint | `{src['checkpoint']}`, step {src['step']}, committed {commit.get('created_utc')} |",
         f"| verified before export | {src['verified']} |",
         f"| read | {src['read']} |",
-        f"| commit record | world size {commit.get('world_size')}, ZeRO stage {commit.get('stage')}, "
-        f"{commit.get('files')} files, checksums {json.dumps(commit.get('checksum'))}, "
+        f"| commit record | world size {commit.get('world_size')}, "
+        + (f"ZeRO stage {commit['stage']}, " if commit.get("stage") is not None else "not a ZeRO checkpoint, ")
+        + f"{commit.get('files')} files, checksums {json.dumps(commit.get('checksum'))}, "
         f"written by ftkit {commit.get('ftkit_version')} |",
         f"| recipe hash | `{run['recipe_hash']}` |",
         f"| model | `{run['model']}`"

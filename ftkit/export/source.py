@@ -26,14 +26,17 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field
+import secrets
+import shutil
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import cast
 
 from ftkit.checkpoint.directory import list_checkpoints, select_resume
 from ftkit.checkpoint.layout import COMMIT_FILE, LATEST
 from ftkit.checkpoint.verify import verify
-from ftkit.errors import NoValidCheckpoint, Problem, UserError
+from ftkit.cluster.procs import is_alive
+from ftkit.errors import ExitCode, FtkitError, NoValidCheckpoint, Problem, UserError
 from ftkit.rundir.layout import RunDir
 from ftkit.rundir.records import CommitRecord, Fingerprint, JSONObject
 from ftkit.rundir.spec import RunSpec
@@ -47,6 +50,13 @@ _FSDP_RE = re.compile(r"^pytorch_model_fsdp_\d+$")
 
 class ExportRefused(NoValidCheckpoint):
     """The source cannot be exported (not committed, failing verification, or a layout export cannot read): exit 5."""
+
+
+class CheckpointGone(FtkitError):
+    """The run, still training, deleted the checkpoint (its rotation) before the export could hold it: not a damaged
+    checkpoint (exit 11, the run directory belongs to a live job)."""
+
+    exit_code = ExitCode.RUN_BUSY
 
 
 @dataclass(frozen=True)
@@ -167,6 +177,72 @@ def resolve(
     return _layout(run, path, v.step, v.record, v.reason, universal, tuple(skipped))
 
 
+HOLD_PREFIX = ".ftkit-export-hold-"  # RUN/.ftkit-export-hold-<pid>-<hex>/checkpoint-N: an export's stable copy
+
+
+def hold(source: Source) -> Source:
+    """The same checkpoint, held against the run's rotation while it is exported: hard links of every file under
+    ``RUN/.ftkit-export-hold-<pid>-<hex>/checkpoint-N/`` (the same file system: no byte is copied). A live run's
+    rotation may delete ``checkpoint-N`` meanwhile; the export reads on from the links, which the rotation never
+    touches. Raises :class:`CheckpointGone` when the checkpoint went before every file was linked (or was committed
+    again: another checkpoint of that step). ``final/`` is never rotated: returned as it is, as is the source when
+    the run directory cannot be written to (the export then reads in place). :func:`release` removes the hold."""
+    if source.path.name == FINAL:
+        return source
+    root = source.run_dir / f"{HOLD_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        os.mkdir(root, 0o700)
+    except OSError:
+        return source
+    dst = root / source.path.name
+    try:
+        for here, _dirs, files in os.walk(source.path, onerror=_raise):
+            into = dst / os.path.relpath(here, source.path)
+            into.mkdir(exist_ok=True)
+            for name in files:
+                os.link(os.path.join(here, name), into / name, follow_symlinks=False)
+        v = verify(dst, False, require_commit=True)  # every file of the record, linked whole
+        same = v.record == source.record
+        if not (v.ok and same):
+            raise FileNotFoundError(v.reason)
+    except OSError as e:
+        shutil.rmtree(root, ignore_errors=True)
+        if source.path.exists() and not isinstance(e, FileNotFoundError):
+            raise ExportRefused(f"{source.name}: cannot hold it for the export ({e.strerror or e})") from None
+        raise CheckpointGone(
+            f"{source.name} was deleted by the run's checkpoint rotation (the run is still training) before the "
+            "export could hold it; it was not damaged: export a newer one (--checkpoint latest)"
+        ) from None
+    return replace(source, path=dst)
+
+
+def _raise(e: OSError) -> None:
+    raise e
+
+
+def unheld(source: Source) -> Source:
+    """The source as the run names it (``RUN/checkpoint-N``), not its hold."""
+    return (
+        replace(source, path=source.run_dir / source.name)
+        if source.path.parent.name.startswith(HOLD_PREFIX)
+        else source
+    )
+
+
+def release(source: Source) -> None:
+    """Remove :func:`hold`'s links (the checkpoint's data goes with them when the rotation deleted it)."""
+    if source.path.parent.name.startswith(HOLD_PREFIX):
+        shutil.rmtree(source.path.parent, ignore_errors=True)
+
+
+def remove_stale_holds(run_dir: Path) -> None:
+    """Holds of exports that died (their pid is gone on this host)."""
+    for p in run_dir.glob(HOLD_PREFIX + "*"):
+        m = re.match(re.escape(HOLD_PREFIX) + r"(\d+)-", p.name)
+        if m and not is_alive(int(m.group(1))):
+            shutil.rmtree(p, ignore_errors=True)
+
+
 def _layout(
     run: Path,
     path: Path,
@@ -248,7 +324,7 @@ class RunFacts:
     precision: str  # fp32 | bf16 | fp16
     recipe: JSONObject = field(repr=False)
     recipe_hash: str
-    model_weights: dict[str, int] = field(default_factory=dict, repr=False)  # base files and sizes at training
+    model: JSONObject = field(default_factory=dict, repr=False)  # the fingerprint's model part: weight sizes, checksums
 
 
 def run_facts(source: Source) -> RunFacts:
@@ -256,7 +332,6 @@ def run_facts(source: Source) -> RunFacts:
     spec = RunSpec.read(RunDir(source.run_dir).spec)
     flat = flat if isinstance(flat := source.fingerprint.get("recipe"), dict) else {}
     model = model if isinstance(model := source.fingerprint.get("model"), dict) else {}
-    weights = weights if isinstance(weights := model.get("weights"), dict) else {}
     return RunFacts(
         name=spec.name,
         model_path=str(flat.get("model.path") or spec.model_path),
@@ -268,5 +343,5 @@ def run_facts(source: Source) -> RunFacts:
         precision=str(flat.get("train.precision") or spec.precision),
         recipe=spec.recipe,
         recipe_hash=str(source.record.get("recipe_hash") or spec.recipe_hash),
-        model_weights={str(k): int(v) for k, v in weights.items() if isinstance(v, int)},
+        model=model,
     )

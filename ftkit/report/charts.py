@@ -9,9 +9,13 @@ report cannot use.
 
 from __future__ import annotations
 
+import functools
 import io
+import math
 import re
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from ftkit.errors import UserError
 from ftkit.report.goodput import CATEGORIES, Attempt, Goodput
@@ -23,6 +27,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 # Okabe-Ito (colour-blind safe), then greys
 ATTEMPT_COLOURS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000")
@@ -61,6 +66,23 @@ MARK_STYLE = {  # marker, colour
 
 def attempt_colour(i: int) -> str:
     return ATTEMPT_COLOURS[i % len(ATTEMPT_COLOURS)]
+
+
+def plain_text(draw: Callable[P, T]) -> Callable[P, T]:
+    """Draw with every text as written: a host or run directory name may hold ``$``, which matplotlib would read as
+    mathtext (and raise on, e.g. ``node$x``). Text objects take the setting when they are made, tick labels when
+    drawn: the whole drawing, saving included, runs inside it."""
+
+    @functools.wraps(draw)
+    def drawn(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            import matplotlib
+        except ImportError:
+            raise UserError("ftkit report needs matplotlib: pip install 'ftkit[plot]'") from None
+        with matplotlib.rc_context({"text.parse_math": False}):
+            return draw(*args, **kwargs)
+
+    return drawn
 
 
 def _figure(width: float, height: float) -> Figure:
@@ -111,6 +133,39 @@ def thin(points: list[T]) -> list[T]:
     return points if k <= 1 else points[::k] + ([points[-1]] if (len(points) - 1) % k else [])
 
 
+@dataclass(frozen=True)
+class LossAxis:
+    """The loss chart's upper limit, and the points above it (:func:`loss_axis`)."""
+
+    top: float | None  # None: every point fits, matplotlib's own limits
+    off: list[tuple[int, float]]  # (step, loss) drawn as a marker at the top edge instead
+
+
+REFERENCE_SHARE = 0.01  # the start of training: the first 1% of the logged steps (at least REFERENCE_MIN)
+REFERENCE_MIN = 5
+
+
+def loss_axis(atts: list[Attempt]) -> LossAxis:
+    """One diverged step (a loss of 1e6 among losses of 2 to 11) made every other point a flat line at the bottom.
+    A healthy loss stays below where training started, so the axis reaches the highest loss of the first logged
+    steps (:data:`REFERENCE_SHARE`) plus the whole range the curve spans below it; points above are divergence and
+    are marked at the top edge with their values, not scaled to."""
+    points = sorted((s.step, s.loss) for a in atts for s in a.steps)
+    evals = [(e.step, e.loss) for a in atts for e in a.evals]
+    if not points:
+        return LossAxis(None, [])
+    k = max(REFERENCE_MIN, math.ceil(len(points) * REFERENCE_SHARE))
+    ref = max(loss for _, loss in points[:k])
+    low = min(loss for _, loss in points + evals)
+    cap = ref + max(ref - low, abs(ref), 1e-12)
+    off = [(step, loss) for step, loss in points + evals if loss > cap]
+    if not off:
+        return LossAxis(None, [])
+    shown = max(loss for _, loss in points + evals if loss <= cap)
+    return LossAxis(shown + 0.08 * max(shown - low, abs(shown), 1e-12), sorted(off))
+
+
+@plain_text
 def loss_chart(atts: list[Attempt]) -> str | None:
     """Loss against step, one colour per attempt; the steps a later attempt recomputed drawn dotted over a red
     band; eval loss as crosses; a dashed line where each restart resumed."""
@@ -155,6 +210,22 @@ def loss_chart(atts: list[Attempt]) -> str | None:
             steps, [evals[s] for s in steps], marker="x", linestyle="--", color="black", label="eval loss", zorder=4
         )
         line.set_gid("eval-loss")
+    axis = loss_axis(atts)
+    if axis.top is not None:
+        ax.set_ylim(top=axis.top)
+        worst = max(axis.off, key=lambda p: p[1])
+        shown = thin(axis.off)
+        pts = ax.scatter(
+            [s for s, _ in shown],
+            [axis.top] * len(shown),
+            marker="^",
+            color="#D00000",
+            zorder=5,
+            clip_on=False,
+            label=f"{len(axis.off)} step(s) off the chart, above {axis.top:.3g} (largest {worst[1]:.3g} at step "
+            f"{worst[0]})",
+        )
+        pts.set_gid("loss-off-chart")
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -176,6 +247,7 @@ def _time_unit(span_s: float) -> tuple[float, str]:
     return 1.0, "s"
 
 
+@plain_text
 def timeline_chart(tl: Timeline, atts: list[Attempt]) -> str | None:
     """One row per host: each attempt's start-up, training and ending; backoff hatched; decisions as markers."""
     if not tl.bars and not tl.marks:
@@ -241,6 +313,7 @@ def timeline_chart(tl: Timeline, atts: list[Attempt]) -> str | None:
 # ------------------------------------------------------------------------------------------------ goodput
 
 
+@plain_text
 def breakdown_chart(g: Goodput) -> str | None:
     """The wall time as one stacked bar, by category."""
     if g.wall_s <= 0:
@@ -268,6 +341,7 @@ def breakdown_chart(g: Goodput) -> str | None:
     return to_svg(fig, "breakdown-chart", "where the wall time went")
 
 
+@plain_text
 def host_chart(rows: list[tuple[int, str, float, bool]]) -> str | None:
     """Compute time per step by host and attempt: (attempt, host, seconds, straggler)."""
     if not rows:

@@ -22,9 +22,11 @@ Standard library only: ``ftkit status`` uses it.
 
 from __future__ import annotations
 
+import bisect
 import math
+import re
 import statistics
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 from typing import TypedDict
 
@@ -65,14 +67,22 @@ CATEGORIES: tuple[tuple[str, str, str], ...] = (
     ("other", "other", "what none of the above explains (e.g. an attempt still running since its newest record)"),
 )
 LABELS = {k: label for k, label, _ in CATEGORIES}
-ENDS = frozenset({"finished", "stopped", "gave_up", "interrupted", "refused", "failed"})  # a launch's last event
+# a launch's last event: its supervisor's outcome, or (its supervisor gone) rank 0's record of how the ranks ended
+ENDS = frozenset(
+    {"finished", "stopped", "gave_up", "interrupted", "refused", "failed", "orphan_finished", "orphan_stopped"}
+)
 ATTEMPT_ENDS = ENDS | {"failure"}
+# The events a launch opens with (ftkit.run.job: a takeover, the changes since the checkpoint, the preflight), before
+# anything else: one of them after any other event is the next launch, also when the one before has no outcome
+# (its supervisor was SIGKILLed along with its ranks and wrote nothing more).
+OPENS = frozenset({"takeover", "resume_changes", "preflight"})
+_CKPT_STEP = re.compile(r"checkpoint-(\d+)$")
 
 
 # ------------------------------------------------------------------------------------------------ records
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per logged step: a long run has millions
 class Logged:
     """One metrics.jsonl training record (rank 0 writes one per logged step)."""
 
@@ -85,7 +95,7 @@ class Logged:
     lr: float | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per logged step: a long run has millions
 class Eval:
     attempt: int
     step: int
@@ -93,7 +103,7 @@ class Eval:
     loss: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per logged step: a long run has millions
 class Commit:
     """A ``commit`` record: rank 0 committed ``checkpoint-STEP`` (``commit_s``: ftkit's barrier and record)."""
 
@@ -102,7 +112,7 @@ class Commit:
     time: float
     commit_s: float | None
     stop: bool = False
-    rotated: tuple[str, ...] = ()
+    tier: str = "durable"  # local: a node-local tier's commit (ftkit.launch.tier); durable: the run directory's
 
 
 @dataclass
@@ -110,6 +120,8 @@ class Metrics:
     steps: list[Logged] = field(default_factory=list)
     evals: list[Eval] = field(default_factory=list)
     commits: list[Commit] = field(default_factory=list)
+    copied: set[int] = field(default_factory=set)  # steps the checkpoint agents published in the run directory
+    rotated: set[int] = field(default_factory=set)  # steps a commit's rotation deleted (in the tier it saved to)
 
 
 def parse_metrics(rows: Iterable[MetricsRecord]) -> Metrics:
@@ -120,8 +132,14 @@ def parse_metrics(rows: Iterable[MetricsRecord]) -> Metrics:
         if step is None or attempt is None or t is None:
             continue
         if m.get("event") == "commit":
-            rotated = tuple(str(p) for p in m.get("rotated") or [] if isinstance(p, str))
-            out.commits.append(Commit(attempt, step, t, as_number(m.get("commit_s")), bool(m.get("stop")), rotated))
+            for p in m.get("rotated") or []:
+                if isinstance(p, str) and (k := _CKPT_STEP.search(p)):
+                    out.rotated.add(int(k.group(1)))
+            tier = "local" if m.get("tier") == "local" else "durable"
+            commit_s = as_number(m.get("commit_s"))
+            out.commits.append(Commit(attempt, step, t, commit_s, bool(m.get("stop")), tier))
+        elif m.get("event") == "durable" and m.get("published"):
+            out.copied.add(step)
         elif "loss" in m and (loss := as_number(m.get("loss"))) is not None:
             out.steps.append(
                 Logged(
@@ -145,16 +163,36 @@ def timed_events(events: Iterable[Event]) -> list[Event]:
 
 
 def sessions(events: list[Event]) -> list[list[Event]]:
-    """The events of each ``ftkit launch``: a launch ends with its outcome (:data:`ENDS`)."""
+    """The events of each ``ftkit launch``: a launch ends with its outcome (:data:`ENDS`), or where the next one
+    opens (:data:`OPENS`) when it has none."""
     out: list[list[Event]] = []
     cur: list[Event] = []
     for e in events:
+        if e["event"] in OPENS and any(x["event"] not in OPENS for x in cur):
+            out.append(cur)
+            cur = []
         cur.append(e)
         if e["event"] in ENDS:
             out.append(cur)
             cur = []
     if cur:
         out.append(cur)
+    return out
+
+
+def _session_ends(sess: list[list[Event]], metrics: Metrics) -> list[float]:
+    """When each launch ended: its outcome's time; one without an outcome (live, or its supervisor killed) lasts
+    until its newest event or progress record of its own attempts, never into the next launch."""
+    out = []
+    for i, s in enumerate(sess):
+        start, end = float(s[0]["time"]), float(s[-1]["time"])
+        if s[-1]["event"] not in ENDS:
+            mine = {_attempt_of(e) for e in s if e["event"] == "launch"}
+            nxt = float(sess[i + 1][0]["time"]) if i + 1 < len(sess) else math.inf
+            for records in (metrics.steps, metrics.evals, metrics.commits):
+                newest = max((r.time for r in records if r.attempt in mine and start <= r.time <= nxt), default=end)
+                end = max(end, newest)
+        out.append(end)
     return out
 
 
@@ -178,6 +216,7 @@ class Attempt:
     next_launch: float | None = None
     hosts: list[tuple[str, int]] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)  # the events between its launch and the next one
+    killed: bool = False  # its launch ended with no outcome and a later launch followed (its supervisor was killed)
     # filled by account(): seconds by category, and the measured throughput
     seconds: dict[str, float] = field(default_factory=dict)
     work_s: float = 0.0  # step intervals less saves/evaluations (kept and recomputed)
@@ -191,16 +230,16 @@ class Attempt:
 
     @property
     def progress_end(self) -> float | None:
-        """The newest progress record of the attempt (a step, an evaluation, a commit)."""
-        progress: list[Logged | Eval | Commit] = [*self.steps, *self.evals, *self.commits]
-        times = [r.time for r in progress]
+        """The newest progress record of the attempt (a step, an evaluation, a commit; each list is in time
+        order)."""
+        times = [x[-1].time for x in (self.steps, self.evals, self.commits) if x]
         return max(times) if times else None
 
     @property
     def outcome(self) -> str:
         e = self.end_event
         if e is None:
-            return "running"
+            return "no outcome (its ftkit launch was killed)" if self.killed else "running"
         if e["event"] == "failure":
             return f"failed ({e.get('kind') or 'failure'})"
         return str(e["event"])
@@ -236,8 +275,9 @@ def attempts(events: list[Event], metrics: Metrics) -> list[Attempt]:
     """Every attempt with a ``launch`` event, oldest first, with its records and the events that followed it."""
     out: list[Attempt] = []
     hosts: list[tuple[str, int]] = []  # the plan's, then each shrink's
-    for sess in sessions(events):
-        sess_end = _session_end(sess, metrics)
+    every = sessions(events)
+    for k, (sess, sess_end) in enumerate(zip(every, _session_ends(every, metrics), strict=True)):
+        killed = k + 1 < len(every) and sess[-1]["event"] not in ENDS
         launches = [i for i, e in enumerate(sess) if e["event"] == "launch" and _attempt_of(e) is not None]
         for n, i in enumerate(launches):
             for e in sess[launches[n - 1] if n else 0 : i]:
@@ -263,6 +303,7 @@ def attempts(events: list[Event], metrics: Metrics) -> list[Attempt]:
                     next_launch=float(sess[upto]["time"]) if upto < len(sess) else None,
                     hosts=list(hosts) or spawned or [("localhost", 0)],
                     events=[e, *after],
+                    killed=killed and n + 1 == len(launches),
                 )
             )
     by_attempt = {a.attempt: a for a in out}
@@ -301,32 +342,41 @@ def _resume_step(before: list[Event], attempt: int) -> int:
     return -1
 
 
-def _session_end(sess: list[Event], metrics: Metrics) -> float:
-    """The last event of a launch; one without an outcome (live, or its supervisor killed) lasts until its newest
-    metrics record too."""
-    start, end = float(sess[0]["time"]), float(sess[-1]["time"])
-    if sess[-1]["event"] in ENDS:
-        return end
-    progress: list[Logged | Eval | Commit] = [*metrics.steps, *metrics.evals, *metrics.commits]
-    newest = [r.time for r in progress if r.time >= start]
-    return max([end, *newest])
-
-
 # ------------------------------------------------------------------------------------------------ accounting
 
 
-def _overlap(a0: float, a1: float, spans: list[tuple[float, float]]) -> float:
-    return sum(max(0.0, min(a1, s1) - max(a0, s0)) for s0, s1 in spans)
+class _Spans:
+    """Time spans (saves, evaluations) and how much of an interval they cover: O(log n) per interval, where a sum
+    over every span made a run with a save per step quadratic (a 10,000-step report took two minutes)."""
+
+    def __init__(self, spans: list[tuple[float, float]]):
+        self.spans = sorted(spans)
+        self.starts = [s0 for s0, _ in self.spans]
+        self.longest = max((s1 - s0 for s0, s1 in self.spans), default=0.0)
+
+    def overlap(self, a0: float, a1: float) -> float:
+        total = 0.0
+        i = bisect.bisect_left(self.starts, a1)  # spans from here on start at or after the interval's end
+        while i > 0:
+            i -= 1
+            s0, s1 = self.spans[i]
+            if s0 + self.longest <= a0:  # this one and every earlier one ends before the interval starts
+                break
+            total += max(0.0, min(a1, s1) - max(a0, s0))
+        return total
 
 
-def save_spans(a: Attempt) -> list[tuple[Commit, float, float]]:
-    """(commit, start, end) of each save of the attempt. HF Trainer logs a step, then evaluates, then saves (ftkit
-    commits in on_save), so a save runs from the step's log record (or its evaluation's) to its commit record; a
-    save at a step that was not logged is measured by the commit alone (``commit_s``)."""
-    logged = {s.step: s.time for s in a.steps}
-    evaluated = {e.step: e.time for e in a.evals}
+def save_spans(a: Attempt, only: Container[int] | None = None) -> list[tuple[Commit, float, float]]:
+    """(commit, start, end) of each save of the attempt (``only``: of these steps). HF Trainer logs a step, then
+    evaluates, then saves (ftkit commits in on_save), so a save runs from the step's log record (or its
+    evaluation's) to its commit record; a save at a step that was not logged is measured by the commit alone
+    (``commit_s``)."""
+    commits = a.commits if only is None else [c for c in a.commits if c.step in only]
+    wanted = {c.step for c in commits}
+    logged = {s.step: s.time for s in a.steps if s.step in wanted}
+    evaluated = {e.step: e.time for e in a.evals if e.step in wanted}
     out = []
-    for c in a.commits:
+    for c in commits:
         starts = [t for t in (logged.get(c.step), evaluated.get(c.step)) if t is not None and t <= c.time]
         start = max(starts) if starts else c.time - (c.commit_s or 0.0)
         out.append((c, max(start, a.launch), c.time))
@@ -362,6 +412,7 @@ def account(a: Attempt) -> dict[str, float]:
     saves = [(clamp(s0), clamp(s1)) for s0, s1 in saves]
     evals = [(clamp(s0), clamp(s1)) for s0, s1 in evals]
     spans = saves + evals
+    covering = _Spans(spans)
     a.work_s, a.work_steps, a.intervals = 0.0, 0.0, []
     tokens: float | None = 0.0
     last = a.steps[0]
@@ -372,7 +423,7 @@ def account(a: Attempt) -> dict[str, float]:
         if t1 <= t0 or n <= 0:
             last = s
             continue
-        inside = _overlap(t0, t1, spans)
+        inside = covering.overlap(t0, t1)
         covered += inside
         net = max(0.0, (t1 - t0) - inside)
         kept = 1.0 if s.step <= a.kept_until else max(0.0, min(1.0, (a.kept_until - last.step) / n))
@@ -431,6 +482,8 @@ class Goodput:
     live: bool = False  # the newest launch has no outcome yet (running, or its supervisor was killed)
     straggler_s: float | None = None  # estimated wait for the slowest host, inside productive time
     attempts: list[Attempt] = field(default_factory=list, repr=False)
+    copied: set[int] = field(default_factory=set, repr=False)  # steps the agents made durable (local tier)
+    rotated: set[int] = field(default_factory=set, repr=False)  # steps deleted by rotation
 
     @property
     def launches(self) -> int:
@@ -495,8 +548,8 @@ def goodput(events: Iterable[Event], metrics: Iterable[MetricsRecord]) -> Goodpu
     wall = idle = 0.0
     prev_end: float | None = None
     spans = []
-    for s in sess:
-        start, end = float(s[0]["time"]), _session_end(s, m)
+    for s, end in zip(sess, _session_ends(sess, m), strict=True):
+        start = float(s[0]["time"])
         spans.append((start, end))
         wall += end - start
         if prev_end is not None:
@@ -532,6 +585,8 @@ def goodput(events: Iterable[Event], metrics: Iterable[MetricsRecord]) -> Goodpu
         live=live,
         straggler_s=straggler_wait(evs, atts),
         attempts=atts,
+        copied=m.copied,
+        rotated=m.rotated,
     )
 
 

@@ -7,9 +7,11 @@ checkpoint directories' commit records (their sizes-only verification state), an
 from __future__ import annotations
 
 import errno
+import heapq
 import html
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict, cast
 
@@ -30,13 +32,15 @@ from ftkit.report.goodput import (
     timed_events,
 )
 from ftkit.report.timeline import PHASES, Timeline, build_timeline
-from ftkit.rundir.layout import RunDir, atomic_write, read_events, read_metrics
+from ftkit.rundir.layout import RunDir, atomic_write, iter_metrics, read_events
+from ftkit.rundir.outputs import check_output_file, starts_with
 from ftkit.rundir.records import CommitRecord, Event, HostStepTimes
 
 if TYPE_CHECKING:
     from ftkit.report.live import PlanRecord
 
-TIER = "durable"  # every checkpoint is in the run directory today; a node-local tier would add its own rows
+TIER = "durable"  # a checkpoint the ranks saved in the run directory (shared storage)
+MAX_CHECKPOINT_ROWS = 100  # rows of the checkpoint table (what is on disk always; then the newest saves)
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;margin:1.5em auto;
   max-width:1040px;padding:0 1em;color:#111;background:#fff}
@@ -203,15 +207,40 @@ def throughput_rows(g: Goodput, plan: PlanRecord | None) -> list[ThroughputRow]:
     return out
 
 
-def checkpoint_rows(run: Path, g: Goodput) -> list[CheckpointRow]:
-    """Every checkpoint the run committed (metrics' commit records) or has on disk, with its tier, size, save time
-    and verification state (sizes of every file against its commit record; no hashing)."""
+@dataclass
+class CheckpointTable:
+    """The checkpoint table's rows and what was left out of it (:func:`checkpoint_rows`)."""
 
+    rows: list[CheckpointRow]
+    unlisted: int = 0  # older saves not listed (every one is in metrics.jsonl)
+    unlisted_local: int = 0  # of those, the ones saved to a node-local tier
+
+
+def checkpoint_rows(run: Path, g: Goodput, limit: int = MAX_CHECKPOINT_ROWS) -> CheckpointTable:
+    """Every checkpoint on disk (the run directory's, final/, those a restart set aside), and the newest saves the
+    run committed (metrics' commit records) up to ``limit`` rows in all: a run saving to a local tier every step
+    has a million saves. Each with its tier (local: a node-local tier; durable: the run directory; local, then
+    durable: copied there by the checkpoint agents), size, save time and verification state (sizes of every file
+    against its commit record; no hashing)."""
+
+    try:
+        on_disk = dict(list_checkpoints(run))
+        aside = list_set_aside(run)
+    except OSError:
+        on_disk, aside = {}, []
+    saved = {c.step for a in g.attempts for c in a.commits}
+    newest = heapq.nlargest(max(0, limit - len(on_disk) - len(aside) - 1), saved - set(on_disk))
+    listed = set(newest) | set(on_disk)
     saves: dict[int, CheckpointRow] = {}
-    rotated: set[str] = set()
+    tiers: dict[int, set[str]] = {}
+    unlisted_local: set[int] = set()
     for a in g.attempts:
-        for c, s0, s1 in save_spans(a):
+        for c in a.commits:
+            if c.step not in listed and c.tier == "local":
+                unlisted_local.add(c.step)
+        for c, s0, s1 in save_spans(a, only=listed):
             prev = saves.get(c.step)
+            tiers.setdefault(c.step, set()).add(c.tier)
             saves[c.step] = {
                 "attempt": c.attempt,
                 "save_s": s1 - s0,
@@ -220,23 +249,22 @@ def checkpoint_rows(run: Path, g: Goodput) -> list[CheckpointRow]:
                 "stop": c.stop,
                 "times": (prev["times"] + 1) if prev else 1,
             }
-            rotated.update(Path(p).name for p in c.rotated)
-    try:
-        on_disk = dict(list_checkpoints(run))
-        aside = list_set_aside(run)
-    except OSError:
-        on_disk, aside = {}, []
     rows = []
-    for step in sorted(set(saves) | set(on_disk)):
+    for step in sorted(listed):
         s = saves.get(step, {})
         name = f"checkpoint-{step}"
-        row: CheckpointRow = {"name": name, "step": step, "tier": TIER, **s, "size": None}
+        local = "local" in tiers.get(step, set())
+        durable = step in on_disk or step in g.copied
+        tier = ("local, then durable" if durable else "local") if local else TIER
+        row: CheckpointRow = {"name": name, "step": step, "tier": tier, **s, "size": None}
         if step in on_disk:
             v = verify(on_disk[step], checksums=False)
             row["size"] = _record_size(v.record)
             row["state"] = "verified (sizes)" if v.ok else f"rejected: {v.reason}"
             row["ok"] = v.ok
-        elif name in rotated:
+        elif local and not durable:
+            row["state"], row["ok"] = "in the local tier only (rotated, or removed with the tier)", None
+        elif step in g.rotated:
             row["state"], row["ok"] = "deleted by rotation (save_total_limit)", None
         else:
             row["state"], row["ok"] = "not on disk", None
@@ -257,7 +285,7 @@ def checkpoint_rows(run: Path, g: Goodput) -> list[CheckpointRow]:
                 "time": (v.record or {}).get("created"),
             }
         )
-    return rows
+    return CheckpointTable(rows, len(saved - listed), len(unlisted_local))
 
 
 def _record_size(record: CommitRecord | None) -> int | None:
@@ -287,7 +315,7 @@ def build_report(run_dir: str | Path) -> str:
     rd = RunDir(run_dir)
     skipped: dict[str, int] = {}
     raw_events = read_events(rd.events, skipped)
-    metrics = read_metrics(rd.metrics, skipped)
+    metrics = iter_metrics(rd.metrics, skipped)  # read once, as goodput keeps only what it needs
     events = timed_events(raw_events)
     g = goodput(events, metrics)
     tl = build_timeline(events, g)
@@ -317,8 +345,15 @@ def build_report(run_dir: str | Path) -> str:
     return "\n".join(p for p in parts if p)
 
 
-def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """``ftkit report``: write the page (default ``RUN_DIR/report.html``) atomically; returns its path."""
+def is_report_page(path: Path) -> bool:
+    """A page :func:`write_report` wrote (what ``ftkit report`` may replace without ``--force``)."""
+    return starts_with(path, b"<!DOCTYPE html>", b"<title>ftkit report: ")
+
+
+def write_report(run_dir: str | Path, out: str | Path | None = None, *, force: bool = False) -> Path:
+    """``ftkit report``: write the page (default ``RUN_DIR/report.html``) atomically; returns its path. Refused
+    (exit 2, nothing written): a path in a run's own state, in a directory that does not exist, or over a file
+    that is not a report page unless ``force`` (:mod:`ftkit.rundir.outputs`)."""
     run = Path(run_dir)
     if not run.exists():
         raise UserError(Problem("does not exist [give the run's train.output_dir]", file=str(run_dir)))
@@ -326,7 +361,13 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         raise UserError(Problem("not a directory [give the run's train.output_dir]", file=str(run_dir)))
     if not RunDir(run).events.exists() and not RunDir(run).meta.is_dir():
         raise UserError(Problem("not an ftkit run directory (no events.jsonl)", file=str(run_dir)))
-    target = Path(out) if out is not None else run / "report.html"
+    target = check_output_file(
+        Path(out) if out is not None else run / "report.html",
+        ours=is_report_page,
+        force=force,
+        what="report page",
+        key="-o",
+    )
     page = build_report(run)
     try:
         atomic_write(target, page)
@@ -576,9 +617,9 @@ def _hosts_section(hosts: list[HostRow], chart: str | None) -> str:
     )
 
 
-def _checkpoint_section(rows: list[CheckpointRow]) -> str:
-    body = []
-    for r in rows:
+def _checkpoint_section(table: CheckpointTable) -> str:
+    body: list[list[object]] = []
+    for r in table.rows:
         state = r.get("state", "")
         cls = "ok" if r.get("ok") else ("bad" if r.get("ok") is False else "")
         body.append(
@@ -607,10 +648,19 @@ def _checkpoint_section(rows: list[CheckpointRow]) -> str:
             if body
             else "<p>No checkpoint yet.</p>"
         )
+        + (
+            f'<p class="note" id="checkpoints-unlisted">{table.unlisted:,} older save(s) not listed'
+            + (f" ({table.unlisted_local:,} of them to the local tier)" if table.unlisted_local else "")
+            + ": metrics.jsonl has a commit record of each.</p>"
+            if table.unlisted
+            else ""
+        )
         + '<p class="note">Verification done for this page: every file listed in the commit record exists with its '
         "recorded size (no hashing; <code>ftkit status --verify</code> re-reads every byte against its checksum, and "
         "a resume always does). Save: from the step's log record to its commit record; commit: ftkit's barrier and "
-        "commit record. Tier: durable = the run directory (shared storage).</p></section>"
+        "commit record. Tier: durable = saved in the run directory (shared storage); local = saved in the node-local "
+        "tier (checkpoint.local_dir, e.g. /dev/shm), which holds a few steps and is removed at the end of a launch; "
+        "local, then durable = copied to the run directory by the checkpoint agents.</p></section>"
     )
 
 

@@ -116,14 +116,16 @@ def build_timeline(events_in: Iterable[Event], g: Goodput) -> Timeline:
         if kind == "failure":
             tl.marks.append(Mark(kind, t, f"attempt {e.get('attempt')}: {_short(e)}"))
         elif kind == "restart":
-            tl.marks.append(Mark(kind, t, f"restart {e.get('restarts', '')} in {e.get('delay_s', 0)} s".strip()))
+            n = e.get("restarts")
+            tl.marks.append(Mark(kind, t, f"restart{f' {n}' if n is not None else ''} after {e.get('delay_s') or 0} s"))
         elif kind == "stop_requested":
             tl.marks.append(Mark(kind, t, f"stop requested ({e.get('signal') or 'signal'})"))
         elif kind in ("stopped", "finished", "gave_up", "interrupted"):
             tl.marks.append(Mark(kind, t, str(e.get("message") or kind)[:120]))
         elif kind == "shrink":
             names = [str(h[0]) for h in e.get("hosts") or [] if isinstance(h, list) and h]
-            tl.marks.append(Mark(kind, t, f"continued on {', '.join(names)} (world size {e.get('world_size')})"))
+            size = f" (world size {e['world_size']})" if e.get("world_size") is not None else ""
+            tl.marks.append(Mark(kind, t, f"continued on {', '.join(names) or 'fewer hosts'}{size}"))
         elif kind == "host_lost":
             lost = tuple(str(h) for h in e.get("hosts") or [])
             tl.marks.append(Mark(kind, t, f"lost {', '.join(lost)}", lost))

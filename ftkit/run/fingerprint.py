@@ -2,7 +2,9 @@
 
 :func:`compute` (head node, stdlib + ``xxhash``) returns a JSON-able fingerprint of everything that shapes training:
 the resolved recipe values, the training data file's size and full-content hash (XXH3-128), the model's
-``config.json`` hash and weight-file sizes, the tokenizer files' hash, and the versions of ftkit and the training
+``config.json`` hash, the weight files' sizes and checksums (XXH3-128 of every byte, as a commit record has them; a
+file unchanged since the run's last launch keeps its checksum, :func:`weight_hashes`), the tokenizer files' hash, and
+the versions of ftkit and the training
 libraries (read with ``importlib.metadata``; none of them is imported). ``ftkit launch`` puts it in the run spec
 and rank 0 copies it into the ``extra`` of every commit record (``ftkit_commit.json``).
 
@@ -95,11 +97,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ftkit import __version__
+from ftkit.checkpoint.checksums import full_checksum
 from ftkit.cluster.pkgversions import versions as installed_versions
 from ftkit.errors import Problem, UserError
 from ftkit.model.config import config_source
 from ftkit.recipe.schema import FIELD_BY_KEY
 from ftkit.rundir.env import mask_items
+from ftkit.rundir.layout import RunDir
 from ftkit.rundir.records import JSON, Fingerprint
 
 if TYPE_CHECKING:
@@ -330,9 +334,12 @@ def _files_hash(directory: Path, names: Iterable[str]) -> str | None:
     return h.hexdigest() if any_file else None
 
 
-def _model_part(path: str | None, config_file: str = "", revision: str | None = None) -> dict[str, JSON]:
+def _model_part(
+    path: str | None, config_file: str = "", revision: str | None = None, previous: Mapping[str, JSON] | None = None
+) -> dict[str, JSON]:
     """``config_file``: the config.json the plan read (the hub cache's for a hub id, or model.config); the weights
-    are looked for beside it (a hub snapshot directory) or in the model directory."""
+    are looked for beside it (a hub snapshot directory) or in the model directory, and hashed (:func:`weight_hashes`;
+    ``previous``: the model part of the run's last fingerprint, whose hashes of unchanged files are kept)."""
     out: dict[str, JSON] = {"path": path}
     if revision is not None:
         out["revision"] = revision
@@ -348,15 +355,66 @@ def _model_part(path: str | None, config_file: str = "", revision: str | None = 
         h.update(b"config.json\0")  # the same hash as _files_hash(dir, ["config.json"]) for a model directory
         _update_file(h, cfg)
         out["config_xxh3_128"] = h.hexdigest()
-        # Weights: names and sizes only (stat, no read). Hashing many GB on every launch is not cheap; a
-        # re-exported model with other sizes or files is caught, a same-size in-place edit is not.
-        out["weights"] = {
-            f.name: f.stat().st_size
+        files = [
+            f
             for f in sorted(d.iterdir())
             if f.is_file() and any(fnmatch.fnmatchcase(f.name, p) for p in WEIGHT_PATTERNS)
-        }
+        ]
+        out["weights"] = {f.name: f.stat().st_size for f in files}
+        hashes, stats = weight_hashes(files, previous if (previous or {}).get("path") == path else None)
+        out["weights_xxh3_128"], out["weights_stat"] = hashes, stats
     except OSError as e:
         out["error"] = e.strerror or str(e)
+    return out
+
+
+def _stat_key(st: os.stat_result) -> list[JSON]:
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def weight_hashes(
+    files: Iterable[Path], previous: Mapping[str, JSON] | None = None
+) -> tuple[dict[str, JSON], dict[str, JSON]]:
+    """(name -> ``xxh3_128:<hex>``, the checksum a commit record gives a file; name -> its stat key) of the base
+    model's weight files. Every byte is read, unless ``previous`` (the model part of the run's last fingerprint)
+    holds the hash of the very same file: same size, mtime, inode and device, and the same ctime, which no write
+    and no ``touch`` leaves as it was. So only the first launch of a run reads the weights."""
+    old_hashes = (previous or {}).get("weights_xxh3_128")
+    old_stats = (previous or {}).get("weights_stat")
+    hashes: dict[str, JSON] = {}
+    stats: dict[str, JSON] = {}
+    for f in files:
+        key = _stat_key(f.stat())
+        was = old_hashes.get(f.name) if isinstance(old_hashes, dict) else None
+        if isinstance(was, str) and isinstance(old_stats, dict) and old_stats.get(f.name) == key:
+            hashes[f.name] = was
+        else:
+            hashes[f.name] = full_checksum(f)
+            key = _stat_key(f.stat())  # as it was read
+        stats[f.name] = key
+    return hashes, stats
+
+
+def changed_weights(directory: Path, recorded: Mapping[str, JSON]) -> list[str]:
+    """The base model's weight files in ``directory`` that differ from the fingerprint's model part ``recorded``
+    (one phrase each: missing, another size, other content). Content is compared when the fingerprint has its
+    checksums (every byte read now), else sizes (fingerprints of an older ftkit)."""
+    out = []
+    sizes = recorded.get("weights")
+    hashes = recorded.get("weights_xxh3_128")
+    for name, size in (sizes if isinstance(sizes, dict) else {}).items():
+        f = directory / name
+        try:
+            now = f.stat().st_size
+        except OSError:
+            out.append(f"{f}: missing (the run trained on {size} bytes)")
+            continue
+        if now != size:
+            out.append(f"{f}: {now} bytes, the run trained on {size}")
+            continue
+        was = hashes.get(name) if isinstance(hashes, dict) else None
+        if isinstance(was, str) and full_checksum(f) != was:
+            out.append(f"{f}: same size, other content ({was} when the run trained on it)")
     return out
 
 
@@ -394,6 +452,16 @@ def _jsonable(value: object) -> JSON:
     return out
 
 
+def _previous_model(output_dir: str) -> Mapping[str, JSON] | None:
+    """The model part of the fingerprint the run's last launch recorded (``ftkit/spec.json``), None without one."""
+    try:
+        spec = json.loads(RunDir(output_dir).spec.read_text())
+        model = spec["fingerprint"]["model"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return model if isinstance(model, dict) else None
+
+
 def compute(plan: Plan) -> Fingerprint:
     """The fingerprint of ``plan`` (a :class:`ftkit.plan.plan.Plan`; only ``plan.recipe`` is read). JSON-able."""
     t0 = time.perf_counter()
@@ -409,7 +477,9 @@ def compute(plan: Plan) -> Fingerprint:
         "recipe": {k: _jsonable(v) for k, v in recipe.items()},
         "peft": has_peft,
         "data": _data_part(r.data.train),
-        "model": _model_part(model_path, _actual_config_file(plan), r.model.revision),
+        "model": _model_part(
+            model_path, _actual_config_file(plan), r.model.revision, _previous_model(r.train.output_dir)
+        ),
         "tokenizer": _tokenizer_part(r.model.tokenizer or model_path),
         "versions": versions(),
     }
@@ -520,7 +590,9 @@ def _content_change(key: str, old: Mapping[str, JSON], new: Mapping[str, JSON]) 
             return f"another file ({old.get('path')} → {new.get('path')}, different content)", False
         return f"content changed ({new.get('path')}, {old.get('size')} → {new.get('size')} bytes)", False
     if key == "model.path":
-        fields = ("config_xxh3_128", "weights", "commit")
+        fields = ["config_xxh3_128", "weights", "commit"]
+        if "weights_xxh3_128" in old and "weights_xxh3_128" in new:  # content: an older ftkit recorded sizes only
+            fields.append("weights_xxh3_128")
         if all(old.get(f) == new.get(f) for f in fields) and not new.get("error"):
             return (
                 (f"moved, same config and weight files ({old.get('path')} → {new.get('path')})", True)

@@ -296,6 +296,7 @@ def _owned_launch(
             return sup.apply(choice).exit_code or ExitCode.NO_CHECKPOINT
         if choice.finished:
             sup.events.attempt = sup.rd.next_attempt()
+            sup.end_local_tier()  # what an earlier launch left (its ranks finished without their supervisor)
             sup.events("finished", finished_line(choice.finished))
             return ExitCode.OK
         full = space_refusal(rd, choice)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,11 +22,14 @@ from typing import TYPE_CHECKING, TypedDict, TypeVar, cast
 
 from ftkit.checkpoint.directory import list_checkpoints, list_set_aside
 from ftkit.checkpoint.layout import read_commit
+from ftkit.checkpoint.tiers import node_dir
 from ftkit.checkpoint.verify import verify
+from ftkit.cluster.hosts import is_local
 from ftkit.errors import ExitCode, FtkitError, NoSpace, Problem, UserError
 from ftkit.report.goodput import GoodputDict, goodput
 from ftkit.rundir import layout
 from ftkit.rundir.layout import RunDir
+from ftkit.rundir.outputs import check_output_file, starts_with
 from ftkit.rundir.records import JSON, Event, JSONObject, MetricsRecord, as_int, as_number
 from ftkit.supervise.stragglers import score_run
 
@@ -124,6 +128,7 @@ class SummaryDict(TypedDict):
     slurm: list[SlurmEvent]
     stragglers: list[str]
     goodput: GoodputDict | None
+    local_tier: list[str]
     verify_failures: list[str]
 
 
@@ -152,6 +157,7 @@ class RunSummary:
     slurm: list[SlurmEvent] = field(default_factory=list)  # {"job_id", "restart_count", "reason"} events
     stragglers: list[str] = field(default_factory=list)  # one line per slow host (ftkit.supervise.stragglers)
     goodput: GoodputDict | None = None  # productive / wall time and the largest loss (ftkit.report.goodput)
+    local_tier: list[str] = field(default_factory=list)  # the run's local tier directories on this host, with sizes
 
     @property
     def recomputed(self) -> list[tuple[int, float, int]]:
@@ -287,7 +293,7 @@ def summarize(run_dir: str | Path, *, checksums: bool = False) -> RunSummary:
         checkpoints=ckpts,
         final=rd.final if final_ok else None,
         outcome=outcome,
-        failures=[str(e.get("message", "")) for e in events if e.get("event") == "failure"],
+        failures=[_failure_line(e) for e in events if e.get("event") == "failure"],
         final_problem=final_problem,
         verified=checksums,
         skipped=skipped,
@@ -304,7 +310,39 @@ def summarize(run_dir: str | Path, *, checksums: bool = False) -> RunSummary:
         ],
         stragglers=score_run(rd.path).lines(),
         goodput=goodput(events, metrics).as_dict(),
+        local_tier=_local_tier_here(spec),
     )
+
+
+def _failure_line(e: Event) -> str:
+    """A failure event as one line: its message, else what it recorded (an older or hand-made record has none)."""
+    if e.get("message"):
+        return str(e["message"])
+    kind, step = e.get("kind"), e.get("step")
+    return f"{kind or 'a failure'} (no message recorded)" + (f" at step {step}" if step is not None else "")
+
+
+def _local_tier_here(spec: JSONObject) -> list[str]:
+    """The run's local tier directories that exist on this host (its nodes that are this machine), each with what it
+    holds: a run whose supervisor was killed leaves them (in /dev/shm: host memory)."""
+    tier = spec.get("local_tier")
+    if not isinstance(tier, dict) or not isinstance(tier.get("dir"), str):
+        return []
+    nodes = tier.get("nodes")
+    out = []
+    for host in nodes if isinstance(nodes, list) else []:
+        if not isinstance(host, str) or not is_local(host):
+            continue
+        d = node_dir(str(tier["dir"]), host)
+        if not os.path.lexists(d):
+            continue
+        try:
+            ckpts = sum(1 for _ in list_checkpoints(d))
+            size = sum(f.lstat().st_size for f in d.rglob("*") if f.is_file() and not f.is_symlink())
+            out.append(f"{d}: {ckpts} checkpoint(s), {size / 2**20:.1f} MiB")
+        except OSError as e:
+            out.append(f"{d}: {e.strerror or e}")
+    return out
 
 
 def format_summary(s: RunSummary) -> str:
@@ -352,6 +390,14 @@ def format_summary(s: RunSummary) -> str:
         )
     for name, n in sorted(s.skipped.items()):
         lines.append(f"note: {name}: {n} malformed line(s) skipped (not a JSON object, or no numeric step/loss)")
+    for where in s.local_tier:
+        if s.running:
+            lines.append(f"local tier: {where}")
+        else:
+            lines.append(
+                f"local tier left behind: {where}; the next `ftkit launch` of this run copies what is due from it "
+                "and removes it"
+            )
     lines.append(f"logs: {rd.path / 'logs'}   events: {rd.events}   metrics: {rd.metrics}")
     return "\n".join(lines)
 
@@ -410,6 +456,11 @@ def loss_figure(s: RunSummary) -> Figure:
     except ImportError:
         raise UserError("--plot needs matplotlib: pip install 'ftkit[plot]'") from None
     matplotlib.use("Agg")
+    with matplotlib.rc_context({"text.parse_math": False}):  # a run directory's name may hold `$` (not mathtext)
+        return _loss_figure(s)
+
+
+def _loss_figure(s: RunSummary) -> Figure:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
@@ -451,14 +502,29 @@ def loss_figure(s: RunSummary) -> Figure:
     return fig
 
 
+PLOT_SOFTWARE = "ftkit status --plot"  # the PNG's Software text: how a plot ftkit wrote is recognised
+
+
+def is_plot(path: Path) -> bool:
+    """A PNG :func:`plot_losses` wrote (what ``--plot`` may replace without ``--force``)."""
+    return starts_with(path, b"\x89PNG", b"Software\x00" + PLOT_SOFTWARE.encode())
+
+
+def plot_target(out: str | Path, force: bool = False) -> Path:
+    """``--plot``'s path, checked before anything is drawn: never in a run's own state, its directory must exist,
+    and what is there must be a plot ftkit wrote unless ``force`` (:mod:`ftkit.rundir.outputs`; exit 2)."""
+    return check_output_file(out, ours=is_plot, force=force, what="loss plot", key="--plot")
+
+
 def plot_losses(s: RunSummary, out: Path) -> Path:
-    """Write :func:`loss_figure` as a PNG to ``out``. Needs matplotlib."""
+    """Write :func:`loss_figure` as a PNG to ``out`` (checked by :func:`plot_target` first). Needs matplotlib."""
     fig = loss_figure(s)
+    import matplotlib
     import matplotlib.pyplot as plt
 
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, format="png")
+        with matplotlib.rc_context({"text.parse_math": False}):  # tick labels are made while saving
+            fig.savefig(out, format="png", metadata={"Software": PLOT_SOFTWARE})
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise NoSpace(f"{out}: cannot write the plot: no space left on {e.filename or out.parent}") from None

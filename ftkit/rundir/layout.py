@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, cast, overload
 
@@ -266,26 +266,28 @@ def read_jsonl(path: Path, skipped: dict[str, int] | None = None) -> list[JSONOb
     """The JSON objects of a .jsonl file (events, metrics), in order; [] when it does not exist. Other lines (one cut
     by a crash, one that is not an object) are skipped and counted in ``skipped[path.name]``. Other OS errors
     propagate (each command says them its own way)."""
+    return list(iter_jsonl(path, skipped))
+
+
+def iter_jsonl(path: Path, skipped: dict[str, int] | None = None) -> Iterator[JSONObject]:
+    """:func:`read_jsonl` one object at a time, for a reader that keeps only what it needs of a long file (a
+    million-step run's metrics.jsonl is GBs as dicts); ``skipped`` is counted as the lines are read."""
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        fh = open(path, encoding="utf-8", errors="replace")  # closed below, also when the reader stops early
     except FileNotFoundError:
-        return []
-    out = []
-    bad = 0
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            obj = None
-        if isinstance(obj, dict):
-            out.append(obj)
-        else:
-            bad += 1
-    if bad and skipped is not None:
-        skipped[path.name] = skipped.get(path.name, 0) + bad
-    return out
+        return
+    with fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                obj = None
+            if isinstance(obj, dict):
+                yield obj
+            elif skipped is not None:
+                skipped[path.name] = skipped.get(path.name, 0) + 1
 
 
 def read_events(path: Path, skipped: dict[str, int] | None = None) -> list[Event]:
@@ -296,3 +298,8 @@ def read_events(path: Path, skipped: dict[str, int] | None = None) -> list[Event
 def read_metrics(path: Path, skipped: dict[str, int] | None = None) -> list[MetricsRecord]:
     """``metrics.jsonl`` as :class:`MetricsRecord` records (:func:`read_jsonl`)."""
     return cast("list[MetricsRecord]", read_jsonl(path, skipped))
+
+
+def iter_metrics(path: Path, skipped: dict[str, int] | None = None) -> Iterator[MetricsRecord]:
+    """``metrics.jsonl`` one :class:`MetricsRecord` at a time (:func:`iter_jsonl`)."""
+    return cast("Iterator[MetricsRecord]", iter_jsonl(path, skipped))

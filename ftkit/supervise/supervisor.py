@@ -418,7 +418,7 @@ class Supervisor:
             return code
         finally:
             shutil.rmtree(private, ignore_errors=True)
-            self._end_local_tier()
+            self.end_local_tier()
             self.observer.finish()
             for s, h in old.items():
                 signal.signal(s, h)
@@ -705,7 +705,9 @@ class Supervisor:
             return "peer"
         return "durable"
 
-    def _end_local_tier(self) -> None:
+    def end_local_tier(self) -> None:
+        """Copy what is due from the local tier and remove it (the end of a launch; also a relaunch that finds the
+        run finished: an orphan-finished run's tier may still be there)."""
         tier = self._tier()
         if not tier:
             return

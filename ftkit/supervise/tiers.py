@@ -20,12 +20,16 @@ import shlex
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypedDict, cast
 
+from ftkit.checkpoint.layout import COMMIT_FILE
 from ftkit.checkpoint.tiers import (
+    SetRecord,
+    TierUnsafe,
     clear_peer_claims,
     clear_set_records,
     clear_staging,
     discard_set_records_newer,
-    newest_durable,
+    due_in_run_dir,
+    flush_due,
     resume_path,
     set_records,
 )
@@ -48,6 +52,8 @@ class AgentAnswer(TypedDict, total=False):
     reason: str | None
     discarded: list[str]  # clean --newer-than: the local parts removed
     cleaned: str | None
+    kept: list[str]  # clean: directories left (not made by ftkit, or holding something else)
+    unsafe: bool  # the node's tier directory is not this user's alone (ftkit.checkpoint.tiers.open_tier)
     published: bool
 
 
@@ -148,7 +154,7 @@ def choose_tier(
                 return TierChoice("peer", step, None)
             for node, a in answers.items():
                 if not a.get("ok"):
-                    why = f"assembling from peer copies on {node}: {a.get('reason')}"
+                    why = f"assembling from peer copies on {node}: {a.get('reason') or 'no reason given'}"
                     events("tier_rejected", f"step {step}: {why}", step=step, node=node, reason=why)
     return None
 
@@ -159,29 +165,57 @@ def discard_stale(rd: RunDir, hosts: list[str], step: int | None, agents: Agents
     discard_set_records_newer(rd.path, step)
     clear_peer_claims(rd.path)
     answers = agents.run(hosts, "clean", newer_than=-1 if step is None else step)
+    unsafe = {h: str(a.get("reason")) for h, a in answers.items() if a.get("unsafe")}
+    if unsafe:  # another local user made (or can write to) where the ranks would save: nothing starts
+        host, why = next(iter(unsafe.items()))
+        message = f"the local checkpoint tier on {host}: {why}"
+        events("refused", message, kind="tier_unsafe", hosts=sorted(unsafe))
+        raise TierUnsafe(message)
     gone = {h: a.get("discarded") for h, a in answers.items() if a.get("discarded")}
     if gone:
-        events("tier_discarded", f"local parts newer than step {step}: {gone}", step=step, discarded=gone)
+        newer = "every step (a fresh start)" if step is None else f"the steps after {step}"
+        message = f"removed an earlier attempt's local parts of {newer}: {gone}"
+        events("tier_discarded", message, step=step, discarded=gone)
+
+
+def _due_note(rec: SetRecord, tier: LocalTierSpec) -> str:
+    return " (due in the run directory: train.save_steps)" if due_in_run_dir(rec, tier) else ""
 
 
 def end_local_tier(rd: RunDir, tier: LocalTierSpec, hosts: list[str], agents: Agents, events: EventSink) -> None:
-    """The end of a launch, whatever its outcome: the newest step every node committed in its local tier and the
-    run directory lacks is copied there (a finished run's last step too: a later launch with a raised step limit
-    continues from it), then the run's local tier is removed from every node (nothing of the run is left in
-    /dev/shm)."""
-    durable = newest_durable(rd.path)
-    newest = next((r for r in set_records(rd.path) if durable is None or r["step"] > durable), None)
-    if newest is not None and set(newest.get("nodes") or []) <= set(hosts):
-        step = newest["step"]
-        answers = agents.run(list(newest["nodes"]), "flush", step=step)
-        if (rd.path / f"checkpoint-{step}").is_dir():
-            events("tier_flushed", f"copied step {step} from the local tier to the run directory", step=step)
+    """The end of a launch, whatever its outcome: every step due in the run directory that the background copies
+    did not make durable yet, and the newest step every node committed, are copied there
+    (:func:`ftkit.checkpoint.tiers.flush_due`; a
+    finished run's last step too: a later launch with a raised step limit continues from it), and a step that
+    cannot be is said (``tier_flush_failed``); then the run's local tier is removed from every node, what ftkit
+    made of it only (:func:`ftkit.checkpoint.tiers.remove_tier`)."""
+    for rec in flush_due(rd.path, tier):
+        step = rec["step"]
+        if not set(rec.get("nodes") or []) <= set(hosts):
+            why = f"its nodes {', '.join(rec.get('nodes') or [])} are not all in this launch"
+            answers: dict[str, AgentAnswer] = {}
         else:
-            why = "; ".join(f"{h}: {a.get('reason')}" for h, a in answers.items() if not a.get("ok"))
-            events("tier_flush_failed", f"could not copy step {step} to the run directory ({why})", step=step)
+            answers = agents.run(list(rec["nodes"]), "flush", step=step)
+            why = "; ".join(
+                f"{h}: {a.get('reason') or 'no reason given'}" for h, a in answers.items() if not a.get("ok")
+            )
+        if (rd.path / f"checkpoint-{step}" / COMMIT_FILE).is_file():
+            events("tier_flushed", f"copied step {step} from the local tier to the run directory", step=step)
+        else:  # said, never silent: the local tier is removed next, and this step with it
+            events(
+                "tier_flush_failed",
+                f"step {step}{_due_note(rec, tier)} was never made durable: could not copy it to the run directory "
+                f"({why or 'not published'}); it is lost with the local tier",
+                step=step,
+            )
     cleaned = agents.run(hosts, "clean")
-    left = [h for h, a in cleaned.items() if not a.get("ok")]
+    left = {h: a.get("reason") for h, a in cleaned.items() if not a.get("ok")}
     if left:
-        events("tier_left", f"could not remove the local tier on {', '.join(left)}", hosts=left)
+        why = "; ".join(f"{h}: {r}" for h, r in left.items() if r)
+        events(
+            "tier_left",
+            f"could not remove the local tier on {', '.join(left)}" + (f" ({why})" if why else ""),
+            hosts=list(left),
+        )
     clear_staging(rd.path)
     clear_set_records(rd.path)

@@ -6,6 +6,7 @@ library, size parsing. Real runs exported and proven by logits: tests/integratio
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -123,6 +124,11 @@ def test_fsdp_checkpoint_is_refused_in_one_line(tmp_path: Path) -> None:
         (["-o", "{run}/final"], "is a name the run itself uses"),
         (["-o", "{tmp}/full"], "exists and is not empty (--force replaces it)"),
         (["-o", "{tmp}/afile"], "exists and is not a directory"),
+        # issue 36, item 4: the run's own state, even with --force (it replaced RUN/ftkit, and the run was gone)
+        (["-o", "{run}/ftkit", "--force"], "ftkit, the run's own state: an export never goes there"),
+        (["-o", "{run}/logs", "--force"], "logs, the run's own state"),
+        (["-o", "{run}/logs/attempt-0/x", "--force"], "logs, the run's own state"),
+        (["-o", "{run}/events.jsonl", "--force"], "events.jsonl, the run's own state"),
     ],
 )
 def test_bad_options_and_destinations_exit_2_and_write_nothing(
@@ -131,6 +137,9 @@ def test_bad_options_and_destinations_exit_2_and_write_nothing(
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     (tmp_path / "afile").write_text("a file")
+    (synthetic / "logs" / "attempt-0").mkdir(parents=True)
+    (synthetic / "logs" / "attempt-0" / "rank-0.log").write_text("a log\n")
+    (synthetic / "events.jsonl").write_text('{"event": "launch"}\n')
     before = tree(tmp_path)
     argv = [a.format(run=synthetic, tmp=tmp_path) for a in args]
     r = run_cli(str(synthetic), "--checkpoint", "8", *argv)
@@ -204,3 +213,53 @@ def test_verify_of_an_export_without_its_commit_record_is_torn(tmp_path: Path) -
     with pytest.raises(ExportTorn) as e:
         verify_export(out)
     assert e.value.exit_code == ExitCode.VERIFY_FAILED
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A run still training (issue 36, item 14): its rotation deletes checkpoints while an export reads them
+
+
+def test_a_held_checkpoint_outlives_the_runs_rotation_and_its_hold_is_released(synthetic: Path) -> None:
+    from ftkit.checkpoint.directory import rotate
+    from ftkit.checkpoint.verify import verify
+    from ftkit.export.source import hold, release, resolve
+
+    held = hold(resolve(synthetic, 4))
+    assert held.name == "checkpoint-4" and held.path != synthetic / "checkpoint-4"
+    assert [p.name for p in rotate(synthetic, 1)] == ["checkpoint-4"]  # the live run's rotation, for real
+    assert not (synthetic / "checkpoint-4").exists()
+    assert verify(held.path, True, require_commit=True).ok  # every byte still there, as committed
+    release(held)
+    assert sorted(p.name for p in synthetic.iterdir()) == ["checkpoint-8", "ftkit"]
+
+
+def test_a_checkpoint_rotated_away_before_it_is_held_is_gone_not_corrupt(
+    synthetic: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The live run rotates right after the export chose its checkpoint: a step asked for by number is gone (exit
+    11, "not damaged"), never "corrupt" (exit 5, what it said before); the newest one is chosen again."""
+    import ftkit.export
+    from ftkit.checkpoint.directory import rotate
+    from ftkit.export import CheckpointGone, _take
+    from ftkit.export.source import release, resolve
+
+    def resolve_then_the_run_saves_and_rotates(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        chosen = resolve(*args, **kw)
+        if not (synthetic / "checkpoint-12").exists():
+            commit(make_ckpt(synthetic, 12, bf16=False))
+            rotate(synthetic, 1)
+        return chosen
+
+    monkeypatch.setattr(ftkit.export, "resolve", resolve_then_the_run_saves_and_rotates)
+    lines: list[str] = []
+    with pytest.raises(CheckpointGone, match="checkpoint-8 was deleted by the run's checkpoint rotation") as e:
+        _take(synthetic, 8, False, lines.append)
+    assert e.value.exit_code == ExitCode.RUN_BUSY and "not damaged" in str(e.value)
+    shutil.rmtree(synthetic / "checkpoint-12")
+    commit(make_ckpt(synthetic, 8, bf16=False))
+    source = _take(synthetic, "latest", False, lines.append)  # 8 chosen, rotated away, 12 chosen and held
+    assert source.name == "checkpoint-12" and lines == [
+        "checkpoint-8 was rotated away by the live run before it was held: choosing the newest again"
+    ]
+    release(source)
+    assert not list(synthetic.glob(".ftkit-export-hold-*"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 from ftkit.rundir.layout import RunDir, atomic_write
 
@@ -27,3 +28,43 @@ def write_rank(rd: RunDir, rank: int, host: str, compute_s: float | None, n: int
     if pid:
         rec = {"rank": rank, "host": host, "hostname": "same-hostname", "pid": 1000 + rank, "attempt": attempt}
         atomic_write(rd.pid_file(attempt, rank), json.dumps(rec), fsync=False)
+
+
+def tier_run(run: Path, template: str, nodes: list[str], durable_steps: int = 5, keep: int = 2) -> RunDir:
+    """A run directory whose spec names a local checkpoint tier (what ``ftkit.launch.agent`` and the supervisor's
+    tier functions read of it); no process runs."""
+    from ftkit.rundir.spec import DataSpec, RunSpec
+
+    spec = RunSpec(
+        ftkit_version="test",
+        name="tiered",
+        recipe={"train": {"precision": "fp32"}},
+        recipe_hash="abc123",
+        world_size=2 * len(nodes),
+        hosts=[[n, 2] for n in nodes],
+        stage=2,
+        offload_optimizer="none",
+        offload_params="none",
+        accelerator="cpu",
+        model_path=str(run.parent / "model"),
+        tokenizer_path=str(run.parent / "model"),
+        model_revision=None,
+        tokenizer_revision=None,
+        peft=None,
+        data=DataSpec(train="data.jsonl", max_seq_len=64, truncate=False),
+        save_total_limit=2,
+        training_args={},
+        fingerprint={},
+        local_tier={
+            "dir": template,
+            "steps": 1,
+            "keep": keep,
+            "peer_copies": 0,
+            "durable_steps": durable_steps,
+            "nodes": nodes,
+        },
+    )
+    rd = RunDir(run)
+    rd.meta.mkdir(parents=True, exist_ok=True)
+    rd.spec.write_text(spec.to_json())
+    return rd

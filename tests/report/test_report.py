@@ -286,3 +286,190 @@ def test_plan_record_has_the_compute_model_and_the_memory(write_recipe):
     assert rec["flops_per_token"] > 0 and rec["predicted_step_s"] > 0 and rec["memory_gib_per_gpu"] > 0
     assert "not_estimated" not in rec
     json.dumps(rec)  # it goes into events.jsonl
+
+
+# ------------------------------------------------------------------------------------------------ where it writes
+
+
+def test_report_never_writes_into_a_runs_state_nor_over_what_it_did_not_write(tmp_path):
+    """Issue 36, item 3: `-o` overwrote any file (events.jsonl, the final model, the spec) and created a missing
+    directory. Refused now, nothing changed: the run's own state even with --force; a file that is not a report
+    page without --force; a directory that does not exist."""
+    from ftkit.errors import UserError
+    from ftkit.report import write_report
+
+    run = _hand_run(tmp_path)
+    (run / "ftkit" / "spec.json").write_text('{"name": "x"}')
+    (run / "final").mkdir()
+    (run / "final" / "model.safetensors").write_bytes(b"weights")
+    (run / "logs").mkdir()
+    mine = tmp_path / "notes.html"
+    mine.write_text("<p>my own notes</p>")
+    (tmp_path / "link.html").symlink_to(run / "metrics.jsonl")  # a link to the state is the state
+    before = {p: p.read_bytes() for p in [*run.rglob("*"), mine] if p.is_file()}
+    state = [
+        run / "events.jsonl",
+        run / "metrics.jsonl",
+        run / "ftkit" / "spec.json",
+        run / "final" / "model.safetensors",
+        run / "logs" / "page.html",
+        run / "ftkit" / "new.html",
+        run / "checkpoint-4",
+        tmp_path / "link.html",
+    ]
+    for target in state:
+        for force in (False, True):
+            with pytest.raises(UserError, match="the run's own state"):
+                write_report(run, target, force=force)
+    with pytest.raises(UserError, match=r"is not a report page ftkit wrote \(--force replaces it\)"):
+        write_report(run, mine)
+    missing = tmp_path / "nonexistent" / "x.html"
+    with pytest.raises(UserError, match="does not exist"):
+        write_report(run, missing)
+    assert not missing.parent.exists()
+    assert {p: p.read_bytes() for p in [*run.rglob("*"), mine] if p.is_file()} == before
+    assert not (run / "logs" / "page.html").exists() and not (run / "ftkit" / "new.html").exists()
+    # on the command line: one line, exit 2
+    out = run_ftkit("report", str(run), "-o", str(run / "events.jsonl"), "--force")
+    assert out.returncode == ExitCode.USAGE and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith(f"ftkit: error: {run / 'events.jsonl'} -o: is inside"), out.stderr
+    # its own pages are replaced (the default, and -o twice); --force replaces the user's file
+    for out_path in (None, tmp_path / "page.html", tmp_path / "page.html"):
+        write_report(run, out_path)
+    write_report(run, mine, force=True)
+    assert mine.read_text().startswith("<!DOCTYPE html>")
+
+
+def test_dollar_signs_in_host_and_run_directory_names_are_text_not_mathtext(tmp_path):
+    """Issue 36, item 15: a host named `n$\\frac{1}{$x` crashed `ftkit report` (matplotlib parsed it as mathtext)."""
+    from ftkit.report import build_report
+
+    host = "n$\\frac{1}{$x"
+    run = tmp_path / "run$\\alpha{$"
+    events = [dict(e) for e in EVENTS]
+    events[1]["hosts"] = [[host, 2]]
+    times = [{"host": host, "compute_s": 0.5, "ranks": [0, 1]}, {"host": "b$_", "compute_s": 0.25, "ranks": [2]}]
+    events.insert(6, {"time": 131.0, "event": "step_times", "attempt": 0, "hosts": times})  # after its teardown
+    _jsonl(run / "events.jsonl", events)
+    _jsonl(run / "metrics.jsonl", METRICS)
+    (run / "ftkit").mkdir()
+    page = build_report(run)
+    assert page.count("n$\\frac{1}{$x") >= 2 and "b$_" in page  # the timeline's and the host chart's labels, as text
+
+
+def test_a_launch_killed_with_its_ranks_and_a_relaunch_are_two_launches_that_add_up_to_the_wall_time(tmp_path):
+    """Issue 36, item 10: kill -9 of the whole launch (no outcome recorded), then a relaunch. The two launches were
+    read as one: the killed attempt lasted until the end of the relaunch, the breakdown added up to 140% of the
+    wall time, and the card said "1 launch"."""
+    from ftkit.report import build_report
+
+    killed = [
+        {"time": 0.0, "event": "preflight", "attempt": 0},
+        {"time": 0.0, "event": "plan", "attempt": 0, "hosts": [["localhost", 2]], "world_size": 2},
+        {"time": 0.5, "event": "fresh_start", "attempt": 0},
+        {"time": 1.0, "event": "launch", "attempt": 0},
+        {"time": 1.5, "event": "spawn", "attempt": 0, "host": "localhost"},
+    ]  # SIGKILLed after step 10, with its ranks: nothing more
+    relaunch = [
+        {"time": 100.0, "event": "preflight", "attempt": 1},
+        {"time": 100.0, "event": "plan", "attempt": 1, "hosts": [["localhost", 2]], "world_size": 2},
+        {"time": 101.0, "event": "checkpoint_chosen", "attempt": 1, "step": 5},
+        {"time": 101.0, "event": "launch", "attempt": 1},
+        {"time": 117.0, "event": "teardown", "attempt": 1},
+        {"time": 118.0, "event": "finished", "attempt": 1, "step": 12},
+    ]
+    metrics = [_step(0, s, 9.0 + s) for s in range(1, 11)]  # steps 1-10 at 10..19
+    metrics.append({"event": "commit", "step": 5, "commit_s": 0.1, "attempt": 0, "time": 14.5})
+    metrics += [_step(1, s, 104.0 + s) for s in range(6, 13)]  # steps 6-12 at 110..116
+    g = goodput(killed + relaunch, metrics)
+    assert g.launches == 2 and not g.live
+    assert g.wall_s == pytest.approx(19.0 + 18.0)  # the killed launch lasts until its newest record (step 10)
+    assert g.idle_s == pytest.approx(81.0)
+    assert sum(g.breakdown.values()) == pytest.approx(g.wall_s)
+    assert g.productive_s == pytest.approx(4.0 + 6.0)  # steps 2-5, then 7-12
+    assert g.breakdown["recomputed"] == pytest.approx(0.5 + 4.0)  # steps 6 (less its save) to 10
+    a0, a1 = g.attempts
+    assert a0.end == pytest.approx(19.0) and a0.outcome == "no outcome (its ftkit launch was killed)"
+    assert a1.outcome == "finished"
+    run = tmp_path / "run"
+    _jsonl(run / "events.jsonl", killed + relaunch)
+    _jsonl(run / "metrics.jsonl", metrics)
+    (run / "ftkit").mkdir()
+    page = build_report(run)
+    assert "<span>2 launches</span>" in page, page[:3000]
+
+
+def test_one_diverged_loss_is_marked_off_the_chart_instead_of_flattening_it():
+    """Issue 36: one loss of 1e6 among losses of 3 to 5 set the loss chart's scale, and the curve was a flat line
+    at its bottom. The axis keeps to the curve; the diverged step is a marker at the top edge, with its value."""
+    from ftkit.report.charts import loss_axis, loss_chart
+
+    metrics = [_step(0, s, 10.0 + s) for s in range(1, 51)]  # losses 4.9 .. 0.0
+    metrics[29]["loss"] = 1e6  # step 30 diverged
+    events = [{"time": 0.0, "event": "fresh_start", "attempt": 0}, {"time": 0.0, "event": "launch", "attempt": 0}]
+    g = goodput(events, metrics)
+    axis = loss_axis(g.attempts)
+    assert axis.off == [(30, 1e6)]
+    assert axis.top is not None and 4.9 < axis.top < 6.0
+    svg = loss_chart(g.attempts)
+    assert 'id="loss-off-chart"' in svg and "1 step(s) off the chart" in svg and "(largest 1e+06 at step 30)" in svg
+    # a healthy curve is never cut: one that starts high and stays low for long, and one that only goes down
+    flat = [_step(0, 1, 11.0, loss=11.0)] + [_step(0, s, 11.0 + s, loss=2.0) for s in range(2, 10_001)]
+    assert loss_axis(goodput(events, flat).attempts).off == []
+    metrics[29]["loss"] = 2.0
+    assert loss_axis(goodput(events, metrics).attempts) == type(axis)(None, [])
+
+
+def test_checkpoint_rows_say_which_tier_and_a_long_run_lists_the_newest(tmp_path):
+    """Issue 36, item 10 and the million-step report: every checkpoint row said `durable`, the /dev/shm ones too;
+    and every save was a row (a run saving every step made a 43 MB page)."""
+    from ftkit.report.page import MAX_CHECKPOINT_ROWS, build_report, checkpoint_rows
+    from tests.helpers.ckpt import commit, make_ckpt
+
+    run = tmp_path / "run"
+    events = [{"time": 0.0, "event": "fresh_start", "attempt": 0}, {"time": 0.0, "event": "launch", "attempt": 0}]
+    metrics = []
+    for s in range(1, 301):  # a local save every step, a durable copy every 100 (published by the last node)
+        metrics.append(_step(0, s, 1.0 + s))
+        rotated = [f"/dev/shm/ftkit-x/localhost/checkpoint-{s - 2}"] if s > 2 else []
+        metrics.append({"event": "commit", "step": s, "attempt": 0, "tier": "local", "rotated": rotated})
+        metrics[-1]["time"] = s + 1.1
+        if s % 100 == 0:
+            metrics.append({"event": "durable", "step": s, "attempt": 0, "host": "localhost", "published": True})
+            metrics[-1]["time"] = s + 1.5
+    metrics.append({"event": "commit", "step": 300, "attempt": 0, "commit_s": 0.1, "time": 301.2})  # a direct save
+    _jsonl(run / "events.jsonl", events)
+    _jsonl(run / "metrics.jsonl", metrics)
+    (run / "ftkit").mkdir()
+    commit(make_ckpt(run, 200))
+    g = goodput(events, metrics)
+    table = checkpoint_rows(run, g, limit=10)
+    rows = {r["name"]: r for r in table.rows}
+    assert len(table.rows) <= 10 and table.unlisted == 300 - len(table.rows) and table.unlisted_local == table.unlisted
+    assert rows["checkpoint-200"]["tier"] == "local, then durable" and rows["checkpoint-200"]["ok"] is True
+    assert rows["checkpoint-299"]["tier"] == "local"
+    assert rows["checkpoint-299"]["state"] == "in the local tier only (rotated, or removed with the tier)"
+    assert "checkpoint-300" in rows and "checkpoint-100" not in rows  # the newest saves, and what is on disk
+    direct = checkpoint_rows(run, goodput(events, [m for m in metrics if m.get("tier") != "local"]))
+    assert [r["tier"] for r in direct.rows] == ["durable", "durable"]  # checkpoint-200 (on disk), -300
+    page = build_report(run)
+    assert page.count("<td>local</td>") == MAX_CHECKPOINT_ROWS - 3  # the newest, besides -200, -300 and the note
+    assert "older save(s) not listed (" in page and "<td>local, then durable</td>" in page
+
+
+def test_goodput_of_a_save_every_step_is_linear_in_the_steps():
+    """The million-step report: every step interval was checked against every save (quadratic): 10,000 steps with a
+    save each took two minutes. benchmarks/report_scale.py measures the whole report."""
+    import time
+
+    n = 20_000
+    metrics = []
+    for s in range(1, n + 1):
+        metrics.append(_step(0, s, float(s)))
+        metrics.append({"event": "commit", "step": s, "attempt": 0, "tier": "local", "time": s + 0.25})
+    events = [{"time": 0.0, "event": "fresh_start", "attempt": 0}, {"time": 0.0, "event": "launch", "attempt": 0}]
+    t0 = time.perf_counter()
+    g = goodput(events, metrics)
+    took = time.perf_counter() - t0
+    assert g.breakdown["saves"] == pytest.approx(0.25 * n) and sum(g.breakdown.values()) == pytest.approx(g.wall_s)
+    assert took < 10.0, f"goodput of {n} steps took {took:.1f} s"  # ~0.5 s here; quadratic it was minutes

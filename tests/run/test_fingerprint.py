@@ -53,6 +53,7 @@ def test_compute_records_recipe_data_model_tokenizer_versions(setup):
     assert f["recipe"]["train.learning_rate"] == 0.0002
     assert f["data"]["size"] == data.stat().st_size and len(f["data"]["xxh3_128"]) == 32
     assert f["model"]["config_xxh3_128"] and f["model"]["weights"] == {"model.safetensors": 1000}
+    assert f["model"]["weights_xxh3_128"]["model.safetensors"].startswith("xxh3_128:")
     assert f["tokenizer"]["xxh3_128"]
     assert f["versions"]["ftkit"] and "torch" in f["versions"]
     again = fp()
@@ -168,6 +169,46 @@ def test_model_config_change_cannot_be_resumed(setup):
     check = compare(before, fp(), ["model.path"])
     assert [(c.key, c.verdict) for c in check.refused] == [("model.path", "impossible")]
     assert "config.json changed" in check.lines()[0]
+
+
+def test_same_size_base_weights_change_cannot_be_resumed_and_is_found_by_content(setup, monkeypatch):
+    """Issue 36, item 7: the fingerprint recorded the weights' sizes only; base weights edited in place (same size)
+    passed. Their checksums are the commit record's (XXH3-128 of every byte); an unchanged file keeps the checksum
+    the run's last launch recorded (its stat, ctime included, unchanged) instead of being read again."""
+    from ftkit.checkpoint.checksums import full_checksum
+    from ftkit.run import fingerprint
+    from ftkit.run.fingerprint import changed_weights
+
+    fp, _, model_dir = setup
+    weights = model_dir / "model.safetensors"
+    before = fp()
+    assert before["model"]["weights_xxh3_128"] == {"model.safetensors": full_checksum(weights)}
+    assert changed_weights(model_dir, before["model"]) == []
+    with open(weights, "r+b") as fh:  # one byte of a weight, the size unchanged
+        fh.seek(700)
+        fh.write(b"\x01")
+    after = fp()
+    assert after["model"]["weights"] == before["model"]["weights"]
+    check = compare(before, after, ["model.path"])
+    assert [(c.key, c.verdict) for c in check.refused] == [("model.path", "impossible")]
+    assert "weight files changed" in check.lines()[0]
+    assert changed_weights(model_dir, before["model"]) == [
+        f"{weights}: same size, other content ({before['model']['weights_xxh3_128']['model.safetensors']} when the "
+        "run trained on it)"
+    ]
+    # an older ftkit's record has sizes only: compared by size, never refused for a missing checksum
+    old = json.loads(json.dumps(before))
+    del old["model"]["weights_xxh3_128"], old["model"]["weights_stat"]
+    assert compare(old, after, ()).ok and changed_weights(model_dir, old["model"]) == []
+    # the next launch of the run reads no weight again while the file is unchanged
+    spec = model_dir.parent / "run" / "ftkit" / "spec.json"
+    spec.parent.mkdir(parents=True)
+    spec.write_text(json.dumps({"fingerprint": after}))
+    read: list[Path] = []
+    monkeypatch.setattr(fingerprint, "full_checksum", lambda p: read.append(p) or full_checksum(p))
+    assert fp()["model"]["weights_xxh3_128"] == after["model"]["weights_xxh3_128"] and read == []
+    weights.touch()  # a new mtime and ctime: read again
+    assert fp()["model"]["weights_xxh3_128"] == after["model"]["weights_xxh3_128"] and read == [weights]
 
 
 def test_tokenizer_change_is_refused_unless_allowed(setup):

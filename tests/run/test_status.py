@@ -249,12 +249,37 @@ def test_plot_to_a_bad_path_is_one_line_exit_2(tmp_path: Path) -> None:
     run = make_run(tmp_path)
     (tmp_path / "file").write_text("x")
     (tmp_path / "adir").mkdir()
-    for bad in (tmp_path / "file" / "loss.png", tmp_path / "adir"):
+    for bad, says in (
+        (tmp_path / "file" / "loss.png", "does not exist (or is not a directory)"),
+        (tmp_path / "adir", "is a directory"),
+        (tmp_path / "plots" / "loss.png", "does not exist"),  # a mistyped directory is not created
+    ):
         line = _one_error_line(run_ftkit("status", str(run), "--plot", str(bad)), ExitCode.USAGE)
-        assert f"{bad}: cannot write the plot" in line, line
-    good = tmp_path / "plots" / "loss.png"
-    out = run_ftkit("status", str(run), "--plot", str(good))
-    assert (out.returncode, out.stderr) == (0, "") and good.read_bytes()[:4] == b"\x89PNG"
+        assert f"{bad} --plot: " in line and says in line, line
+    assert not (tmp_path / "plots").exists()
+    good = tmp_path / "loss.png"
+    for _ in range(2):  # a plot ftkit wrote is replaced without --force
+        out = run_ftkit("status", str(run), "--plot", str(good))
+        assert (out.returncode, out.stderr) == (0, "") and good.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_never_writes_into_a_runs_state_nor_over_what_it_did_not_write(tmp_path: Path) -> None:
+    """Issue 36: what `ftkit report -o` must not do, `--plot` must not either (checked before anything is read)."""
+    from ftkit.errors import UserError
+    from ftkit.run.status import plot_target
+
+    run = make_run(tmp_path)
+    mine = tmp_path / "holiday.png"
+    mine.write_bytes(b"\x89PNG\r\n\x1a\n a photo")
+    for target in (run / "metrics.jsonl", run / "final" / "model.safetensors", run / "ftkit" / "loss.png", run):
+        for force in (False, True):
+            with pytest.raises(UserError, match="the run's own state|is the run directory"):
+                plot_target(target, force)
+    with pytest.raises(UserError, match=r"exists and is not a loss plot ftkit wrote \(--force replaces it\)"):
+        plot_target(mine)
+    assert plot_target(mine, force=True) == mine and plot_target(run / "loss.png") == run / "loss.png"
+    line = _one_error_line(run_ftkit("status", str(run), "--plot", str(run / "events.jsonl")), ExitCode.USAGE)
+    assert "the run's own state" in line, line
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -357,3 +382,34 @@ def test_a_gracefully_stopped_run_has_an_outcome_line(tmp_path: Path) -> None:
     (run / "events.jsonl").write_text("\n".join([*lines, json.dumps(stopped)]) + "\n")
     out = run_ftkit("status", str(run))
     assert "outcome: stopped on request (SIGTERM): checkpoint committed at step 13" in out.stdout, out.stdout
+
+
+def test_plot_of_a_run_whose_directory_name_holds_dollar_signs(tmp_path: Path) -> None:
+    """Issue 36, item 15: the plot's title names the run directory; `$...$` in it was parsed as mathtext (and a
+    name matplotlib cannot parse crashed `ftkit status --plot`)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from ftkit.run.status import loss_figure, plot_losses, summarize
+
+    run = make_run(tmp_path)
+    odd = run.rename(tmp_path / "run$\\frac{1}{$")
+    s = summarize(odd)
+    fig = loss_figure(s)
+    try:
+        assert fig.axes[0].get_title().startswith("run$\\frac{1}{$: ")
+    finally:
+        plt.close(fig)
+    png = plot_losses(s, tmp_path / "loss.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_failure_without_a_message_is_said_not_left_blank(tmp_path: Path) -> None:
+    """Issue 36 (rough edges): a failure record without a message printed as "failure: " (and as "None" in a
+    tier's clean-up lines): the summary says what the record holds."""
+    run = make_run(tmp_path)
+    _append(run / "events.jsonl", [{"event": "failure", "kind": "hang", "step": 14, "time": 5.0}])
+    out = run_ftkit("status", str(run))
+    assert (out.returncode, out.stderr) == (0, ""), out.stderr
+    assert "failure: hang (no message recorded) at step 14" in out.stdout and "failure: \n" not in out.stdout
+    assert "None" not in out.stdout, out.stdout

@@ -86,7 +86,10 @@ def test_the_warm_up_clears_a_build_lock_a_killed_build_left(tmp_path):
     try:
         out = subprocess.run(
             [sys.executable, "-m", "ftkit.launch.warmup", "--ops", "deepspeed_shm_comm", "--json"],
-            env=env, capture_output=True, text=True, timeout=300,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
     except subprocess.TimeoutExpired:
         pytest.fail(f"the warm-up still waits on the stale lock {lock} after 300 s")

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,11 @@ def run_of(fx: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Any
     def get(kind: str) -> Path:
         if kind not in made:
             d = tmp_path_factory.mktemp(f"export-{kind}")
-            recipe = _write_recipe(d, fx, train__max_steps=2, train__save_steps=2, **CASES[kind])
+            own = {}
+            if kind == "lora":  # its own copy of the base model: the test changes it in the end
+                shutil.copytree(fx["model"], d / "base")
+                own = {"model__path": str(d / "base")}
+            recipe = _write_recipe(d, fx, train__max_steps=2, train__save_steps=2, **CASES[kind], **own)
             with mp_lock():
                 r = ftkit("launch", str(recipe), env=RUN_ENV, timeout=RUN_TIMEOUT_S)
             assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -162,6 +167,22 @@ def test_lora_merged_and_adapter(run_of: Any, tmp_path: Path) -> None:
     final = _export(run, "final", tmp_path / "final")
     _assert_proven(final, "live trained model")
 
+    # Issue 36, item 7: the base model changed after training, same size (one weight of the last tensor): the merge
+    # went into the wrong base, its own logits check passed (both sides read that base) and it exited 0.
+    from ftkit.export import ExportRefused
+
+    base = run.parent / "base" / "model.safetensors"
+    size = base.stat().st_size
+    with open(base, "r+b") as fh:
+        fh.seek(size - 4)
+        old = fh.read(4)
+        fh.seek(size - 4)
+        fh.write(bytes([old[0] ^ 0x01, *old[1:]]))  # the lowest mantissa bit of a float32
+    assert base.stat().st_size == size
+    with pytest.raises(ExportRefused, match="model.safetensors: same size, other content .* the base model changed"):
+        _export(run, 2, tmp_path / "changed")
+    assert not (tmp_path / "changed").exists()
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
@@ -175,6 +196,37 @@ def test_universal_checkpoint_of_a_shrink(baseline: dict, tmp_path: Path) -> Non
     result = _export(run, 12, tmp_path / "out", universal=True)
     assert result.source.layout == "universal"
     _assert_proven(result, "DeepSpeed's zero_to_fp32 of checkpoint-12/global_step12")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_an_export_reads_on_while_the_live_runs_rotation_deletes_its_checkpoint(baseline: dict, tmp_path: Path) -> None:
+    """Issue 36, item 14: exporting a run still training failed 4 of 4 times with "no model states file" and read
+    as corruption (exit 5): its rotation deleted the checkpoint mid-export. The export holds it (hard links) before
+    it writes anything, so the rotation, run for real the moment the export begins writing, takes nothing from it."""
+    import threading
+
+    from ftkit.checkpoint.directory import rotate
+
+    run = tmp_path / "run"
+    shutil.copytree(baseline["run"], run, symlinks=True)
+    rotated: list[Path] = []
+
+    def the_run_rotates_once_the_export_writes() -> None:
+        deadline = time.monotonic() + 300
+        while not list(tmp_path.glob(".out.ftkit-export-*")) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        rotated.extend(rotate(run, 1))  # keeps checkpoint-12
+
+    rotation = threading.Thread(target=the_run_rotates_once_the_export_writes)
+    rotation.start()
+    try:
+        result = _export(run, 8, tmp_path / "out")
+    finally:
+        rotation.join()
+    assert [p.name for p in rotated] == ["checkpoint-8"] and not (run / "checkpoint-8").exists()
+    _assert_proven(result, "DeepSpeed's zero_to_fp32 of checkpoint-8/global_step8")
+    assert result.source.path == run / "checkpoint-8" and not list(run.glob(".ftkit-export-hold-*"))
 
 
 @pytest.mark.slow

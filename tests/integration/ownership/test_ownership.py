@@ -131,6 +131,12 @@ def test_sigkilled_supervisor_ranks_stop_by_themselves_and_relaunch_finishes(fx,
     assert chosen and chosen[-1]["step"] == saved[0], chosen
     assert_same_as_lone_run(run, baseline)
     assert_no_process_left(run)
+    # the report reads two launches (issue 36, item 10: one, and a breakdown of more than the wall time)
+    from ftkit.report import goodput
+
+    g = goodput(events(run), read_jsonl(run / "metrics.jsonl"))
+    assert g.launches == 2 and not g.live, g
+    assert sum(g.breakdown.values()) == pytest.approx(g.wall_s), g.breakdown
 
 
 @pytest.mark.timeout(600)

@@ -7,8 +7,10 @@ complete, and nothing of the run may be left in /dev/shm.
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -210,3 +212,68 @@ def test_a_graceful_stop_saves_to_the_local_tier_waits_for_the_durable_copy_and_
     assert_no_process_left(run)
     root = local_tier_root(run)
     assert root is not None and not root.exists()
+
+
+def _planned_tier(recipe: Path) -> str:
+    from ftkit.plan.plan import build_plan
+    from ftkit.recipe.load import load_recipe
+
+    plan = build_plan(load_recipe(str(recipe)))
+    assert plan.local_tier is not None, plan.local_tier_off
+    return plan.local_tier.dir
+
+
+def test_a_launch_into_a_tier_another_user_made_first_starts_nothing(fx: dict[str, Path], tmp_path: Path) -> None:
+    """Issue 36, item 1, with a real `ftkit launch`: another local user made the run's predictable
+    /dev/shm/ftkit-<name>-<hash> first (0777, theirs). The launch refuses before any rank starts (exit 3, one line
+    naming the path and its owner) and writes nothing there; the old one saved the full weights into it."""
+    from tests.helpers.users import other_user
+
+    recipe = tier_recipe(tmp_path, fx, train__max_steps=4)
+    template = _planned_tier(recipe)
+    root = Path(template).parent
+    assert "{host}" in template and root.parent == Path("/dev/shm"), template
+    try:
+        with other_user() as mallory, mp_lock():
+            mallory.run("mkdir", "-m", "0777", str(root), check=True)  # (made here: the wait for the lock is long)
+            r = ftkit("launch", str(recipe), env=RUN_ENV, timeout=RUN_TIMEOUT_S)
+            assert r.returncode == ExitCode.PREFLIGHT, r.stdout[-3000:] + r.stderr[-3000:]
+            errors = [line for line in r.stderr.splitlines() if line.startswith("ftkit: error:")]
+            assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
+            assert f"{root}: owned by uid {mallory.uid}, not by this user" in errors[0], errors
+            assert os.listdir(root) == [] and root.stat().st_uid == mallory.uid  # nothing written, nothing removed
+            assert not RunDir(tmp_path / "run").log_dir(0).exists(), "a rank started"
+            assert named(tmp_path / "run", "refused")[-1]["kind"] == "tier_unsafe"
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_relaunch_of_a_finished_run_removes_the_tier_its_orphans_left_and_status_tells(
+    fx: dict[str, Path], baseline: dict, tmp_path: Path
+) -> None:
+    """Issue 36, item 13: an orphan-finished run (supervisor SIGKILLed, ranks finish) left its tier in /dev/shm;
+    a relaunch ("already finished") left it too, and `ftkit status` never mentioned it. Here the finished run is
+    the baseline's, with a tier left as the orphans left it; the relaunch copies what is due from it and removes it."""
+    from ftkit.checkpoint.tiers import open_tier
+
+    run = tmp_path / "run"
+    shutil.copytree(baseline["run"], run, symlinks=True)
+    recipe = tier_recipe(tmp_path, fx)
+    template = _planned_tier(recipe)
+    spec = json.loads((run / "ftkit" / "spec.json").read_text())
+    spec["local_tier"] = {"dir": template, "steps": 1, "keep": 2, "peer_copies": 0, "durable_steps": 4}
+    spec["local_tier"]["nodes"] = ["localhost"]
+    (run / "ftkit" / "spec.json").write_text(json.dumps(spec))
+    node = open_tier(template, "localhost")
+    assert node is not None
+    shutil.copytree(run / "checkpoint-12", node / "checkpoint-11")  # what the orphans' tier held (any bytes)
+    try:
+        status = ftkit("status", str(run), env=RUN_ENV, timeout=60)
+        assert f"local tier left behind: {node}: 1 checkpoint(s)" in status.stdout, status.stdout
+        with mp_lock():
+            r = ftkit("launch", str(recipe), env=RUN_ENV, timeout=RUN_TIMEOUT_S)
+        assert r.returncode == 0 and "the run is already finished" in r.stdout, r.stdout[-3000:] + r.stderr
+        assert not Path(template).parent.exists(), "the finished run's tier is still in /dev/shm"
+        assert "local tier" not in ftkit("status", str(run), env=RUN_ENV, timeout=60).stdout
+    finally:
+        shutil.rmtree(Path(template).parent, ignore_errors=True)
