@@ -32,21 +32,26 @@ install: $(STAMP)
 # root), on two workers that may each have one run going (FTKIT_TEST_RUNS=2; a test whose assertions are about time
 # has the machine to itself, see tests/helpers/runs.py). A module's runs stay on one worker, and the namespace-host
 # and Slurm tests share one (tests/conftest.py). Every tier runs even when an earlier one failed; the exit status is
-# the first failure's.
+# the first failure's. Each tier and the whole run say how many tests were skipped.
+# A skip of a required dependency (deepspeed, transformers, torch, accelerate, peft, matplotlib, ...: every
+# importorskip) or of a harness (the namespace hosts, Slurm, Chromium) FAILS the test, here, in CI and in plain
+# pytest (tests/conftest.py). On a partial machine, let named ones skip: FTKIT_TEST_ALLOW_SKIPS=multinode,slurm
+# (names: a module such as deepspeed, multinode, slurm, chromium; or all).
 TIER_fast        := -n 3 -m "not slow and not multinode and not slurm and not heavy"
 TIER_heavy       := -m "heavy and not slow and not multinode and not slurm"
 TIER_integration := -n 2 --dist loadscope --durations=20 -m "slow or multinode or slurm"
 test: install
-	@rc=0; total=$$(date +%s); \
+	@rc=0; total=$$(date +%s); skips=0; counted=$$(mktemp); \
 	for tier in fast heavy integration; do \
 		case $$tier in fast) args='$(TIER_fast)';; heavy) args='$(TIER_heavy)';; \
 			integration) args='$(TIER_integration)';; esac; \
-		echo "==> tier $$tier: $(PYTEST) -q $$args tests"; t0=$$(date +%s); \
-		eval "FTKIT_TEST_RUNS=2 $(PYTEST) -q $$args tests"; code=$$?; [ $$code -eq 5 ] && code=0; \
-		echo "==> tier $$tier: $$(( $$(date +%s) - t0 )) s, exit $$code"; \
+		echo "==> tier $$tier: $(PYTEST) -q $$args tests"; t0=$$(date +%s); echo 0 > $$counted; \
+		eval "FTKIT_TEST_RUNS=2 FTKIT_SKIP_COUNT_FILE=$$counted $(PYTEST) -q $$args tests"; code=$$?; \
+		[ $$code -eq 5 ] && code=0; n=$$(cat $$counted); skips=$$(( skips + n )); \
+		echo "==> tier $$tier: $$(( $$(date +%s) - t0 )) s, exit $$code, $$n skipped"; \
 		[ $$rc -eq 0 ] && rc=$$code; \
-	done; \
-	echo "==> make test: $$(( $$(date +%s) - total )) s in all, exit $$rc"; exit $$rc
+	done; rm -f $$counted; \
+	echo "==> make test: $$(( $$(date +%s) - total )) s in all, exit $$rc, $$skips skipped"; exit $$rc
 
 # The inner loop: parsing, planning, rendering, command building, every CLI error path; under a minute on 2 cores
 # (these tests start no multi-process jobs, so they may share the machine; a third worker fills the time the

@@ -5,7 +5,8 @@ non-deterministic kernels allow a small relative difference (``resilience.resume
 resumed state is not the logged one (the "resume succeeds but the loss jumps" reports: DeepSpeed#6691, a universal
 checkpoint fix in DeepSpeed PR#7601). Beyond the tolerance: an event and a warning; beyond 10x: the run stops
 (exit 9). Only steps whose logging window lies wholly after the resume point are compared: HF Trainer logs the mean
-loss since its last log, and the first log after a resume averages fewer steps than the original one did.
+loss since its last log, and the first log after a resume averages fewer steps than the original one did. A loss
+that is not finite (``inf``, ``nan``) never counts as matching, even the same ``inf`` logged twice.
 """
 
 from __future__ import annotations
@@ -35,17 +36,22 @@ class Mismatch:
             if self.stop
             else (f"over resume_tolerance={tolerance:g}")
         )
+        finite = math.isfinite(self.logged) and math.isfinite(self.now)
+        diff = f"relative difference {self.rel:.2e}" if finite else "not finite, never the same state"
         return (
             f"step {self.step} recomputed after the resume: {self.what} {self.now:.6g}, attempt "
-            f"{self.logged_attempt} logged {self.logged:.6g} (relative difference {self.rel:.2e}, {verdict})"
+            f"{self.logged_attempt} logged {self.logged:.6g} ({diff}, {verdict})"
         )
 
 
-def _rel(a: float, b: float) -> float:
+def _rel(a: float, b: float, what: str = "loss") -> float:
+    """The relative difference of a logged and a recomputed value. A loss that is not finite never matches (an
+    ``inf`` recomputed as ``inf`` proves nothing about the restored state: the run diverged either way); a gradient
+    norm overflowing again as the same ``inf`` does (fp16 loss scaling skips that step both times)."""
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return 0.0 if what != "loss" and a == b else math.inf
     if a == b:
         return 0.0
-    if not (math.isfinite(a) and math.isfinite(b)):
-        return math.inf
     return abs(a - b) / max(abs(a), abs(b), 1e-12)
 
 
@@ -87,7 +93,7 @@ class FidelityCheck:
             a, b = old.get(what), m.get(what)
             if not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
                 continue
-            rel = _rel(float(a), float(b))
+            rel = _rel(float(a), float(b), what)
             if rel > self.tolerance:
                 stop = rel > STOP_FACTOR * self.tolerance
                 out.append(Mismatch(step, what, float(a), float(b), int(old.get("attempt", -1)), rel, stop))

@@ -139,33 +139,42 @@ def test_reference_docs_are_current():
 _PROBE = """
 import sys
 from ftkit.cli.main import cli
+code = 0
 try:
     cli(sys.argv[1:], standalone_mode=False)
-except SystemExit:
-    pass
+except SystemExit as e:
+    code = e.code
+print("EXIT=" + str(code), file=sys.stderr)
 print("HEAVY=" + ",".join(m for m in {heavy!r} if m in sys.modules), file=sys.stderr)
 """
 
 
 @pytest.mark.parametrize(
-    "args",
+    ("args", "done"),
     [
-        ["--help"],
-        ["init", "{d}/x"],
-        ["render", "{r}"],
-        ["check", "{r}"],
-        ["explain", "{r}"],
-        ["plan", "{r}"],
-        ["launch", "{r}", "--dry-run"],
-        ["schema"],
+        (["--help"], "Usage:"),
+        (["init", "{d}/x"], "x/recipe.yaml"),
+        (["render", "{r}"], "ds_config.json"),
+        (["check", "{r}"], "accelerate.yaml: in sync"),
+        (["explain", "{r}"], "zero_optimization.stage"),
+        (["plan", "{r}"], "<- this run"),
+        (["launch", "{r}", "--dry-run"], "dry run: a launch now starts fresh"),
+        (["schema"], '"properties"'),
     ],
 )
-def test_config_commands_import_no_heavy_stack(tmp_path, model_dir, args):
+def test_config_commands_import_no_heavy_stack(tmp_path, model_dir, args, done):
+    """Each command runs to its end (exit 0, its own last words printed) without importing the heavy stack: a
+    command that stopped early at an error would prove nothing (issue 41 point 5: ``launch --dry-run`` exited 2 on a
+    missing data file before reaching the code it checks)."""
     r = _recipe(tmp_path, BASE)
+    (tmp_path / "data.jsonl").write_text('{"text": "hello world"}\n')
+    if args[0] == "check":  # configs to check against
+        assert subprocess.run([sys.executable, "-m", "ftkit", "render", str(r)], capture_output=True).returncode == 0
     argv = [a.format(d=tmp_path, r=r) for a in args]
     out = subprocess.run(
         [sys.executable, "-c", _PROBE.format(heavy=HEAVY), *argv], capture_output=True, text=True, timeout=60
     )
+    assert "EXIT=0" in out.stderr.splitlines() and done in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
     heavy = [line for line in out.stderr.splitlines() if line.startswith("HEAVY=")]
     assert heavy == ["HEAVY="], out.stderr[-2000:]
 

@@ -14,7 +14,10 @@ from ftkit.launch.trackers import atomic_mlflow_run_info, wandb_records
 from ftkit.rundir.layout import RunDir, append_jsonl
 from tests.helpers.paths import REPO
 
-mlflow = pytest.importorskip("mlflow")
+
+@pytest.fixture(autouse=True)
+def _mlflow() -> None:
+    pytest.importorskip("mlflow")  # a test's skip, not the module's: a missing mlflow fails them (tests/conftest.py)
 
 
 def test_a_run_info_rewrite_cut_short_leaves_the_mlflow_run_readable(tmp_path, monkeypatch):

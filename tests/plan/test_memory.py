@@ -149,11 +149,13 @@ def test_zero_paper_model_states_full_finetune():
 
 def test_lora_keeps_the_base_frozen_in_16_bit():
     lora = lora_trainable_params(LLAMA8B, 16, ["q_proj", "v_proj"])
+    # r·(in + out) per adapted projection: q 16·(4096 + 4096), v 16·(4096 + 1024) (8 KV heads of 128), 32 layers
+    assert lora == 32 * (16 * 8192 + 16 * 5120) == 6_815_744
     w = _wl(LLAMA8B, 8, lora_params=lora)
     psi = LLAMA8B.total_params + lora
     est = estimate(Candidate(2), w).states
     assert est["weights"] == 2 * psi
-    part = -(-lora // 16) * 16 // 8  # padded to 2N, split over N
+    part = 851_968  # 6,815,744 / 8 ranks: a multiple of 2N = 16 already, so no padding
     assert est["gradients"] == 2 * part and est["optimizer_states"] == 16 * part
     s1 = estimate(Candidate(1), w).states
     assert s1["gradients"] == 2 * lora  # stage 1 keeps full (trainable) gradients
@@ -169,22 +171,22 @@ def test_fp32_training_doubles_weights_and_grows_activations():
 
 
 def test_closed_form_activations_are_what_hf_decoders_save():
-    """Without a traced profile: per token and layer (4+k)h per RMSNorm, kh for q/k/v's input, q and the attention
-    output kh each, k and v k·h_kv each, the MLP's input kh and SwiGLU's four kI (bf16 with GQA: 20h + 4h_kv + 8I),
-    plus the final norm, the LM head's input and the loss's fp32 log-softmax; the loss peaks 8V per token above that;
-    checkpointing keeps each layer's input and recomputes one layer."""
-    s, b, layers = 2048, 4, 32
-    h, kv, inter, v = 4096, 1024, 14336, 128256
-    w = _wl(LLAMA8B, 8, micro_batch_size=b, seq_len=s)
-    per_layer = s * b * (20 * h + 4 * kv + 8 * inter)
-    outside = s * b * ((4 + 2) * h + 2 * h + 4 * v)
-    assert activation_bytes(w) == layers * per_layer + outside
-    assert logits_bytes(w) == s * b * 8 * v
+    """Worked values, not the formula again (issue 41.7). Without a traced profile, per token and layer: (4+k)h per
+    RMSNorm, kh for q/k/v's input, q and the attention output kh each, k and v k·h_kv each, the MLP's input kh and
+    SwiGLU's four kI (bf16 with GQA: 20h + 4h_kv + 8I); plus the final norm, the LM head's input and the loss's fp32
+    log-softmax. Llama-3-8B (h 4096, h_kv 1024, I 14336, V 128,256, 32 layers) at s = 2048, b = 4: 8,192 tokens ×
+    200,704 bytes = 1.53 GiB a layer, 49 GiB for 32, plus 8,192 × 545,792 outside them = 53.2 GiB."""
+    w = _wl(LLAMA8B, 8, micro_batch_size=4, seq_len=2048)
+    assert activation_bytes(w) == 57_084_477_440
+    # the loss peaks 8V per token above that: 8,192 × 1,026,048 bytes = 7.83 GiB
+    assert logits_bytes(w) == 8_405_385_216
+    # checkpointing keeps each layer's input (2h per token: 2 GiB for 32 layers) and recomputes one layer (1.53 GiB)
     ckpt = replace(w, gradient_checkpointing=True)
-    assert activation_bytes(ckpt) == layers * s * b * 2 * h + outside
-    assert logits_bytes(ckpt) == s * b * 8 * v + per_layer  # one layer recomputed in backward
+    assert activation_bytes(ckpt) == 6_618_611_712
+    assert logits_bytes(ckpt) == 10_049_552_384
+    # eager attention saves the s×s scores of 32 heads in fp32 and a bf16 copy: 6·32·2048 bytes a token, 96 GiB
     eager = replace(w, eager_attention=True)
-    assert activation_bytes(eager) - activation_bytes(w) == layers * s * b * 6 * 32 * s  # scores: fp32 + bf16 copy
+    assert activation_bytes(eager) - activation_bytes(w) == 103_079_215_104
 
 
 def test_peak_is_a_phase_not_the_sum_and_the_device_adds_reserved_and_context():

@@ -3,8 +3,10 @@ and hang detection on a fake clock, and resume fidelity."""
 
 from __future__ import annotations
 
+import math
 import random
 import signal
+import time
 
 import pytest
 
@@ -163,6 +165,55 @@ def test_fidelity_off_for_a_fresh_start_and_reads_only_earlier_attempts():
     assert fc.observe({"step": 5, "loss": 3.0}) == []
     fc = FidelityCheck.from_metrics(metrics((5, 2.0, 1.0, 1)), 1, 0.0, 1, resume_step=4)  # same attempt: not history
     assert fc.observe({"step": 5, "loss": 3.0}) == []
+
+
+@pytest.mark.parametrize("logged", [math.inf, -math.inf, math.nan, 2.0], ids=["inf", "-inf", "nan", "finite"])
+@pytest.mark.parametrize("now", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
+def test_fidelity_a_loss_that_is_not_finite_never_matches(logged, now):
+    """Issue 41 point 4: ``inf`` recomputed as ``inf`` counted as reproduced (``a == b`` came first). Even with no
+    tolerance to spare, any non-finite loss is a mismatch that stops the run."""
+    for tol in (0.0, 0.5):
+        fc = FidelityCheck.from_metrics(metrics((5, logged, 1.0, 0)), 1, tol, 1, resume_step=4)
+        (mm,) = fc.observe({"step": 5, "loss": now, "grad_norm": 1.0, "attempt": 1})
+        assert mm.what == "loss" and mm.stop and mm.rel == math.inf, mm
+        assert "not finite" in mm.message(tol), mm.message(tol)
+
+
+def test_fidelity_the_same_overflowed_grad_norm_matches_but_a_new_one_does_not():
+    """fp16 loss scaling: a step whose gradient norm overflowed overflows again when recomputed (the step is skipped
+    both times); a gradient norm that turns inf only after the resume is a mismatch."""
+    fc = FidelityCheck.from_metrics(metrics((5, 2.0, math.inf, 0), (6, 1.9, 0.9, 0)), 1, 0.0, 1, resume_step=4)
+    assert fc.observe({"step": 5, "loss": 2.0, "grad_norm": math.inf}) == []
+    (mm,) = fc.observe({"step": 6, "loss": 1.9, "grad_norm": math.inf})
+    assert mm.what == "grad_norm" and mm.stop
+
+
+@pytest.mark.parametrize("loss", [math.inf, math.nan], ids=["inf", "nan"])
+def test_the_supervisor_stops_a_resume_that_recomputes_a_loss_that_is_not_finite(tmp_path, loss):
+    """The supervisor's own watch loop, on a real run directory: attempt 0 logged step 5 as ``inf`` (or ``nan``),
+    the resumed attempt 1 recomputes it the same. The first poll reports a resume mismatch (exit 9), a
+    ``resume_mismatch`` event says why; before the fix ``inf == inf`` passed and the loop waited on."""
+    import json
+
+    from ftkit.rundir.layout import RunDir
+
+    rd = RunDir(tmp_path / "run")
+    rd.meta.mkdir(parents=True)
+    with open(rd.metrics, "w") as f:
+        for step in (4, 5):
+            f.write(json.dumps({"step": step, "loss": 2.0 if step == 4 else loss, "grad_norm": 1.0, "attempt": 0}))
+            f.write("\n")
+    sup = _supervisor(rd, world_size=2)  # the observer reads metrics.jsonl from here on, as a relaunch does
+    sup._start_fidelity(1, resume_step=4)
+    with open(rd.metrics, "a") as f:
+        f.write(json.dumps({"step": 5, "loss": loss, "grad_norm": 1.0, "attempt": 1}) + "\n")
+    failure = sup.monitor([], 1, time.monotonic())
+    assert failure is not None and failure.kind is FailureKind.RESUME_MISMATCH, failure
+    assert "step 5 recomputed after the resume: loss" in failure.message and "not finite" in failure.message
+    assert decide(Situation(failure.kind, step=5), policy()).exit_code == ExitCode.RESUME_MISMATCH
+    events = [json.loads(x) for x in rd.events.read_text().splitlines()]
+    (mm,) = [e for e in events if e["event"] == "resume_mismatch"]
+    assert mm["step"] == 5 and mm["stop"] is True and mm["metric"] == "loss", mm
 
 
 def test_an_exception_between_spawn_and_teardown_still_tears_the_run_down(tmp_path, monkeypatch):
