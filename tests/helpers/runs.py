@@ -46,7 +46,13 @@ def mp_lock(*, alone: bool = False) -> Iterator[None]:
     assertions are about time: step times, stragglers, the stop of an orphan within seconds).
 
     A readers-writer gate (``LOCK``: shared for a place, exclusive for ``alone``) and one file per place.
+    ``FTKIT_TEST_LOCK_HELD=1``: the caller already holds the gate exclusively for the whole session (``flock
+    /tmp/ftkit-mp.lock env FTKIT_TEST_LOCK_HELD=1 pytest ...``: a namespace suite that must run alone), so taking it
+    again here would wait on itself.
     """
+    if os.environ.get("FTKIT_TEST_LOCK_HELD") == "1":
+        yield
+        return
     with open(LOCK, "w") as gate:
         fcntl.flock(gate, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         try:

@@ -1,13 +1,17 @@
 """A plain PyTorch loop that knows nothing of ftkit or HF Trainer: ftkit cannot see its steps.
 
-``python plain_loop.py SECONDS``: trains a tiny linear model for that long, prints its last loss, exits 0.
+``python plain_loop.py SECONDS``: trains a tiny linear model for that long, prints its last loss, exits 0. It first
+prints the variables a script reads from its environment (its data directory, the library path of a CUDA install).
 """
 
+import os
 import sys
 import time
 
 import torch
 
+for name in ("MY_DATA_DIR", "LD_LIBRARY_PATH"):
+    print(f"{name}={os.environ.get(name)}", flush=True)
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)

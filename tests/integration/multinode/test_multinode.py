@@ -7,6 +7,7 @@ ssh. The filesystem is shared (the run directory is "shared storage"). Needs roo
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -63,16 +64,79 @@ def _recipe(tmp_path: Path, fixtures, cluster: NetnsCluster, **kw) -> Path:
     )
 
 
+# Issue 41 (secrets never reach a record) and issue 35 (the user's environment reaches the ranks), in the same runs:
+# secrets of every shape, forwarded by the allow-list (HF_*, MLFLOW_*) and by cluster.env (a NAME from this machine
+# and a NAME=VALUE of the recipe); cluster.env's plain variables; an arch list DeepSpeed 0.19 cannot parse.
+SECRETS = {
+    "HF_TOKEN": "hf-ab.cd-123",
+    "MLFLOW_TRACKING_PASSWORD": "p@ss:word",
+    "MY_API_KEY": "k3y-0f-the.user",  # not on the allow-list: reaches remote ranks through cluster.env only
+}
+RECIPE_SECRET = ("EXTRA_TOKEN", "tok.en-456")  # written in the recipe's cluster.env
+CLUSTER_ENV = ["MY_DATA_DIR", "FOO=1", "MY_API_KEY", "=".join(RECIPE_SECRET)]
+USER_ENV = {**SECRETS, "MY_DATA_DIR": "/data/sets/ftkit-41", "TORCH_CUDA_ARCH_LIST": "9.0a"}
+PROBED = ("MY_DATA_DIR", "FOO", "TORCH_CUDA_ARCH_LIST", "LEAKY_VAR", *SECRETS, RECIPE_SECRET[0])
+
+# Imported by every Python process that has it on PYTHONPATH (which the allow-list forwards): each rank writes what
+# its environment holds to a directory outside the run directory, which the test then reads.
+_PROBE = """\
+import json, os
+if os.environ.get("RANK") is not None and os.environ.get("FTKIT_RUN_DIR"):
+    try:
+        with open(os.path.join({out!r}, "rank-" + os.environ["RANK"] + ".json"), "w") as f:
+            json.dump({{k: os.environ.get(k) for k in {names!r}}}, f)
+    except OSError:
+        pass
+"""
+
+
+def _secret_pieces() -> list[bytes]:
+    """Every 6 characters of every secret value: a mask of only some of a value's characters is a leak too."""
+    values = [*SECRETS.values(), RECIPE_SECRET[1]]
+    return sorted({v[i : i + 6].encode() for v in values for i in range(len(v) - 5)})
+
+
+def _leaks(text: bytes, where: str) -> list[str]:
+    return [f"{where}: {piece.decode()!r}" for piece in _secret_pieces() if piece in text]
+
+
+def _remote_env_shown(dry_run: str, engine: str) -> str:
+    """What ``--dry-run`` shows the remote hosts get: every node's ssh line under torchrun; under DeepSpeed the env
+    file its runner exports on each host, and that remote shell line (the runner itself runs here, with all of this
+    machine's environment, as a local launch's ranks do)."""
+    lines = dry_run.splitlines()
+    if engine == "torchrun":
+        return "\n".join(itertools.dropwhile(lambda x: not x.startswith("node 0 "), lines))
+    at = next(i for i, x in enumerate(lines) if x.startswith("file ") and x.endswith("/ds_env:"))
+    section = list(itertools.takewhile(lambda x: x.startswith("    "), lines[at + 1 :]))
+    return "\n".join(section + [x for x in lines if x.startswith("remote shell line")])
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("engine", ["deepspeed", "torchrun"])
 def test_two_hosts_match_one_host_and_env_is_exactly_forwarded(tmp_path, fixtures, netns2, single_host_losses, engine):
-    recipe = _recipe(tmp_path, fixtures, netns2, train__max_steps=8, cluster__engine=engine)
+    """Two hosts reproduce the one-host losses; the ranks get exactly what ftkit forwards (the allow-list, cluster.env,
+    an arch list DeepSpeed parses: 9.0a becomes 9.0), read back from every rank; and no secret's value appears in
+    anything under the run directory (logs, records, checkpoints: every file, read as bytes) nor in anything ftkit
+    prints (--dry-run, the launch, status): each is forwarded, and only its name shows."""
+    probe, probed = tmp_path / "probe", tmp_path / "probed"  # both outside the run directory
+    probe.mkdir()
+    probed.mkdir()
+    (probe / "sitecustomize.py").write_text(_PROBE.format(out=str(probed), names=PROBED))
+    pythonpath = os.pathsep.join(p for p in (str(probe), os.environ.get("PYTHONPATH")) if p)
+    env = {**ENV, **USER_ENV, "PYTHONPATH": pythonpath}
+    recipe = _recipe(tmp_path, fixtures, netns2, train__max_steps=8, cluster__engine=engine, cluster__env=CLUSTER_ENV)
     run_dir = tmp_path / "run"
-    dry = ftkit("launch", str(recipe), "--dry-run", env=ENV)
+    dry = ftkit("launch", str(recipe), "--dry-run", env=env)
     assert dry.returncode == 0, dry.stderr
-    assert "FTKIT_TEST_MARKER=forwarded" in dry.stdout and "LEAKY_VAR" not in dry.stdout
+    remote = _remote_env_shown(dry.stdout, engine)  # what the hosts get (this machine's runner gets all of it)
+    assert "FTKIT_TEST_MARKER=forwarded" in remote and "LEAKY_VAR" not in remote, remote
+    assert "MY_DATA_DIR=/data/sets/ftkit-41" in remote and "FOO=1" in remote, remote
+    assert "HF_TOKEN=***" in remote and "EXTRA_TOKEN=***" in remote and "MY_API_KEY=***" in remote, remote
+    assert "TORCH_CUDA_ARCH_LIST=9.0" in remote and "9.0a" not in remote, remote
+    assert "the ranks get TORCH_CUDA_ARCH_LIST=9.0 instead of '9.0a'" in dry.stdout, dry.stdout
     with mp_lock():
-        out = ftkit("launch", str(recipe), env=ENV, timeout=540)
+        out = ftkit("launch", str(recipe), env=env, timeout=540)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     got = losses(run_dir)
     assert sorted(got) == sorted(single_host_losses)
@@ -84,6 +148,25 @@ def test_two_hosts_match_one_host_and_env_is_exactly_forwarded(tmp_path, fixture
     for r in recs:
         assert r["env"].get("FTKIT_TEST_MARKER") == "forwarded" and r["env"].get("DS_ACCELERATOR") == "cpu"
         assert "LEAKY_VAR" not in r["env_keys"]
+    # ... and as each rank read its own environment (the probe): cluster.env's variables, every secret, the arch list
+    seen = {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in probed.glob("rank-*.json")}
+    assert sorted(seen) == sorted(r["rank"] for r in recs) == [0, 1], seen  # one rank on each host (above)
+    for s in seen.values():
+        assert s["MY_DATA_DIR"] == "/data/sets/ftkit-41" and s["FOO"] == "1" and s["LEAKY_VAR"] is None, s
+        assert s["TORCH_CUDA_ARCH_LIST"] == "9.0", s
+        assert {k: s[k] for k in SECRETS} == SECRETS and s[RECIPE_SECRET[0]] == RECIPE_SECRET[1], s
+    # No secret's value anywhere under the run directory, nor in what ftkit printed; the names are there, masked.
+    status = ftkit("status", str(run_dir), timeout=120)
+    assert status.returncode == 0, status.stdout + status.stderr
+    leaks = []
+    for path in sorted(p for p in run_dir.rglob("*") if p.is_file() and not p.is_symlink()):
+        leaks += _leaks(path.read_bytes(), str(path.relative_to(run_dir)))
+    for name, r in (("--dry-run", dry), ("launch", out), ("status", status)):
+        leaks += _leaks((r.stdout + r.stderr).encode(), f"ftkit {name}")
+    assert not leaks, leaks
+    spawns = "\n".join(" ".join(e["argv"]) for e in events(run_dir) if e["event"] == "spawn")
+    if engine == "torchrun":  # the ssh line carries the environment inline: forwarded, masked
+        assert "HF_TOKEN=***" in spawns and "EXTRA_TOKEN=***" in spawns and "MY_API_KEY=***" in spawns, spawns
     assert_no_process_left(run_dir)
     assert not any(netns2.pids(i) != [netns2.node(i).sshd_pid] for i in (0, 1)), "a rank outlived the run"
 

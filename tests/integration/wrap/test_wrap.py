@@ -276,13 +276,19 @@ def test_a_script_that_ignores_the_resume_is_stopped_at_its_first_step(fx, tmp_p
 def test_a_loop_without_trainer_is_not_killed_as_hung(fx, tmp_path):
     """A plain PyTorch loop under `ftkit launch -- ...` used to be reported as "no training step within
     startup_timeout_s", killed and restarted from scratch (exit 4). The hook knows no Trainer was built: one line,
-    the healthy process runs on to its end, exit 0."""
+    the healthy process runs on to its end, exit 0. Issue 35: the script's own environment reaches the local ranks
+    whole (a variable of its own, LD_LIBRARY_PATH), as torchrun itself passes it; the allow-list dropped both."""
     recipe, run = _recipe(tmp_path, fx, cluster__engine="torchrun", resilience__startup_timeout_s=4)
-    r = launch(recipe, "--", "python", str(SCRIPTS / "plain_loop.py"), "12")
+    lib = os.pathsep.join(p for p in ("/opt/ftkit-35/lib", os.environ.get("LD_LIBRARY_PATH")) if p)
+    env = {"MY_DATA_DIR": "/data/sets/ftkit-35", "LD_LIBRARY_PATH": lib}
+    r = launch(recipe, "--", "python", str(SCRIPTS / "plain_loop.py"), "12", env=env)
     assert r.returncode == ExitCode.OK, r.stdout[-3000:] + r.stderr[-3000:]
     assert "has built no HF Trainer and does not call ftkit.hf.step()" in r.stdout, r.stdout[-3000:]
     assert len(named(run, "spawn")) == 1 and not named(run, "restart") and not named(run, "failure")
     assert "plain loop done" in (run / "logs" / "attempt-0" / "rank-0.log").read_text()
+    for rank in (0, 1):
+        log = (run / "logs" / "attempt-0" / f"rank-{rank}.log").read_text()
+        assert "MY_DATA_DIR=/data/sets/ftkit-35" in log and f"LD_LIBRARY_PATH={lib}\n" in log, log[-2000:]
     assert_no_process_left(run)
 
 
