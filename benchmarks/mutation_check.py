@@ -14,7 +14,8 @@ mutant), so a run of the suite meanwhile is unaffected.
 
 Why hand-listed instead of mutmut or cosmic-ray: those mutate every operator of a module and need the whole module's
 tests per mutant (hours on 2 cores for these five modules); the mutants here are the bugs issue 41's audit planted,
-plus their neighbours, each with the tests that should catch it (about two minutes in all).
+plus their neighbours, each with the tests that should catch it (about two minutes in all). Left out as equivalent
+mutants: each of the redactor's quoted forms of a value alone (the raw value or another form still matches).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Mutant:
 VERIFY = ("tests/checkpoint/test_checkpoints.py",)
 CHOOSE = ("tests/supervise/test_choose.py", "tests/supervise/test_supervise.py")
 FIDELITY = ("tests/supervise/test_supervise.py",)
-REDACT = ("tests/command/test_command.py", "tests/rundir")
+REDACT = ("tests/command/test_command.py",)
 OWNER = ("tests/run/test_owner.py",)
 
 MUTANTS = (
@@ -87,8 +88,8 @@ MUTANTS = (
     Mutant(
         "verify: a missing listed file is ignored",
         "ftkit/checkpoint/verify.py",
-        "        except FileNotFoundError:\n            return verdict(\n                False, True, VerdictKind.TORN,",
-        "        except FileNotFoundError:\n            continue\n            return verdict(\n                False, True, VerdictKind.TORN,",
+        "        except FileNotFoundError:\n            return verdict(",
+        "        except FileNotFoundError:\n            continue\n            return verdict(",
         VERIFY,
     ),
     # the checkpoint to resume from (ftkit/supervise/choose.py)
@@ -158,13 +159,6 @@ MUTANTS = (
         REDACT,
     ),
     Mutant(
-        "redact: a shell-quoted value is not masked",
-        "ftkit/rundir/env.py",
-        "            forms.add(shlex.quote(v))",
-        "            pass",
-        REDACT,
-    ),
-    Mutant(
         "redact: an environment's secret is not masked by name",
         "ftkit/rundir/env.py",
         "        return {k: (MASK if is_secret(k) else self.text(v)) for k, v in env.items()}",
@@ -189,8 +183,8 @@ MUTANTS = (
     Mutant(
         "owner: a dead supervisor's running ranks are ignored",
         "ftkit/run/owner.py",
-        '                if not takeover:\n                    raise RunBusy(\n                        f"{self.rd.path}: its supervisor is gone',
-        '                if False:\n                    raise RunBusy(\n                        f"{self.rd.path}: its supervisor is gone',
+        "                if not takeover:\n",
+        "                if False:\n",
         OWNER,
     ),
 )

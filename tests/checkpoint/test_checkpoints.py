@@ -371,6 +371,27 @@ def test_bad_commit_record(tmp_path: Path) -> None:
     assert "version 99 is newer than supported" in verify(ckpt).reason
 
 
+def test_a_commit_record_of_another_step_or_naming_a_path_outside_is_rejected(tmp_path: Path) -> None:
+    """A commit record copied from checkpoint-20 into checkpoint-30 (same files, same sizes) does not vouch for
+    step 30; a record whose file list reaches outside its checkpoint is not followed there (issue 41's mutation
+    check: dropping either check passed every fast test)."""
+    ckpt20, ckpt30 = make_ckpt(tmp_path, 20), make_ckpt(tmp_path, 30)
+    commit(ckpt20)
+    shutil.copy(ckpt20 / COMMIT_FILE, ckpt30 / COMMIT_FILE)
+    v = verify(ckpt30)
+    assert (v.ok, v.committed, v.kind, v.step) == (False, True, VerdictKind.BAD_COMMIT, 30), v
+    assert "commit record is for step 20" in v.reason
+
+    commit(ckpt30)
+    (tmp_path / "outside.bin").write_bytes(b"x" * 7)
+    record = json.loads((ckpt30 / COMMIT_FILE).read_text())
+    record["files"]["../outside.bin"] = {**next(iter(record["files"].values())), "size": 7}
+    (ckpt30 / COMMIT_FILE).write_text(json.dumps(record))
+    v = verify(ckpt30, checksums=False)
+    assert (v.ok, v.kind) == (False, VerdictKind.BAD_COMMIT), v
+    assert "commit record lists a path outside the checkpoint: ../outside.bin" in v.reason
+
+
 # ---------------------------------------------------------------------------------------------- selection
 
 

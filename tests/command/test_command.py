@@ -440,3 +440,26 @@ def test_no_secret_value_is_printed_whatever_its_name_or_shape(engine, where):
         for i in range(len(value) - 5):  # no 6 characters of it either (a mask of its word characters only is a leak)
             assert value[i : i + 6] not in recorded, (value, recorded)
     assert f"HF_TOKEN={MASK}" in recorded
+
+
+def test_the_redactor_masks_a_secret_by_its_value_anywhere_and_by_its_name_whatever_its_value():
+    """The two halves of the one redaction function, each on its own (issue 41's mutation check: either half alone
+    passed the test above, where every value also follows its name):
+    * by value: a known secret's value where no name precedes it (an argv word, a log line printing it, JSON);
+    * by name: NAME=VALUE with a secret-looking NAME whose value the redactor was never given (a log line of the
+      user's script, another host's environment), whatever characters the value has and however it is quoted."""
+    from ftkit.rundir.env import MASK, Redactor
+
+    known = Redactor({"HF_TOKEN": "hf-ab.cd-123", "MLFLOW_TRACKING_PASSWORD": "p@ss:word"})
+    assert known.argv(["train.py", "--hub-token", "hf-ab.cd-123"]) == ["train.py", "--hub-token", MASK]
+    assert known.text('login with p@ss:word, {"token": "hf-ab.cd-123"}') == f'login with {MASK}, {{"token": "{MASK}"}}'
+    unknown = Redactor({})
+    for line, want in (
+        ("export HF_TOKEN=hf-ab.cd-123", f"export HF_TOKEN={MASK}"),
+        ("MLFLOW_TRACKING_PASSWORD=p@ss:word rank 3", f"MLFLOW_TRACKING_PASSWORD={MASK} rank 3"),
+        ("DB_PASSWD='pa$$ w rd' next", f"DB_PASSWD={MASK} next"),
+        ('MY_SECRET="s3cr3t;rm -rf" next', f"MY_SECRET={MASK} next"),
+        ("PATH=/usr/bin:/bin", "PATH=/usr/bin:/bin"),  # not a secret's name: left as it is
+    ):
+        assert unknown.text(line) == want, line
+    assert unknown.env({"HF_TOKEN": "x", "HOME": "/root"}) == {"HF_TOKEN": MASK, "HOME": "/root"}

@@ -102,6 +102,28 @@ def test_a_dead_owner_record_is_replaced(tmp_path):
         own.release()
 
 
+def test_an_owner_on_a_host_that_cannot_be_reached_refuses_unless_taken_over(tmp_path):
+    """Nobody can tell whether a supervisor on an unreachable host still runs: the launch refuses, naming the host
+    and --takeover, and leaves the record; with --takeover it becomes the owner (issue 41's mutation check: taking
+    over silently passed every fast test)."""
+    rd = RunDir(tmp_path / "run")
+    rd.meta.mkdir(parents=True)
+    away = Owner("ftkit-test-host.invalid", 4242, 12345, "another-boot", 1.0, ("ftkit", "launch"))
+    (rd.meta / "owner.json").write_text(away.to_json())
+    ssh = ["-o", "BatchMode=yes", "-o", "ConnectTimeout=2"]
+    assert owner_state(away, ssh) == "unknown"
+    with pytest.raises(RunBusy) as e:
+        Ownership(rd, ssh).acquire()
+    assert "ftkit-test-host.invalid cannot be reached" in str(e.value) and "--takeover" in str(e.value), e.value
+    assert read_owner(rd) == away
+    own = Ownership(rd, ssh)
+    own.acquire(takeover=True)
+    try:
+        assert read_owner(rd).pid == os.getpid()
+    finally:
+        own.release()
+
+
 def test_a_record_from_before_a_reboot_is_dead(sleeper):
     o = owner_of(sleeper.pid)
     assert owner_state(o, []) == "alive"

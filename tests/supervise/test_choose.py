@@ -107,3 +107,17 @@ def test_a_checkpoint_past_max_steps_refuses_only_when_it_verifies(tmp_path, cor
         assert choice.exit_code == ExitCode.NO_CHECKPOINT and choice.refusal == REFUSAL
     else:
         assert choice.exit_code == ExitCode.USAGE and "checkpoint-8 is past train.max_steps=6" in (choice.refusal or "")
+
+
+def test_a_checkpoint_of_another_world_size_is_refused_by_name_not_as_unverifiable(tmp_path):
+    """Intact checkpoints committed by 2 ranks, a launch with 4: the refusal says why (the world size) and what to
+    do (the original cluster, or let ftkit convert on a shrink), not the catch-all "no checkpoint verifies"; after a
+    shrink that ftkit runs itself the newest is converted."""
+    run = tmp_path / "run"
+    _committed(run, 4, 8)
+    choice = select(RunDir(run), checksums=True, world_size=4, stage=2, max_steps=None)
+    assert choice.exit_code == ExitCode.NO_CHECKPOINT and choice.resume is None, choice
+    assert choice.refusal.startswith("checkpoint-8: committed with world size 2, this launch has 4"), choice.refusal
+    assert "launch with the original cluster" in choice.refusal
+    shrink = select(RunDir(run), checksums=True, world_size=4, stage=2, max_steps=None, convert_from_world=2)
+    assert shrink.convert and shrink.exit_code is None and shrink.selection.incompatible[0].step == 8, shrink
