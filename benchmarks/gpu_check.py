@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -339,6 +340,13 @@ def build_fixtures(root: Path, rehearse: bool) -> tuple[Path, Path]:
     return root / "model", data
 
 
+def _free_port() -> int:
+    """A port nothing listens on now: each case's rendezvous gets its own (a killed case's port may linger)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def recipe(root: Path, case: Case, model: Path, data: Path, rehearse: bool, extra: dict[str, object]) -> Path:
     values: dict[str, dict[str, object]] = {
         "model": {"path": str(model)},
@@ -360,6 +368,7 @@ def recipe(root: Path, case: Case, model: Path, data: Path, rehearse: bool, extr
             "accelerator": "cpu" if rehearse else "cuda",
             "gpu_memory_gb": 8 if rehearse else 140,
             "host_memory_gb": 16 if rehearse else 256,
+            "master_port": _free_port(),
         },
         "resilience": {"max_restarts": 2, "backoff_s": 0.5, "backoff_max_s": 2},
     }
