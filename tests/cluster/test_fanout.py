@@ -150,24 +150,25 @@ def test_the_deadline_bounds_hosts_still_queued() -> None:
 
 
 def test_lost_host_probe_is_parallel() -> None:
-    """shrink.probe_hosts: ssh ``true`` per remote host; 3 lost hosts cost one timeout, not three."""
-    with silent_hosts(3) as (hosts, ssh_args):
+    """shrink.probe_hosts: ssh ``true`` per remote host; 6 lost hosts cost one timeout, not six. (With 3 hosts and
+    2.5 s the bound was 1.9x what a loaded machine measured for the parallel probe; 6 hosts keep 3x apart.)"""
+    with silent_hosts(6) as (hosts, ssh_args):
         t0 = time.monotonic()
         lost = probe_hosts([("localhost", 1), *((h, 1) for h in hosts)], ssh_args, timeout=1)
         took = time.monotonic() - t0
     assert lost == hosts
-    assert took < 2.5, took  # not 3 × 1 s
+    assert took < 4, took  # one 1 s timeout (about 1.1-1.3 s measured), not 6 × 1 s
 
 
 def test_remove_shm_reaches_all_hosts_at_once() -> None:
-    with silent_hosts(3) as (hosts, ssh_args):
+    with silent_hosts(6) as (hosts, ssh_args):
         records = [
             {"host": h, "rank": i, "pid": 1, "master_addr": "10.9.9.9", "master_port": 29999}
             for i, h in enumerate(hosts)
         ]
         t0 = time.monotonic()
         assert remove_shm(records, ssh_args, timeout=1) == hosts
-        assert time.monotonic() - t0 < 2.5  # not 3 × 1 s
+        assert time.monotonic() - t0 < 4  # one 1 s timeout, not 6 × 1 s
 
 
 def test_teardown_with_unreachable_hosts_spends_one_timeout_alongside_the_grace() -> None:
