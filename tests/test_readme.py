@@ -1,5 +1,6 @@
-"""The README as a document: it opens with the two set-up commands, its commands cover every verb, and its ``ftkit.hf``
-example is a complete script. tests/integration/readme/test_readme.py runs its commands as written.
+"""The README and docs/ as documents: the README opens with the two set-up commands and links every page; the commands
+of the README and its pages cover every verb; the ``ftkit.hf`` example is a complete script.
+tests/integration/readme/test_readme.py runs the commands as written.
 """
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import re
 
 from tests.helpers.paths import REPO
-from tests.helpers.readme import readme_commands, readme_example
+from tests.helpers.readme import NOT_RUN, PAGES, SH_BLOCK, readme_commands, readme_example, sh_blocks
 
 
 def test_readme_opens_with_the_two_commands():
@@ -19,7 +20,8 @@ def test_readme_opens_with_the_two_commands():
 
 def test_readme_commands_are_covered():
     cmds = readme_commands()
-    verbs = ("init", "plan", "render", "check", "explain", "doctor", "launch", "status", "report", "stop", "schema")
+    verbs = ("init", "plan", "render", "check", "explain", "import", "doctor", "launch", "status", "report", "stop")
+    verbs += ("submit", "export", "schema")
     for verb in verbs:
         assert any(c.startswith(f"ftkit {verb}") for c in cmds), verb
 
@@ -44,3 +46,26 @@ def test_no_merge_conflict_markers_in_the_readme_or_docs():
         for m in marker.finditer(text)
     ]
     assert not found, "merge-conflict markers: " + "; ".join(found)
+
+
+def test_the_readme_table_orders_the_pages_whose_commands_run():
+    """tests/helpers/readme.py runs the pages' commands in the order of PAGES: the order of the README's table, which
+    links every page in docs/ (a new page must be added to the table and to PAGES or NOT_RUN)."""
+    text = (REPO / "README.md").read_text()
+    table = text.split("\n## Commands and topics\n", 1)[1].split("\n## ", 1)[0]
+    linked = list(dict.fromkeys(re.findall(r"\]\((docs/[^)#]+\.md)", table)))
+    assert [p for p in linked if p not in NOT_RUN] == list(PAGES)
+    pages = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs").glob("*.md"))
+    assert sorted(linked) == pages, "every page in docs/ is in the README's table"
+    assert set(PAGES).isdisjoint(NOT_RUN)
+    for page, why in NOT_RUN.items():
+        assert not SH_BLOCK.findall((REPO / page).read_text()), f"{page} is not run ({why}) but has an sh block"
+
+
+def test_every_page_continues_the_tour_in_order():
+    """The tour's blocks come first, the pages' after; the import block is on the configs page (tests/imports)."""
+    files = [f for f, _ in sh_blocks()]
+    assert files[0] == "README.md" and files == sorted(files, key=["README.md", *PAGES].index)
+    assert any(f == "docs/configs.md" and "ftkit import" in b for f, b in sh_blocks())
+    cmds = readme_commands()
+    assert cmds.index("ftkit init myjob --template cpu-demo --force") < cmds.index("ftkit render myjob/recipe.yaml")
