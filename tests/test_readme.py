@@ -1,6 +1,6 @@
 """The README and docs/ as documents: the README opens with the two set-up commands and links every page; the commands
-of the README and its pages cover every verb; the ``ftkit.hf`` example is a complete script.
-tests/integration/readme/test_readme.py runs the commands as written.
+of the README and its pages cover every verb; the ``ftkit.hf`` example is a complete script; every relative link
+resolves. tests/integration/readme/test_readme.py runs the commands as written.
 """
 
 from __future__ import annotations
@@ -69,3 +69,45 @@ def test_every_page_continues_the_tour_in_order():
     assert any(f == "docs/configs.md" and "ftkit import" in b for f, b in sh_blocks())
     cmds = readme_commands()
     assert cmds.index("ftkit init myjob --template cpu-demo --force") < cmds.index("ftkit render myjob/recipe.yaml")
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lowercase, punctuation dropped (not '-' or '_'), spaces to '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path) -> set[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", text, flags=re.M):
+        a = _anchor(heading)
+        out.add(a if a not in seen else f"{a}-{seen[a]}")
+        seen[a] = seen.get(a, 0) + 1
+    return out
+
+
+def test_every_relative_link_resolves():
+    """Every relative link of README.md and docs/*.md names an existing file, and every #anchor a heading there."""
+    files = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    broken = []
+    for path in files:
+        text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)  # no links in code blocks
+        text = re.sub(r"`[^`\n]*`", "", text)  # nor in code spans
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+                continue
+            name, _, anchor = target.partition("#")
+            where = (path.parent / name).resolve() if name else path
+            where_ok = where.exists()
+            if not where_ok or (anchor and (where.suffix != ".md" or anchor not in _anchors(where))):
+                broken.append(f"{path.relative_to(REPO)}: {target}")
+    assert not broken, "broken links: " + "; ".join(broken)
+
+
+def test_the_anchor_rule():
+    assert _anchor("On Slurm: `ftkit submit`") == "on-slurm-ftkit-submit"
+    assert _anchor("Rendering configs, and keeping checked-in copies in sync") == (
+        "rendering-configs-and-keeping-checked-in-copies-in-sync"
+    )
+    assert _anchor("Wrapping a user's script") == "wrapping-a-users-script"
