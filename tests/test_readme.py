@@ -111,3 +111,17 @@ def test_the_anchor_rule():
         "rendering-configs-and-keeping-checked-in-copies-in-sync"
     )
     assert _anchor("Wrapping a user's script") == "wrapping-a-users-script"
+
+
+def test_every_source_file_the_readme_and_docs_name_exists():
+    """A page that names `ftkit/memory.py` after the file moved to ftkit/plan/ sends a reader nowhere."""
+    files = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    pattern = re.compile(r"`((?:ftkit|launch|tests|benchmarks)/[A-Za-z0-9_/.-]*\.py)`")
+    missing = [
+        f"{p.relative_to(REPO)}:{n}: {name}"
+        for p in files
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        for name in pattern.findall(line)
+        if not (REPO / name).exists()
+    ]
+    assert not missing, missing
