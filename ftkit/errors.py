@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 
 class ExitCode:
-    """Stable, documented exit codes of every ftkit command (README: "Exit codes")."""
+    """Stable, documented exit codes of every ftkit command (docs/exit-codes.md)."""
 
     OK = 0
     DRIFT = 1  # ftkit check: configs on disk differ from a fresh render

@@ -84,7 +84,7 @@ def markdown_reference() -> str:
     lines = [
         "# Recipe reference",
         "",
-        "Generated from `ftkit/schema.py` by `ftkit schema --markdown`; a test fails when this file is stale.",
+        "Generated from `ftkit/recipe/schema.py` by `ftkit schema --markdown`; a test fails when this file is stale.",
         "Precedence: command-line `key=value` > recipe file > defaults. Relative paths in the file are relative to",
         "the recipe's directory; on the command line, to the current directory.",
         "",

@@ -127,7 +127,7 @@ def require_launchable(recipe: Recipe) -> None:
 
 
 def launch(req: LaunchRequest, echo: Callable[[str], None] = print, warn: Callable[[str], None] | None = None) -> int:
-    """Run the job; returns the exit code (README "Exit codes"). Raises FtkitError for what ends it before start.
+    """Run the job; returns the exit code (docs/exit-codes.md). Raises FtkitError for what ends it before start.
     ``warn`` gets warnings (stderr on the command line)."""
 
     recipe = load_recipe(req.recipe, list(req.overrides))

@@ -278,7 +278,7 @@ def test_wheel_ships_templates_and_launch(tmp_path):
 
 
 def test_shell_completion_works():
-    """click's completion, as the README documents it: the script, and completing a command name and a template."""
+    """click's completion, as docs/completion.md documents it: the script, and completing a command and a template."""
     import os
 
     env = {**os.environ, "_FTKIT_COMPLETE": "bash_source"}

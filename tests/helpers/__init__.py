@@ -8,7 +8,7 @@ way, ``from tests.helpers.<module> import ...``; no test imports another test mo
 * :mod:`tests.helpers.ckpt`: synthetic checkpoint trees (HF Trainer + DeepSpeed layouts), commits, damage.
 * :mod:`tests.helpers.rundir`: rank files written by hand as the ranks write them.
 * :mod:`tests.helpers.doctor`: ``ftkit doctor`` runs and the recipe they share.
-* :mod:`tests.helpers.readme`: the README's commands and its ``ftkit.hf`` example.
+* :mod:`tests.helpers.readme`: the commands of the README and its docs pages, and the ``ftkit.hf`` example.
 * :mod:`tests.helpers.trackers`: reading what wandb wrote offline.
 * :mod:`tests.helpers.hub`: a hub cache on disk and a stand-in hub.
 * :mod:`tests.helpers.netns`: hosts as network namespaces with sshd (multinode tests).

@@ -10,7 +10,7 @@ import pytest
 
 from ftkit.plan.load import load_and_plan
 from ftkit.render.deepspeed import render_deepspeed
-from tests.helpers.paths import FIXTURES, REPO
+from tests.helpers.paths import FIXTURES
 
 # ---------------------------------------------------------------------------------------------------------------
 # Recipe fields that keep a source's explicit values (default auto: ftkit's rule, byte-identical to before)
@@ -715,15 +715,14 @@ def test_every_source_key_is_listed_once(here, tmp_path, model_dir):
 
 
 def test_readme_import_commands_run(tmp_path, monkeypatch):
-    """The README's sh block with ftkit import runs as written after the blocks before it (init, render)."""
-    import re
+    """The sh block with ftkit import (docs/configs.md) runs as written after the README's tour (init, render)."""
     import shlex
 
     from ftkit.cli.main import cli
+    from tests.helpers.readme import sh_blocks
     from tests.helpers.recipes import TINY_LLAMA
 
-    text = (REPO / "README.md").read_text()
-    block = next(b for b in re.findall(r"```sh\n(.*?)```", text, flags=re.S) if "ftkit import" in b)
+    block = next(b for _, b in sh_blocks() if "ftkit import" in b)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "myjob" / "model").mkdir(parents=True)
     (tmp_path / "myjob" / "model" / "config.json").write_text(json.dumps(TINY_LLAMA))

@@ -1,7 +1,7 @@
 """Real scripts at every ZeRO stage: entry x ZeRO stage x optimizer offload x engine, each cell a real 2-rank CPU run.
 
 Entries: ftkit's built-in one; an unmodified transformers-example-style script served by the import hook
-(``tests/scripts/run_clm.py``); the README's ``ftkit.hf`` script with ``--no-inject``; TRL's own
+(``tests/scripts/run_clm.py``); docs/own-script.md's ``ftkit.hf`` script with ``--no-inject``; TRL's own
 ``python -m trl.scripts.dpo`` on a generated preference set. In every cell rank 1 is SIGKILLed right after the loss of
 the last step (4) was logged, so the first attempt trained every step uninterrupted; the resumed attempt must start
 from checkpoint-2 (the rank's restored global step 2, its first logged step 3) and recompute steps 3 and 4 exactly

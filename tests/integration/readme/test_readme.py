@@ -1,4 +1,5 @@
-"""Every command in the README's ``sh`` blocks runs as written, in order, in an empty directory."""
+"""Every command in the ``sh`` blocks of the README and of the docs pages it links runs as written, in order, in an
+empty directory (the order and the pages: tests/helpers/readme.py)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """Wrapping a user's HF Trainer script: ``ftkit launch RECIPE [--no-inject] -- CMD`` with real 2-rank CPU runs.
 
-The scripts (tests/scripts/, and the README's ``ftkit.hf`` example) never change for ftkit: the import hook serves
-them. Each run is 8 steps, checkpoints every 4; a kill test SIGKILLs rank 1 after step 6 (``FTKIT_FAULT_INJECT``
-rides on ftkit's callbacks, so it reaches a wrapped script too) and expects one restart from checkpoint-4 and the
-losses of an uninterrupted run. One kill test per engine; the other runs are single attempts. Without ranks:
-tests/command/test_wrap.py (the dry run, command mistakes) and tests/launch/test_hook.py (the hook itself).
+The scripts (tests/scripts/, and the ``ftkit.hf`` example of docs/own-script.md) never change for ftkit: the import
+hook serves them. Each run is 8 steps, checkpoints every 4; a kill test SIGKILLs rank 1 after step 6
+(``FTKIT_FAULT_INJECT`` rides on ftkit's callbacks, so it reaches a wrapped script too) and expects one restart from
+checkpoint-4 and the losses of an uninterrupted run. One kill test per engine; the other runs are single attempts.
+Without ranks: tests/command/test_wrap.py (the dry run, command mistakes) and tests/launch/test_hook.py (the hook
+itself).
 """
 
 from __future__ import annotations
@@ -178,8 +179,8 @@ def test_unmodified_hf_trainer_script_survives_a_killed_rank(engine, fx, hf_base
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_readme_explicit_ftkit_hf_example_with_no_inject_survives_a_killed_rank(fx, hf_baseline, tmp_path):
-    """The README's explicit ftkit.hf script, run as written with --no-inject on torchrun: no hook on its path, the
-    same kill test, and the same losses as the unmodified script under the hook."""
+    """The explicit ftkit.hf script of docs/own-script.md, run as written with --no-inject on torchrun: no hook on its
+    path, the same kill test, and the same losses as the unmodified script under the hook."""
     (tmp_path / "train.py").write_text(readme_example())
     recipe, run = _recipe(tmp_path, fx, cluster__engine="torchrun")
     dry = launch(recipe, "--dry-run", "--no-inject", "--", "python", "train.py", "M", "D")
@@ -250,7 +251,7 @@ def test_a_trainer_whose_save_writes_nothing_stops_at_once_with_one_line(fx, tmp
 
 @pytest.mark.slow
 def test_a_script_that_ignores_the_resume_is_stopped_at_its_first_step(fx, tmp_path):
-    """On CPU a run that silently restarted from step 1 logs the same losses as one that resumed: the README script
+    """On CPU a run that silently restarted from step 1 logs the same losses as one that resumed: the docs' script
     without the resume argument used to retrain from scratch after a failure and pass. The resumed attempt's rank
     reports the global step it began at; anything before checkpoint-K stops the run at once with exit 9."""
     recipe = write_recipe(tmp_path, fx, train__max_steps=40, cluster__engine="torchrun")
