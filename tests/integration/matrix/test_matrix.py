@@ -15,10 +15,11 @@ recomputes them with ``pow`` when the step does not follow the last one it saw (
 run), four orders of magnitude under the loss's change from one step to the next here (8.6% from step 3 to 4 in
 DPO's cell), which a resume from the wrong step would show; every other cell is held to 0.
 
-``make test`` runs the issue's six cells: the script, DPO and ``ftkit.hf`` entries at ZeRO-3 with and without CPU
-optimizer offload, on the three engines. ``FTKIT_MATRIX=pairwise`` adds cells until every pair of values appears in
-some cell (20 cells, ~12 minutes here: too long for the CI budget next to everything else); ``make test-matrix``
-(``FTKIT_MATRIX=full``) runs every cell.
+The issue's six cells: the script, DPO and ``ftkit.hf`` entries at ZeRO-3 with and without CPU optimizer offload, on
+the three engines; ``make test`` runs two of them (the script with offload on Accelerate, DPO without on torchrun),
+``make test-extended`` the other four (tests/conftest.py EXTENDED: the CI budget). ``FTKIT_MATRIX=pairwise`` adds
+cells until every pair of values appears in some cell (20 cells, ~12 minutes here: too long for the CI budget next to
+everything else); ``make test-matrix`` (``FTKIT_MATRIX=full``) runs every cell.
 """
 
 from __future__ import annotations
