@@ -192,7 +192,11 @@ def loading_hint(
     )
 
 
-if __name__ == "__main__":  # python -m ftkit.cluster.buildlocks: list stale locks, exit 1 if any
+if __name__ == "__main__":  # python -m ftkit.cluster.buildlocks [--clear OP,OP]: list (or remove) stale locks
+    if len(sys.argv) == 3 and sys.argv[1] == "--clear":
+        for p in clear_stale_locks(sys.argv[2].split(",")):
+            print(f"removed {p}")
+        sys.exit(0)
     found = stale_build_locks()
     for p in found:
         print(p)

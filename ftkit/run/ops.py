@@ -110,6 +110,21 @@ def warm_up(
         return shlex.join([*words, "--ops", ",".join(todo[host]), "--json"]) + " 2>&1"
 
     results = run_on_hosts(list(todo), line, ssh_args, deadline_s=deadline_s, transport=transport)
+    # a build the deadline killed left torch's build lock: every later launch on that host would wait on it (or be
+    # refused by the preflight's stale-lock check), so the lock no process holds is removed there at once
+    unfinished = {h: ops for h, ops in todo.items() if _parse(results[h].out) is None}
+    cleared: dict[str, str] = {}
+    if unfinished:
+
+        def clear(host: str) -> str:
+            words = ["exec", "env", *(f"{k}={v}" for k, v in env.items()), python, "-m", "ftkit.cluster.buildlocks"]
+            return shlex.join([*words, "--clear", ",".join(unfinished[host])]) + " 2>&1"
+
+        after = run_on_hosts(list(unfinished), clear, ssh_args, deadline_s=60.0, transport=transport)
+        for host, res in after.items():
+            removed = [x.removeprefix("removed ") for x in res.out.splitlines() if x.startswith("removed ")]
+            if removed:
+                cleared[host] = f"; removed the build lock its killed build left: {', '.join(removed)}"
     done, problems = [], []
     logs: Path | None = None
     for host, ops in todo.items():
@@ -127,7 +142,9 @@ def warm_up(
         atomic_write(log, res.out, fsync=False)
         if parsed is None:
             why = res.out.strip() if not res.reachable else f"exit {res.rc}, no result"
-            problems.append(f"host {host}: ops: building {', '.join(ops)} did not finish: {why} (log: {log})")
+            problems.append(
+                f"host {host}: ops: building {', '.join(ops)} did not finish: {why} (log: {log}){cleared.get(host, '')}"
+            )
             continue
         for op in failed:
             problems.append(

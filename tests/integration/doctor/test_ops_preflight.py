@@ -67,6 +67,26 @@ def test_a_failing_build_runs_once_before_the_ranks_and_is_one_line(tmp_path):
     assert r.returncode == 0 and "optimizer.impl                      torch-cpu" in r.stdout, r.stdout
 
 
+@pytest.mark.timeout(300)
+def test_a_build_past_its_deadline_leaves_no_build_lock_behind(tmp_path):
+    """The warm-up's deadline (resilience.startup_timeout_s) kills a build that runs too long; the killed build left
+    torch's build lock, and every later launch on the host was refused by the preflight's stale-lock check (14 tests of
+    one worker failed so). The launch removes it there and says so in its one line."""
+    cxx = tmp_path / "c++"
+    cxx.write_text("#!/bin/sh\nsleep 300\n")
+    cxx.chmod(0o755)
+    recipe = _recipe(tmp_path, "true")
+    recipe.write_text(recipe.read_text() + "resilience:\n  startup_timeout_s: 25\n")
+    ext = tmp_path / "ext"
+    r = clean_ftkit("launch", str(recipe), env={"CXX": str(cxx), "TORCH_EXTENSIONS_DIR": str(ext)}, timeout=200)
+    assert r.returncode == 3, r.stdout + r.stderr
+    (line,) = failures(r)
+    assert line.startswith("host localhost: ops: building cpu_adam did not finish: timed out"), line
+    assert line.endswith(f"; removed the build lock its killed build left: {ext / 'cpu_adam' / 'lock'}"), line
+    assert not (ext / "cpu_adam" / "lock").exists()
+    _no_rank_started(tmp_path / "run")
+
+
 @pytest.mark.timeout(400)
 def test_the_warm_up_clears_a_build_lock_a_killed_build_left(tmp_path):
     """A build killed while it held torch's build baton leaves ``<op>/lock``; torch waits on it forever, so
