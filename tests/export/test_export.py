@@ -14,37 +14,15 @@ from pathlib import Path
 import pytest
 
 from ftkit.errors import ExitCode
-from ftkit.rundir.spec import DataSpec, RunSpec
 from tests.helpers.ckpt import commit, flip_byte, make_ckpt, make_dcp_ckpt, staging_left, tree
+from tests.helpers.rundir import write_spec
 from tests.helpers.runs import ftkit
 
 HEAVY = ("torch", "deepspeed", "transformers", "accelerate", "peft", "safetensors")
 
 
 def _spec(run: Path, stage: int = 2, precision: str = "fp32") -> None:
-    spec = RunSpec(
-        ftkit_version="test",
-        name="synthetic",
-        recipe={"train": {"precision": precision}},
-        recipe_hash="abc123",
-        world_size=2,
-        hosts=[["localhost", 2]],
-        stage=stage,
-        offload_optimizer="none",
-        offload_params="none",
-        accelerator="cpu",
-        model_path=str(run.parent / "model"),
-        tokenizer_path=str(run.parent / "model"),
-        model_revision=None,
-        tokenizer_revision=None,
-        peft=None,
-        data=DataSpec(train="data.jsonl", max_seq_len=64, truncate=False),
-        save_total_limit=2,
-        training_args={},
-        fingerprint={},
-    )
-    (run / "ftkit").mkdir(parents=True, exist_ok=True)
-    (run / "ftkit" / "spec.json").write_text(spec.to_json())
+    write_spec(run, stage=stage, precision=precision)
 
 
 @pytest.fixture

@@ -30,19 +30,28 @@ def write_rank(rd: RunDir, rank: int, host: str, compute_s: float | None, n: int
         atomic_write(rd.pid_file(attempt, rank), json.dumps(rec), fsync=False)
 
 
-def tier_run(run: Path, template: str, nodes: list[str], durable_steps: int = 5, keep: int = 2) -> RunDir:
-    """A run directory whose spec names a local checkpoint tier (what ``ftkit.launch.agent`` and the supervisor's
-    tier functions read of it); no process runs."""
+def write_spec(
+    run: Path,
+    *,
+    name: str = "synthetic",
+    stage: int = 2,
+    precision: str = "fp32",
+    nodes: list[str] | None = None,
+    local_tier: dict[str, object] | None = None,
+) -> RunDir:
+    """A run directory holding only a spec (2 CPU ranks on each of ``nodes``, default one localhost), for tests that
+    read a run's spec without running it."""
     from ftkit.rundir.spec import DataSpec, RunSpec
 
+    hosts = [[n, 2] for n in (nodes or ["localhost"])]
     spec = RunSpec(
         ftkit_version="test",
-        name="tiered",
-        recipe={"train": {"precision": "fp32"}},
+        name=name,
+        recipe={"train": {"precision": precision}},
         recipe_hash="abc123",
-        world_size=2 * len(nodes),
-        hosts=[[n, 2] for n in nodes],
-        stage=2,
+        world_size=2 * len(hosts),
+        hosts=hosts,
+        stage=stage,
         offload_optimizer="none",
         offload_params="none",
         accelerator="cpu",
@@ -55,16 +64,23 @@ def tier_run(run: Path, template: str, nodes: list[str], durable_steps: int = 5,
         save_total_limit=2,
         training_args={},
         fingerprint={},
-        local_tier={
-            "dir": template,
-            "steps": 1,
-            "keep": keep,
-            "peer_copies": 0,
-            "durable_steps": durable_steps,
-            "nodes": nodes,
-        },
+        **({"local_tier": local_tier} if local_tier is not None else {}),
     )
     rd = RunDir(run)
     rd.meta.mkdir(parents=True, exist_ok=True)
     rd.spec.write_text(spec.to_json())
     return rd
+
+
+def tier_run(run: Path, template: str, nodes: list[str], durable_steps: int = 5, keep: int = 2) -> RunDir:
+    """A run directory whose spec names a local checkpoint tier (what ``ftkit.launch.agent`` and the supervisor's
+    tier functions read of it); no process runs."""
+    tier = {
+        "dir": template,
+        "steps": 1,
+        "keep": keep,
+        "peer_copies": 0,
+        "durable_steps": durable_steps,
+        "nodes": nodes,
+    }
+    return write_spec(run, name="tiered", nodes=nodes, local_tier=tier)
