@@ -23,7 +23,7 @@ import runpy
 import sys
 from typing import TextIO
 
-from ftkit.launch.rank import defer_full_collections, skip_final_collection
+from ftkit.launch.rank import OPTIONAL_IMPORTS, defer_full_collections, leave_out, skip_final_collection
 from ftkit.rundir.env import Redactor
 
 
@@ -78,6 +78,7 @@ def main() -> None:
     sys.stdout = MaskedStream(sys.stdout, redactor)  # before the engine imports its logging: its handlers keep it
     sys.stderr = MaskedStream(sys.stderr, redactor)
     defer_full_collections()
+    leave_out(OPTIONAL_IMPORTS)  # an engine only starts and watches ranks: it logs to no tracker, reads no dataset
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 

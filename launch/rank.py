@@ -334,6 +334,31 @@ def resume_full_collections() -> None:
         gc.set_threshold(*saved)
 
 
+# Libraries the rank's stack imports only because they are installed, whether or not the run uses them: importing
+# DeepSpeed imports mlflow (its autotuner logs there), transformers' Trainer imports datasets (pandas, pyarrow). Both
+# together cost every rank ~3.8 CPU-seconds of its start and every engine process (DeepSpeed's runner and launcher)
+# the mlflow part (``benchmarks/rank_imports.py``).
+OPTIONAL_IMPORTS = ("mlflow", "datasets")
+
+
+def leave_out(names: Sequence[str]) -> list[str]:
+    """Makes each of ``names`` this process has not imported yet absent from it, as if it were not installed:
+    ``import`` raises ImportError and ``importlib.util.find_spec`` finds nothing (Python's own ``None`` entry in
+    ``sys.modules``), so a library that imports it only optionally goes without. Call it before the library loads, in
+    a process whose own code never imports them (the built-in entry, an engine's launcher). Returns those marked."""
+    marked = [n for n in names if n not in sys.modules]
+    for n in marked:
+        sys.modules[n] = None  # type: ignore[assignment]  # the import system's documented "not importable" mark
+    return marked
+
+
+def unused_trackers(report_to: str | Sequence[str] | None) -> list[str]:
+    """What :func:`leave_out` may leave out of a rank of the built-in entry that reports to ``report_to`` (the
+    TrainingArguments value): datasets always (the entry's rows are lists), mlflow unless the run logs to it."""
+    wanted = {report_to} if isinstance(report_to, str) else set(report_to or ())
+    return [n for n in OPTIONAL_IMPORTS if n == "datasets" or not wanted & {n, "all"}]
+
+
 def skip_final_collection() -> None:
     """At exit, after every other exit handler of the rank (register this first: atexit runs them in reverse):
     ``gc.freeze()``, so Python's last garbage collections at shutdown skip the millions of objects torch,

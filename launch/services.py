@@ -56,8 +56,10 @@ from ftkit.launch.rank import (
     _redirect_output,
     defer_full_collections,
     install_startup,
+    leave_out,
     on_import,
     skip_final_collection,
+    unused_trackers,
 )
 from ftkit.launch.tier import local_tier
 from ftkit.launch.trackers import Trackers, atomic_mlflow_run_info, guard_trackers
@@ -148,6 +150,8 @@ def start(
         r = _Rank(Path(run_dir), attempt, resume)
         atexit.register(skip_final_collection)  # the rank's first exit handler, so it runs after every other
         defer_full_collections()  # until training begins
+        if r.spec.command is None:  # the built-in entry: no user code that could import them itself
+            leave_out(unused_trackers(r.spec.training_args.get("report_to")))
         if "tensorboard" in (r.spec.training_args.get("report_to") or []):
             # transformers 5.x has no logging_dir: its TensorBoard callback reads this variable (run directory only)
 

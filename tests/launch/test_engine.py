@@ -57,3 +57,44 @@ def test_the_modules_signal_handler_decides_the_exit(tmp_path: Path) -> None:
 def test_no_module_is_a_usage_error(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "ftkit.launch.engine"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip() == "usage: python -m ftkit.launch.engine MODULE [ARGS...]"
+
+
+OPTIONAL = """
+import importlib.util, json
+out = {}
+for name in ("mlflow", "datasets"):
+    try:
+        __import__(name)
+        out[name] = "imported"
+    except ImportError:
+        out[name] = "absent" if importlib.util.find_spec(name) is None else "import failed"
+print(json.dumps(out))
+"""
+
+
+def test_an_engine_process_goes_without_the_optional_libraries_it_never_uses(tmp_path: Path) -> None:
+    """DeepSpeed's autotuner imports mlflow whenever DeepSpeed is imported; an engine only starts ranks."""
+    import importlib.util
+
+    assert importlib.util.find_spec("mlflow") and importlib.util.find_spec("datasets"), "both are installed here"
+    (tmp_path / "probe.py").write_text(OPTIONAL)
+    r = subprocess.run(
+        [sys.executable, "-m", "ftkit.launch.engine", "probe"],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"mlflow": "absent", "datasets": "absent"}
+
+
+def test_a_rank_of_the_built_in_entry_keeps_only_the_trackers_it_reports_to() -> None:
+    from ftkit.launch.rank import unused_trackers
+
+    assert unused_trackers(["none"]) == ["mlflow", "datasets"]
+    assert unused_trackers(None) == ["mlflow", "datasets"]
+    assert unused_trackers(["wandb", "mlflow"]) == ["datasets"]
+    assert unused_trackers("all") == ["datasets"]
+    assert unused_trackers(["all"]) == ["datasets"]
