@@ -302,19 +302,23 @@ def test_alias_bomb_refused_in_milliseconds(tmp_path, mapping):
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
 
-    t0 = time.perf_counter()
+    def cpu_of_children() -> float:  # CPU time, not wall time: a busy machine (CI) does not change it
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
+
+    t0 = cpu_of_children()
     out = subprocess.run(
-        [sys.executable, "-m", "ftkit", "explain", str(p)], capture_output=True, text=True, timeout=20, preexec_fn=limit
+        [sys.executable, "-m", "ftkit", "explain", str(p)], capture_output=True, text=True, timeout=60, preexec_fn=limit
     )
-    elapsed = time.perf_counter() - t0
+    elapsed = cpu_of_children() - t0
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.count("\n") == 1 and "alias bomb" in out.stderr and "Traceback" not in out.stderr
-    assert elapsed < 5.0, elapsed  # interpreter start-up included; the refusal itself is timed below
+    assert elapsed < 5.0, elapsed  # ~0.4 CPU-s, interpreter start-up included; the refusal itself is timed below
 
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     with pytest.raises(RecipeError) as e:
         load_recipe(p)
-    elapsed = time.perf_counter() - t0
+    elapsed = time.process_time() - t0
     assert elapsed < 1.0, elapsed
     (line,) = e.value.lines()
     assert "YAML expands to more than" in line and "alias" in line
