@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pickle
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -35,8 +36,10 @@ def _once(factory: pytest.TempPathFactory, name: str, build: Callable[[Path], di
     done = root / f"{name}.pickle"
     with FileLock(str(root / f"{name}.lock")):
         if not done.exists():
-            (root / name).mkdir(exist_ok=True)
-            done.write_bytes(pickle.dumps(build(root / name)))
+            # a directory of its own for each try: a build that failed in another worker left its half-done run in
+            # its own, and this one starts clean instead of failing on what that one left
+            d = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))
+            done.write_bytes(pickle.dumps(build(d)))
     return pickle.loads(done.read_bytes())  # noqa: S301 (written by this test run, above)
 
 
