@@ -243,3 +243,50 @@ def test_the_local_tier_is_off_without_one_in_the_spec(tmp_path):
     tier.discard_stale(HOSTS, 4)
     tier.end()
     assert tier.own_dirs() == [] and tier.local_dirs(["localhost"]) == []
+
+
+class FakeAgents:
+    """The nodes' checkpoint agents as they answer (``ftkit.launch.agent``): ``bad`` hosts fail verify."""
+
+    def __init__(self, bad: dict[str, str] | None = None):
+        self.bad, self.calls = bad or {}, []
+
+    def run(self, hosts, command, **options):
+        self.calls.append((command, list(hosts), options))
+        return {h: {"ok": h not in self.bad, "reason": self.bad.get(h)} for h in hosts}
+
+
+def _tiered(tmp_path, agents: FakeAgents) -> tuple[LocalTier, Recorded, RunDir]:
+    from ftkit.checkpoint.tiers import write_set_record
+    from tests.helpers.rundir import tier_run
+
+    rd = tier_run(tmp_path / "run", str(tmp_path / "tier" / "{host}"), HOSTS)
+    write_set_record(rd.path, 6, attempt=0, nodes=HOSTS, world_size=4, stop=None)
+    events = Recorded()
+    return LocalTier(rd, agents, events), events, rd  # type: ignore[arg-type]
+
+
+def test_a_step_every_node_verifies_in_its_local_tier_is_the_tier_s_choice(tmp_path):
+    agents = FakeAgents()
+    tier, events, _ = _tiered(tmp_path, agents)
+    picked = tier.choose(HOSTS, 4, durable_step=4, max_steps=None)
+    assert picked == TierChoice("local", 6, f"{tmp_path}/tier/{{host}}/checkpoint-6")
+    assert agents.calls == [("verify", HOSTS, {"step": 6})]
+    assert events.names() == ["tier_chosen"] and tier.steps() == [6]
+    assert tier.own_dirs() == [f"{tmp_path}/tier"]
+    assert tier.local_dirs(["localhost", "node0"]) == [f"{tmp_path}/tier/localhost"]
+
+
+def test_a_step_one_node_cannot_verify_is_rejected_with_its_reason(tmp_path):
+    tier, events, _ = _tiered(tmp_path, FakeAgents(bad={"node1": "checkpoint-6: model.safetensors differs"}))
+    assert tier.choose(HOSTS, 4, durable_step=4, max_steps=None) is None  # no peer copies: durable it is
+    (rejected,) = events.of("tier_rejected")
+    assert rejected[1] == "step 6 on node1: checkpoint-6: model.safetensors differs"
+
+
+def test_before_an_attempt_the_tier_s_later_steps_are_discarded_on_every_node(tmp_path):
+    agents = FakeAgents()
+    tier, _, _ = _tiered(tmp_path, agents)
+    tier.discard_stale(HOSTS, 4)
+    assert agents.calls == [("clean", HOSTS, {"newer_than": 4})]
+    assert tier.steps() == []  # the set record of step 6 went with them
