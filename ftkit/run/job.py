@@ -38,7 +38,8 @@ from ftkit.rundir.layout import RunDir
 from ftkit.rundir.owner import read_owner
 from ftkit.rundir.records import JSON, Fingerprint
 from ftkit.supervise.choose import Choice, StepLimits, foreign_refusal, select, space_refusal
-from ftkit.supervise.supervisor import STOP_SIGNALS, Supervisor
+from ftkit.supervise.stopping import STOP_SIGNALS
+from ftkit.supervise.supervisor import Supervisor, SupervisorConfig
 
 
 def launch_inputs(
@@ -289,14 +290,14 @@ def _owned_launch(
             deadline_s=float(r.resilience.startup_timeout_s),
             transport=transport,
         )
-        sup = _supervisor(plan, rd, ssh_args, echo, command, req.inject)
-        choice = sup.select(step_limits(plan))
+        sup = Supervisor(supervisor_config(plan, rd, ssh_args, echo, command, req.inject))
+        choice = sup.resume.select(step_limits(plan))
         if choice.exit_code is not None:
             sup.events.attempt = sup.rd.next_attempt()
-            return sup.apply(choice).exit_code or ExitCode.NO_CHECKPOINT
+            return sup.resume.apply(choice).exit_code or ExitCode.NO_CHECKPOINT
         if choice.finished:
             sup.events.attempt = sup.rd.next_attempt()
-            sup.end_local_tier()  # what an earlier launch left (its ranks finished without their supervisor)
+            sup.tier.end()  # what an earlier launch left (its ranks finished without their supervisor)
             sup.events("finished", finished_line(choice.finished))
             return ExitCode.OK
         full = space_refusal(rd, choice)
@@ -361,17 +362,34 @@ def _check_changes(
     return check.overrides(), [c.to_json() for c in check.applied]
 
 
-def _supervisor(
+@dataclass(frozen=True)
+class Replan:
+    """Continuing on fewer hosts (:class:`ftkit.supervise.resume.Replanner`): the recipe planned again on the hosts
+    left, and the run's configs and spec written for a plan."""
+
+    recipe: Recipe
+    cpu_adam_ok: bool | None  # the preflight's finding of DeepSpeed's CPU Adam, kept for the new plan
+    command: list[str] | None  # the user's command as the spec records it (None: the built-in entry)
+
+    def replan(self, hosts: list[tuple[str, int]]) -> Plan:
+        return build_plan(self.recipe, hosts=hosts, cpu_adam_ok=self.cpu_adam_ok)
+
+    def prepare(self, plan: Plan, load_universal: bool) -> object:
+        return prepare_run(plan, load_universal=load_universal, command=self.command)
+
+
+def supervisor_config(
     plan: Plan,
     rd: RunDir,
     ssh_args: list[str],
     echo: Callable[[str], None],
     command: UserCommand | None = None,
     inject: bool = True,
-):
+) -> SupervisorConfig:
+    """The one place a supervisor's configuration is made from a plan."""
 
     r = plan.recipe
-    return Supervisor(
+    return SupervisorConfig(
         rd=rd,
         inputs=launch_inputs(plan, command=command, inject=inject),
         base_env=dict(os.environ),
@@ -384,10 +402,7 @@ def _supervisor(
         ssh_args=ssh_args,
         echo=echo,
         min_nodes=r.cluster.min_nodes,
-        replan=lambda hosts: build_plan(r, hosts=hosts, cpu_adam_ok=plan.cpu_adam_ok),
-        prepare=lambda p, universal: prepare_run(
-            p, load_universal=universal, command=command.display() if command else None
-        ),
+        replanner=Replan(r, plan.cpu_adam_ok, command.display() if command else None),
     )
 
 

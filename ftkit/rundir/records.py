@@ -201,7 +201,7 @@ class StragglerRecord(TypedDict):
 
 
 class EventSink(Protocol):
-    """Writes one line of ``events.jsonl`` (``ftkit.supervise.supervisor.Events``); ``message`` is said to the user
+    """Writes one line of ``events.jsonl`` (``ftkit.supervise.events.Events``); ``message`` is said to the user
     too."""
 
     def __call__(self, event: str, message: str | None = None, /, **data: object) -> None: ...

@@ -1,5 +1,5 @@
-"""Choose where an attempt resumes from (read-only): the first step of the supervisor's script
-(:mod:`ftkit.supervise.supervisor`).
+"""Choose where an attempt resumes from (read-only): the first step of resume selection
+(:mod:`ftkit.supervise.resume`).
 
 Checkpoints are walked newest first and the first whose commit record verifies (every byte, by default) is taken.
 A checkpoint of another world size or stage is refused, unless the supervisor itself shrank the job (then it is
@@ -7,7 +7,7 @@ converted to DeepSpeed's universal format); a run whose checkpoints were all com
 refuses to start over; a checkpoint past ``train.max_steps`` refuses too, and so does a directory holding
 checkpoints ftkit did not write (it never resumes from, moves or deletes them). A run whose ``final/`` is committed
 for the recipe's step limits is finished: nothing is started. Nothing is written here:
-:meth:`ftkit.supervise.supervisor.Supervisor.apply` carries the choice out.
+:meth:`ftkit.supervise.resume.Resumer.apply` carries the choice out.
 """
 
 from __future__ import annotations

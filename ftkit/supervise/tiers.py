@@ -11,6 +11,8 @@ Otherwise it resumes from the run directory (**durable**).
 
 At the end of a launch, whatever its outcome, each node's agent copies the newest committed local step the run
 directory does not have yet (``flush``), then removes the run's local tier from the node (``clean``).
+
+:class:`LocalTier` is what the supervisor holds: these steps for the run's tier as its spec has it now.
 """
 
 from __future__ import annotations
@@ -30,13 +32,15 @@ from ftkit.checkpoint.tiers import (
     discard_set_records_newer,
     due_in_run_dir,
     flush_due,
+    node_dir,
     resume_path,
     set_records,
 )
 from ftkit.cluster.fanout import HostResult, run_on_hosts
+from ftkit.cluster.hosts import is_local
 from ftkit.rundir.layout import RunDir
 from ftkit.rundir.records import EventSink
-from ftkit.rundir.spec import LocalTierSpec
+from ftkit.rundir.spec import LocalTierSpec, RunSpec
 
 if TYPE_CHECKING:
     from ftkit.cluster.fanout import Transport
@@ -219,3 +223,55 @@ def end_local_tier(rd: RunDir, tier: LocalTierSpec, hosts: list[str], agents: Ag
         )
     clear_staging(rd.path)
     clear_set_records(rd.path)
+
+
+class LocalTier:
+    """The local-tier orchestration of one launch: the run's tier as its spec has it now (a shrink rewrites the
+    spec; None: off), driven through the nodes' agents. Every method does nothing when the run has no tier."""
+
+    def __init__(self, rd: RunDir, agents: Agents, events: EventSink):
+        self.rd, self.agents, self.events = rd, agents, events
+
+    def spec(self) -> LocalTierSpec | None:
+        try:
+            return RunSpec.read(self.rd.spec).local_tier
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def choose(
+        self, hosts: list[str], world_size: int, durable_step: int | None, max_steps: int | None
+    ) -> TierChoice | None:
+        """:func:`choose_tier` for the attempt on ``hosts``; None without a tier."""
+        tier = self.spec()
+        if not tier:
+            return None
+        return choose_tier(self.rd, tier, hosts, world_size, durable_step, max_steps, self.agents, self.events)
+
+    def discard_stale(self, hosts: list[str], step: int | None) -> None:
+        if self.spec():
+            discard_stale(self.rd, hosts, step, self.agents, self.events)
+
+    def steps(self) -> list[int]:
+        """The steps every node committed in its local tier (their set records)."""
+        return [r["step"] for r in set_records(self.rd.path)] if self.spec() else []
+
+    def own_dirs(self) -> list[str]:
+        """Where ftkit keeps files besides the run directory: the local tier's root (before its ``{host}``)."""
+        tier = self.spec()
+        return [tier["dir"].split("{host}")[0].rstrip("/")] if tier and tier.get("dir") else []
+
+    def local_dirs(self, hosts: list[str]) -> list[str]:
+        """The tier's directories of the hosts that are this machine."""
+        tier = self.spec()
+        return [str(node_dir(tier["dir"], h)) for h in hosts if is_local(h)] if tier else []
+
+    def end(self) -> None:
+        """Copy what is due from the local tier and remove it (the end of a launch; also a relaunch that finds the
+        run finished: an orphan-finished run's tier may still be there)."""
+        tier = self.spec()
+        if not tier:
+            return
+        try:
+            end_local_tier(self.rd, tier, list(tier.get("nodes") or []), self.agents, self.events)
+        except Exception as e:  # noqa: BLE001 - the launch's outcome stands; say what was left
+            self.events("tier_left", f"could not end the local tier: {type(e).__name__}: {e}")

