@@ -11,9 +11,9 @@ from ftkit import __version__
 from ftkit.model.config import DEFAULT_REVISION, model_is_hub
 from ftkit.plan.plan import Plan
 from ftkit.recipe.schema import DEEPSPEED_SCHEDULES
-from ftkit.recipe.sections import PeftSection
 from ftkit.run.fingerprint import compute as compute_fingerprint
 from ftkit.rundir.records import JSON, Fingerprint
+from ftkit.rundir.sections import PeftSection
 from ftkit.rundir.spec import DataSpec, LocalTierSpec, PeftSpec, RunSpec, TrainingArgs
 
 # TrainingArguments a wrapped script always gets from the recipe (the recipe decides what it states: docs/design.md,

@@ -61,8 +61,8 @@ from ftkit.supervise.tiers import Agents, TierChoice, choose_tier, discard_stale
 
 if TYPE_CHECKING:
     from ftkit.plan.plan import Plan
-    from ftkit.recipe.sections import ResilienceSection
     from ftkit.rundir.records import ErrorRecord, Heartbeat
+    from ftkit.rundir.sections import ResilienceSection
 
 # A closed terminal (SIGHUP) is handled like SIGTERM; SIGUSR1 is Slurm's advance notice (--signal=B:USR1@T).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
