@@ -152,7 +152,6 @@ def build_spec(
     return RunSpec(
         ftkit_version=__version__,
         name=r.name,
-        recipe=r.to_dict(),
         recipe_hash=r.hash(),
         world_size=plan.world_size,
         hosts=[list(h) for h in plan.hosts],
@@ -160,6 +159,9 @@ def build_spec(
         offload_optimizer=plan.offload_optimizer,
         offload_params=plan.offload_params,
         accelerator=r.cluster.accelerator,
+        backend=r.train.backend,  # the plan resolved auto: deepspeed or fsdp2
+        precision=r.train.precision,
+        resilience=r.resilience,
         model_path=r.model.path,
         tokenizer_path=r.model.tokenizer or r.model.path,
         # a hub id's revision (main unless pinned): the ranks call from_pretrained(id, revision=...); None: local
