@@ -280,14 +280,12 @@ def rank_side_defaults(tree: ast.AST) -> list[tuple[int, str]]:
 
 def test_the_rank_restates_no_default_of_a_recipe_value():
     """The spec carries every value resolved on the head (issue 39, point 1): the rank side (``launch/``,
-    ``ftkit.hf`` and the contract it reads, ``ftkit/rundir/``) reads attributes, never a recipe value by string with
-    its default restated (two defaults drift apart: the rank's 60 s against the schema's)."""
+    ``ftkit.hf`` and what it may import, ``ftkit/rundir/``, ``ftkit/checkpoint/``, ``ftkit/cluster/``) reads
+    attributes, never a recipe value by string with its default restated (two defaults drift apart: the rank's 60 s
+    against the schema's)."""
     found = []
-    for path in [
-        *(REPO / "launch").rglob("*.py"),
-        REPO / "ftkit" / "hf.py",
-        *(REPO / "ftkit" / "rundir").rglob("*.py"),
-    ]:
+    below = [p for d in ("rundir", "checkpoint", "cluster") for p in (REPO / "ftkit" / d).rglob("*.py")]
+    for path in [*(REPO / "launch").rglob("*.py"), REPO / "ftkit" / "hf.py", *below]:
         rel = path.relative_to(REPO).as_posix()
         found += [f"{rel}:{line}: {code}" for line, code in rank_side_defaults(ast.parse(path.read_text(), rel))]
     assert not found, "a rank-side default of a recipe value (resolve it into RunSpec instead):\n" + "\n".join(found)
