@@ -101,12 +101,15 @@ def build(root: Path, args: argparse.Namespace) -> None:
 
 def _spec_and_commit(run: Path, ckpt: Path, stage: int) -> None:
     from ftkit.checkpoint.commit import manifest_part, write_commit
+    from ftkit.recipe.schema import SECTION_BY_NAME
+    from ftkit.rundir.layout import RunDir
+    from ftkit.rundir.sections import ResilienceSection
     from ftkit.rundir.spec import DataSpec, RunSpec
 
+    resilience = ResilienceSection(**{f.name: f.default for f in SECTION_BY_NAME["resilience"].fields})
     spec = RunSpec(
         ftkit_version="bench",
         name="export-memory",
-        recipe={"train": {"precision": "fp32"}},
         recipe_hash="bench",
         world_size=1,
         hosts=[["localhost", 1]],
@@ -114,6 +117,9 @@ def _spec_and_commit(run: Path, ckpt: Path, stage: int) -> None:
         offload_optimizer="none",
         offload_params="none",
         accelerator="cpu",
+        backend="deepspeed",
+        precision="fp32",
+        resilience=resilience,
         model_path=str(ckpt),
         tokenizer_path=str(ckpt),
         model_revision=None,
@@ -126,6 +132,7 @@ def _spec_and_commit(run: Path, ckpt: Path, stage: int) -> None:
     )
     (run / "ftkit").mkdir(parents=True, exist_ok=True)
     (run / "ftkit" / "spec.json").write_text(spec.to_json())
+    RunDir(run).recipe.write_text(json.dumps({"train": {"precision": "fp32"}}))
     write_commit(ckpt, [manifest_part(ckpt, 0, 1)], step=1, world_size=1, stage=stage, recipe_hash="bench")
 
 

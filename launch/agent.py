@@ -141,7 +141,7 @@ class Agent:
         self.say("durable", step=part.step, bytes=size, copy_s=round(time.time() - t0, 3), published=bool(published))
 
     def peer_copy(self) -> None:
-        if not self.peer or not int(self.tier.get("peer_copies") or 0):
+        if not self.peer or not self.tier["peer_copies"]:
             return
         if is_local(self.peer):  # its tier is a path here: written into only when it is that node's own, private
             try:
@@ -160,7 +160,7 @@ class Agent:
                 continue
             if not (path / COMMIT_FILE).is_file():
                 continue
-            send = None if is_local(self.peer) else _send(self.tier.get("ssh_config"), self.peer)
+            send = None if is_local(self.peer) else _send(self.tier["ssh_config"], self.peer)
             t0 = time.time()
             try:  # a claim or copy that fails (the run directory unwritable, ssh down) leaves no mark behind
                 claim_peer_copy(self.rd.path, self.host, self.peer, step)  # the peer keeps its own part of it
@@ -197,8 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.command == "clean":
         spec = RunSpec.read(RunDir(a.run_dir).spec)
-        tier = spec.local_tier or {}
-        template = str(tier.get("dir") or "")
+        template = spec.local_tier["dir"] if spec.local_tier else ""
         try:
             if template and a.newer_than is not None:  # before an attempt: the tier made (or checked) private
                 d = open_tier(template, a.host)

@@ -187,7 +187,7 @@ def callback_class() -> type[FtkitCallbackType]:
                 self._commit_local(args, state)
                 return
             t0 = time.time()
-            part = manifest_part(ckpt, self.ctx.rank, self.ctx.world_size, checksum=self.spec.checksum)
+            part = manifest_part(ckpt, self.ctx.rank, self.ctx.world_size, checksum=self.spec.resilience.checksum)
             parts: list[dict[str, FileEntry] | None] = [None] * self.ctx.world_size
             if dist.is_available() and dist.is_initialized():
                 dist.all_gather_object(parts, part)  # every rank has finished writing: this is the barrier

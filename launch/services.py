@@ -151,8 +151,8 @@ def start(
         atexit.register(skip_final_collection)  # the rank's first exit handler, so it runs after every other
         defer_full_collections()  # until training begins
         if r.spec.command is None:  # the built-in entry: no user code that could import them itself
-            leave_out(unused_trackers(r.spec.training_args.get("report_to")))
-        if "tensorboard" in (r.spec.training_args.get("report_to") or []):
+            leave_out(unused_trackers(r.spec.training_args["report_to"]))
+        if "tensorboard" in r.spec.training_args["report_to"]:
             # transformers 5.x has no logging_dir: its TensorBoard callback reads this variable (run directory only)
 
             os.environ.setdefault("TENSORBOARD_LOGGING_DIR", tensorboard_dir(r.spec.training_args["output_dir"]))
@@ -310,7 +310,7 @@ def step(step: int, loss: float | None = None, **metrics: float) -> bool:
     of a flag). Never past ``train.max_steps``."""
     r = _state()
     ctx = r.ctx
-    max_steps = int(r.spec.training_args.get("max_steps") or 0)
+    max_steps = int(r.spec.training_args["max_steps"])
     if max_steps > 0 and step > max_steps:
         raise RuntimeError(f"ftkit.hf.step({step}): beyond train.max_steps={max_steps}")
     if loss is not None:
@@ -319,7 +319,7 @@ def step(step: int, loss: float | None = None, **metrics: float) -> bool:
     if ctx.started_at_step is None:
         ctx.started_at_step = step - 1  # the step the loop continued from (the resume proof)
     ctx.heartbeat("train", step)
-    every = int(r.spec.training_args.get("logging_steps") or 1)
+    every = int(r.spec.training_args["logging_steps"])
     if ctx.rank == 0 and loss is not None and step % max(every, 1) == 0:
         rec = {"step": step, "loss": float(loss), **{k: float(v) for k, v in metrics.items()}}
         append_jsonl(ctx.rd.metrics, {**rec, "attempt": ctx.attempt, "time": time.time()})
@@ -345,7 +345,7 @@ def checkpoint(step: int) -> Iterator[Path]:
     ctx.heartbeat("saving", step)
     yield path
     t0 = time.time()
-    part = manifest_part(path, ctx.rank, ctx.world_size, checksum=spec.checksum)
+    part = manifest_part(path, ctx.rank, ctx.world_size, checksum=spec.resilience.checksum)
     parts = _gather(part, ctx.world_size)
     if ctx.rank == 0:
         write_commit(
@@ -485,7 +485,7 @@ def commit_final(step: int, weights: bool = False) -> None:
             raise SystemExit(ExitCode.SCRIPT_FAILED)
         write_commit(
             final,
-            [manifest_part(final, 0, 1, checksum=spec.checksum)],
+            [manifest_part(final, 0, 1, checksum=spec.resilience.checksum)],
             step=step,
             world_size=ctx.world_size,
             stage=spec.stage,
@@ -502,8 +502,8 @@ def _watch_supervisor(r: _Rank) -> dict[str, float] | None:
     supervisor would ask for), bounded by resilience.stop_timeout_s, then end the rank. Returns the watchdog's
     bounds for the pid record (a relaunch waits that long for ranks that stop themselves), None when unwatched."""
 
-    timeout = float(r.spec.resilience("orphan_timeout_s", 60.0))
-    grace = float(r.spec.resilience("stop_timeout_s", 120.0))
+    timeout = r.spec.resilience.orphan_timeout_s
+    grace = r.spec.resilience.stop_timeout_s
     dog = SupervisorWatchdog(
         r.ctx.rd,
         timeout,

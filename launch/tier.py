@@ -36,7 +36,7 @@ from ftkit.checkpoint.tiers import (
 )
 from ftkit.cluster.procs import proc_start_time
 from ftkit.rundir.layout import atomic_write
-from ftkit.rundir.spec import RunSpec
+from ftkit.rundir.spec import LocalTierSpec, RunSpec
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -48,13 +48,12 @@ if TYPE_CHECKING:
 class NodeTier:
     """This rank's view of its node's tier: where saves go, and (on the node's first rank) the agent."""
 
-    def __init__(self, spec: RunSpec, host: str):
-        tier = spec.local_tier or {}
+    def __init__(self, tier: LocalTierSpec, host: str):
         self.template: str = tier["dir"]
         self.dir = node_dir(self.template, host)
-        self.keep = int(tier.get("keep") or 2)
-        self.durable_steps = int(tier.get("durable_steps") or 1)
-        self.nodes: list[str] = list(tier.get("nodes") or [host])
+        self.keep = tier["keep"]
+        self.durable_steps = tier["durable_steps"]
+        self.nodes: list[str] = list(tier["nodes"])
         self.host = host
         self.agent: subprocess.Popen[bytes] | None = None
 
@@ -125,7 +124,7 @@ class NodeTier:
         multi = len(self.nodes) > 1
         first = ctx.rank - ctx.local_rank
         files = files_on_node(ckpt, ctx.rank, first) if multi else None
-        part = manifest_part(ckpt, ctx.rank, ctx.world_size, checksum=spec.checksum, files=files)
+        part = manifest_part(ckpt, ctx.rank, ctx.world_size, checksum=spec.resilience.checksum, files=files)
         parts: list[tuple[int, str, dict[str, FileEntry]]] = [(ctx.rank, self.host, part)]
         if dist.is_available() and dist.is_initialized():
             parts = cast("list[tuple[int, str, dict[str, FileEntry]]]", [None] * ctx.world_size)  # filled below
@@ -227,7 +226,7 @@ class NodeTier:
 
 def local_tier(spec: RunSpec, ctx: RankContext) -> NodeTier | None:
     """This rank's node tier, None when the run has none (every save goes to the run directory)."""
-    return NodeTier(spec, ctx.node_host) if spec.local_tier else None
+    return NodeTier(spec.local_tier, ctx.node_host) if spec.local_tier else None
 
 
 def dir_of(tier: NodeTier | None, output_dir: str) -> Path:

@@ -41,7 +41,7 @@ def _load_model(spec: RunSpec, targs: TrainingArguments):
     import torch
     from transformers import AutoModelForCausalLM
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.precision, torch.float32)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[spec.precision]
     path = spec.model_path
     revision = spec.model_revision  # set for a hub id: from_pretrained resolves it through the hub cache
     if revision is None and not (Path(path) / "config.json").is_file():

@@ -1,6 +1,7 @@
 """Tier 0: the house keeps its structure. The import contracts hold (``.importlinter``), no module imports an ftkit
 module from inside a function (such imports hid import cycles), no module-level import cycle exists, ``ftkit/`` has
-only its few flat modules, and no comment points at a design document the repository does not have."""
+only its few flat modules, no comment points at a design document the repository does not have, and the rank side
+restates no default of a recipe value."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 import grimp
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 FIRST_PARTY = ("ftkit", "launch")  # launch/ is shipped as ftkit.launch
@@ -226,3 +228,79 @@ def test_any_only_where_a_third_party_type_is_unknowable():
     config = (REPO / "mypy.ini").read_text()
     for flag in ("disallow_any_explicit = True", "disallow_any_generics = True", "check_untyped_defs = True"):
         assert flag in config, f"mypy.ini lost {flag}"
+
+
+# What the ranks read of the spec: names along an expression's chain that make it a recipe value (the spec itself,
+# its local tier, its TrainingArguments, the raw recipe and its sections as the spec once carried them).
+SPEC_CHAIN = {"spec", "tier", "local_tier", "training_args", "recipe", "section", "resilience"}
+# Methods that read the raw recipe by string (the spec once had them): no rank-side code calls them.
+RAW_RECIPE_READERS = {"section", "resilience"}
+
+
+def _chain(node: ast.expr) -> set[str]:
+    """The names and attributes along ``node``'s receiver chain (``r.spec.training_args.get`` -> r, spec,
+    training_args, get); calls and subscripts are walked through to what they are called or indexed on."""
+    out: set[str] = set()
+    while True:
+        if isinstance(node, ast.Attribute):
+            out.add(node.attr)
+            node = node.value
+        elif isinstance(node, ast.Call):
+            node = node.func
+        elif isinstance(node, ast.Subscript):
+            node = node.value
+        elif isinstance(node, ast.Name):
+            out.add(node.id)
+            return out
+        else:
+            return out
+
+
+def _literal(node: ast.expr) -> bool:
+    return isinstance(node, (ast.Constant, ast.List, ast.Dict, ast.Tuple, ast.Set))
+
+
+def rank_side_defaults(tree: ast.AST) -> list[tuple[int, str]]:
+    """``(line, code)`` of every place that restates a default for a value of the spec: ``.get(key, default)`` or
+    ``x or <literal>`` on a spec value, and every call of a raw-recipe reader (``spec.section(...)``,
+    ``spec.resilience("key", default)``)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            receiver = _chain(node.func.value)
+            if node.func.attr == "get" and receiver & SPEC_CHAIN and (len(node.args) > 1 or node.keywords):
+                out.append((node.lineno, ast.unparse(node)))
+            elif node.func.attr in RAW_RECIPE_READERS:
+                out.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or) and _literal(node.values[-1]):
+            if any(_chain(v) & SPEC_CHAIN for v in node.values[:-1]):
+                out.append((node.lineno, ast.unparse(node)))
+    return out
+
+
+def test_the_rank_restates_no_default_of_a_recipe_value():
+    """The spec carries every value resolved on the head (issue 39, point 1): the rank side (``launch/``,
+    ``ftkit.hf`` and what it may import, ``ftkit/rundir/``, ``ftkit/checkpoint/``, ``ftkit/cluster/``) reads
+    attributes, never a recipe value by string with its default restated (two defaults drift apart: the rank's 60 s
+    against the schema's)."""
+    found = []
+    below = [p for d in ("rundir", "checkpoint", "cluster") for p in (REPO / "ftkit" / d).rglob("*.py")]
+    for path in [*(REPO / "launch").rglob("*.py"), REPO / "ftkit" / "hf.py", *below]:
+        rel = path.relative_to(REPO).as_posix()
+        found += [f"{rel}:{line}: {code}" for line, code in rank_side_defaults(ast.parse(path.read_text(), rel))]
+    assert not found, "a rank-side default of a recipe value (resolve it into RunSpec instead):\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [  # what the rank side read before the spec carried resolved values
+        'timeout = float(r.spec.resilience("orphan_timeout_s", 60.0))',
+        'backend = str(self.section("train").get("backend") or "deepspeed")',
+        'keep = int(tier.get("keep") or 2)',
+        'max_steps = int(r.spec.training_args.get("max_steps") or 0)',
+        'ssh = self.tier.get("ssh_config", None)',
+        'template = str((spec.local_tier or {})["dir"])',
+    ],
+)
+def test_the_default_check_sees_the_old_reads(code):
+    assert rank_side_defaults(ast.parse(code)), code

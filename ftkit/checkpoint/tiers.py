@@ -341,7 +341,7 @@ def prune_set_records(
 
 def due_in_run_dir(rec: SetRecord, tier: LocalTierSpec) -> bool:
     """A step the recipe asks to be durable: every ``train.save_steps``, and a graceful stop's save."""
-    return rec["step"] % max(1, int(tier.get("durable_steps") or 1)) == 0 or bool(rec.get("stop"))
+    return rec["step"] % tier["durable_steps"] == 0 or bool(rec.get("stop"))  # train.save_steps: at least 1
 
 
 def flush_due(run_dir: str | os.PathLike[str], tier: LocalTierSpec) -> list[SetRecord]:

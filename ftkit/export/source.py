@@ -341,7 +341,7 @@ def run_facts(source: Source) -> RunFacts:
         tokenizer_path=spec.tokenizer_path,
         tokenizer_revision=spec.tokenizer_revision,
         precision=str(flat.get("train.precision") or spec.precision),
-        recipe=spec.recipe,
+        recipe=_read_json(RunDir(source.run_dir).recipe),
         recipe_hash=str(source.record.get("recipe_hash") or spec.recipe_hash),
         model=model,
     )

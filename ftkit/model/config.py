@@ -52,7 +52,7 @@ class ConfigSource:
 
 
 class ModelKeys(Protocol):
-    """The recipe's ``model`` section as this module reads it (``ftkit.recipe.sections.ModelSection``)."""
+    """The recipe's ``model`` section as this module reads it (``ftkit.rundir.sections.ModelSection``)."""
 
     @property
     def path(self) -> str: ...

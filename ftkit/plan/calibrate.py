@@ -78,12 +78,19 @@ def measured_step(run_dir: str | Path) -> tuple[float, int] | None:
 
 
 def run_recipe(run_dir: str | Path) -> tuple[Recipe, list[tuple[str, int]]] | None:
-    """The resolved recipe and hosts a run ran with (its ``ftkit/spec.json``), or None (not an ftkit run)."""
+    """The resolved recipe and hosts a run ran with (its ``ftkit/recipe.json`` and ``ftkit/spec.json``; a run
+    directory from before the recipe left the spec has it in the spec), or None (not an ftkit run)."""
+    rd = RunDir(run_dir)
     try:
-        spec = RunDir(run_dir).read_spec()
+        spec = rd.read_spec()
     except (OSError, ValueError):
         return None
-    raw = spec.get("recipe")
+    try:
+        raw = json.loads(rd.recipe.read_text())
+    except FileNotFoundError:
+        raw = spec.get("recipe")
+    except (OSError, ValueError):
+        return None
     hosts_raw = spec.get("hosts")
     if not isinstance(raw, dict) or not isinstance(hosts_raw, list):
         return None

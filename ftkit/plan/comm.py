@@ -61,7 +61,7 @@ from typing import TypedDict
 
 from ftkit.plan.memory import PRECISION_BYTES, Candidate, Fsdp2, Workload
 from ftkit.plan.speed import Calibration, Engine, Parts, gpu_class, step_parts
-from ftkit.recipe.sections import ClusterSection
+from ftkit.rundir.sections import ClusterSection
 
 # ------------------------------------------------------------------------------------------------ hardware tables
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ftkit.recipe.load import Recipe
 from ftkit.rundir.layout import RunDir, read_metrics
-from ftkit.rundir.spec import LocalTierSpec
+from ftkit.rundir.spec import LocalTierPlan
 
 GiB = 1 << 30
 DEFAULT_ROOT = "/dev/shm"  # a RAM disk on every Linux node: the fastest local tier there is
@@ -46,7 +46,7 @@ class LocalTier:
         """Host memory (or disk) the tier holds at most on a node: ``keep`` + one being copied + a peer's part."""
         return self.bytes_per_node * (self.keep + 1 + self.peer_copies) / GiB
 
-    def to_json(self) -> LocalTierSpec:
+    def to_json(self) -> LocalTierPlan:
         return {
             "dir": self.dir,
             "steps": self.steps,

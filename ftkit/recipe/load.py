@@ -29,7 +29,9 @@ from ftkit.errors import Problem, RecipeError
 from ftkit.model.config import is_hub_id
 from ftkit.recipe.rules import backend_problems, offload_problems, scheduler_problems
 from ftkit.recipe.schema import FIELD_BY_KEY, SECTION_BY_NAME, SECTIONS, TOP_LEVEL, Field, Value
-from ftkit.recipe.sections import (
+from ftkit.rundir.env import mask_items
+from ftkit.rundir.records import JSON, JSONObject
+from ftkit.rundir.sections import (
     CheckpointSection,
     ClusterSection,
     DataSection,
@@ -41,8 +43,6 @@ from ftkit.recipe.sections import (
     TrainSection,
     ZeroSection,
 )
-from ftkit.rundir.env import mask_items
-from ftkit.rundir.records import JSON, JSONObject
 
 try:  # the C loader is ~10x faster; fall back quietly where libyaml is missing
     from yaml import CSafeLoader as _Loader

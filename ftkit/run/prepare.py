@@ -19,7 +19,8 @@ def prepare_run(
     fingerprint: Fingerprint | None = None,
     command: list[str] | None = None,
 ) -> RunDir:
-    """Write ``ftkit/ds_config.json``, ``ftkit/accelerate.yaml`` and ``ftkit/spec.json`` into the run directory.
+    """Write ``ftkit/ds_config.json``, ``ftkit/accelerate.yaml``, ``ftkit/spec.json`` and ``ftkit/recipe.json`` (the
+    resolved recipe, for the commands that read the run afterwards; no rank reads it) into the run directory.
 
     The run's copy of the configs uses absolute paths (it is not meant to be checked in), and is rewritten at
     every launch so a changed recipe (e.g. more steps) takes effect when resuming. ``load_universal`` adds
@@ -51,5 +52,6 @@ def prepare_run(
         resume_overrides=resume_overrides,
         command=command,
     )
+    atomic_write(rd.recipe, json.dumps(plan.recipe.to_dict(), indent=2, default=str) + "\n")
     atomic_write(rd.spec, spec.to_json())
     return rd

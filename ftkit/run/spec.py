@@ -11,9 +11,9 @@ from ftkit import __version__
 from ftkit.model.config import DEFAULT_REVISION, model_is_hub
 from ftkit.plan.plan import Plan
 from ftkit.recipe.schema import DEEPSPEED_SCHEDULES
-from ftkit.recipe.sections import PeftSection
 from ftkit.run.fingerprint import compute as compute_fingerprint
 from ftkit.rundir.records import JSON, Fingerprint
+from ftkit.rundir.sections import PeftSection
 from ftkit.rundir.spec import DataSpec, LocalTierSpec, PeftSpec, RunSpec, TrainingArgs
 
 # TrainingArguments a wrapped script always gets from the recipe (the recipe decides what it states: docs/design.md,
@@ -152,7 +152,6 @@ def build_spec(
     return RunSpec(
         ftkit_version=__version__,
         name=r.name,
-        recipe=r.to_dict(),
         recipe_hash=r.hash(),
         world_size=plan.world_size,
         hosts=[list(h) for h in plan.hosts],
@@ -160,6 +159,9 @@ def build_spec(
         offload_optimizer=plan.offload_optimizer,
         offload_params=plan.offload_params,
         accelerator=r.cluster.accelerator,
+        backend=r.train.backend,  # the plan resolved auto: deepspeed or fsdp2
+        precision=r.train.precision,
+        resilience=r.resilience,
         model_path=r.model.path,
         tokenizer_path=r.model.tokenizer or r.model.path,
         # a hub id's revision (main unless pinned): the ranks call from_pretrained(id, revision=...); None: local

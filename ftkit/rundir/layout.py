@@ -7,7 +7,8 @@
     events.jsonl                  every supervisor decision, one JSON object per line
     metrics.jsonl                 rank 0: step, loss, learning rate, time, attempt (one line per logged step)
     logs/attempt-N/rank-R.log     one log per rank per attempt; launcher.log is the engine's own output
-    ftkit/spec.json               what every rank needs: resolved recipe, plan, TrainingArguments
+    ftkit/spec.json               what every rank needs: resolved typed values, plan, TrainingArguments
+    ftkit/recipe.json             the resolved recipe (provenance: the model card, calibration; no rank reads it)
     ftkit/ds_config.json          rendered configs used by this run
     ftkit/accelerate.yaml
     ftkit/heartbeat/rank-R.json   rewritten every step: progress the supervisor can see
@@ -45,6 +46,10 @@ class RunDir:
     @property
     def spec(self) -> Path:
         return self.meta / "spec.json"
+
+    @property
+    def recipe(self) -> Path:
+        return self.meta / "recipe.json"
 
     @property
     def ds_config(self) -> Path:

@@ -5,6 +5,12 @@ reads it back with :meth:`RunSpec.read` (:mod:`ftkit.hf`). Field names are attri
 field fails a type check (mypy/pyright) and, at run time, :meth:`RunSpec.from_dict` refuses a file whose fields
 differ from this class with one line naming them, instead of a ``KeyError`` deep inside a rank.
 
+The spec holds resolved, typed values only: what the plan decided (never ``auto``), each recipe value a rank needs
+with its default already applied on the head node (:class:`ResilienceSection`, ``backend``, ``precision``, the local
+tier). The rank reads attributes and restates no default. The recipe itself does not cross: the spec keeps only its
+provenance (``recipe_hash`` and the ``fingerprint``); the resolved recipe is ``RUN/ftkit/recipe.json``, which the head
+writes for the commands that read a run afterwards (the model card, ``ftkit plan --calibrate``) and no rank reads.
+
 Import-light: only the standard library (the ranks import it before torch).
 """
 
@@ -14,12 +20,11 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypedDict, TypeVar, cast
+from typing import TypedDict, TypeVar
 
 from ftkit.errors import Problem, UserError
 from ftkit.rundir.records import JSON, Fingerprint, JSONObject
-
-_Scalar = TypeVar("_Scalar", str, float)
+from ftkit.rundir.sections import ResilienceSection
 
 
 class PeftSpec(TypedDict):
@@ -32,8 +37,8 @@ class PeftSpec(TypedDict):
     target_modules: list[str]
 
 
-class LocalTierSpec(TypedDict, total=False):
-    """What the ranks and their agents need of the local checkpoint tier (:func:`ftkit.run.spec.local_tier_spec`)."""
+class LocalTierPlan(TypedDict):
+    """The local checkpoint tier as the plan decided it (:meth:`ftkit.plan.tiers.LocalTier.to_json`)."""
 
     dir: str  # a template: {host} becomes the node's name
     steps: int  # a local save every this many optimizer steps
@@ -42,6 +47,12 @@ class LocalTierSpec(TypedDict, total=False):
     bytes_per_node: int
     host_gb_per_node: float
     why: str
+
+
+class LocalTierSpec(LocalTierPlan):
+    """What the ranks and their agents need of the local checkpoint tier (:func:`ftkit.run.spec.local_tier_spec`):
+    every key present, resolved on the head node."""
+
     durable_steps: int  # copies to the run directory: train.save_steps' cadence
     nodes: list[str]
     ssh_config: str | None
@@ -104,14 +115,16 @@ class DataSpec:
 class RunSpec:
     ftkit_version: str
     name: str
-    recipe: JSONObject  # the resolved recipe, nested sections (recipe["train"]["seed"])
-    recipe_hash: str
+    recipe_hash: str  # the recipe's provenance, with the fingerprint's recipe part (ftkit/recipe.json: the recipe)
     world_size: int
     hosts: list[list[str | int]]  # [[host, slots], ...] in hostfile order
     stage: int
     offload_optimizer: str
     offload_params: str
     accelerator: str
+    backend: str  # train.backend as the plan chose it: deepspeed or fsdp2 (never auto)
+    precision: str  # train.precision: fp32, bf16 or fp16
+    resilience: ResilienceSection  # every resilience.* value, defaults applied (the ranks: timeouts, checksum mode)
     model_path: str
     tokenizer_path: str
     model_revision: str | None  # a hub id's revision (main unless pinned); None for a local directory
@@ -128,32 +141,6 @@ class RunSpec:
     # the local checkpoint tier (dir template with {host}, steps, keep, peer_copies, durable_steps, nodes, ssh_config);
     # None: every save goes to the run directory
     local_tier: LocalTierSpec | None = None
-
-    # -------------------------------------------------------------------------------- recipe values ranks need
-
-    def section(self, name: str) -> JSONObject:
-        """One section of the recipe (``{}`` when absent)."""
-        value = self.recipe.get(name)
-        return value if isinstance(value, dict) else {}
-
-    def resilience(self, key: str, default: _Scalar) -> _Scalar:
-        """``resilience.<key>``, as the type of ``default`` (the default when unset)."""
-        value = self.section("resilience").get(key)
-        return default if value is None else type(default)(cast("str | float", value))
-
-    @property
-    def checksum(self) -> str:
-        """resilience.checksum: full (every byte, the default) or sampled (opt-in for very large checkpoints)."""
-        return str(self.resilience("checksum", "full"))
-
-    @property
-    def backend(self) -> str:
-        """train.backend: deepspeed or fsdp2."""
-        return str(self.section("train").get("backend") or "deepspeed")
-
-    @property
-    def precision(self) -> str:
-        return str(self.section("train").get("precision") or "fp32")
 
     # -------------------------------------------------------------------------------- (de)serialisation
 
@@ -180,11 +167,16 @@ class RunSpec:
             raise UserError(
                 Problem(f"{what}: written by another ftkit version? relaunch with this one to rewrite it", file=where)
             )
-        data = d["data"]
-        try:
-            d = {**d, "data": data if isinstance(data, DataSpec) else DataSpec(**data)}
-        except TypeError as e:
-            raise UserError(Problem(f"data: {e}", file=where)) from None
+        d = {
+            **d,
+            "data": _typed(DataSpec, d["data"], "data", where),
+            "resilience": _typed(ResilienceSection, d["resilience"], "resilience", where),
+        }
+        tier = d.get("local_tier")
+        if isinstance(tier, dict):
+            missing_keys = sorted(set(LocalTierSpec.__required_keys__) - set(tier))
+            if missing_keys:
+                raise UserError(Problem(f"local_tier: missing {missing_keys}", file=where))
         return cls(**d)
 
     @classmethod
@@ -194,6 +186,21 @@ class RunSpec:
         except ValueError as e:
             raise UserError(Problem(f"does not parse as JSON ({e})", file=str(path))) from None
         return cls.from_dict(d, str(path))
+
+
+_Record = TypeVar("_Record", DataSpec, ResilienceSection)
+
+
+def _typed(cls: type[_Record], value: object, name: str, where: str) -> _Record:
+    """``value`` (a JSON object) as the frozen record ``cls``; one line naming ``name`` when the fields differ."""
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, dict):
+        raise UserError(Problem(f"{name}: is not a JSON object; the run directory is damaged", file=where))
+    try:
+        return cls(**value)
+    except TypeError as e:
+        raise UserError(Problem(f"{name}: {e}", file=where)) from None
 
 
 # Allowed changes the rank applies itself after the checkpoint is loaded (HF and DeepSpeed restore these from the

@@ -30,8 +30,8 @@ from ftkit.supervise.observe import root_cause
 
 if TYPE_CHECKING:
     from ftkit.command.engines import LaunchInputs
-    from ftkit.recipe.sections import ResilienceSection
     from ftkit.rundir.records import ErrorRecord, Heartbeat
+    from ftkit.rundir.sections import ResilienceSection
     from ftkit.supervise.attempt import Spawned
     from ftkit.supervise.events import Events
     from ftkit.supervise.observe import Observer

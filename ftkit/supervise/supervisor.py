@@ -59,7 +59,7 @@ from ftkit.supervise.stragglers import record_step_times
 from ftkit.supervise.tiers import Agents, LocalTier
 
 if TYPE_CHECKING:
-    from ftkit.recipe.sections import ResilienceSection
+    from ftkit.rundir.sections import ResilienceSection
 
 
 class Reports(Protocol):

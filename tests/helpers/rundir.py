@@ -39,15 +39,17 @@ def write_spec(
     nodes: list[str] | None = None,
     local_tier: dict[str, object] | None = None,
 ) -> RunDir:
-    """A run directory holding only a spec (2 CPU ranks on each of ``nodes``, default one localhost), for tests that
-    read a run's spec without running it."""
+    """A run directory holding only a spec (2 CPU ranks on each of ``nodes``, default one localhost) and the recipe
+    record beside it (``ftkit/recipe.json``), for tests that read a run's spec without running it."""
+    from ftkit.recipe.schema import SECTION_BY_NAME
+    from ftkit.rundir.sections import ResilienceSection
     from ftkit.rundir.spec import DataSpec, RunSpec
 
+    resilience = ResilienceSection(**{f.name: f.default for f in SECTION_BY_NAME["resilience"].fields})
     hosts = [[n, 2] for n in (nodes or ["localhost"])]
     spec = RunSpec(
         ftkit_version="test",
         name=name,
-        recipe={"train": {"precision": precision}},
         recipe_hash="abc123",
         world_size=2 * len(hosts),
         hosts=hosts,
@@ -55,6 +57,9 @@ def write_spec(
         offload_optimizer="none",
         offload_params="none",
         accelerator="cpu",
+        backend="deepspeed",
+        precision=precision,
+        resilience=resilience,
         model_path=str(run.parent / "model"),
         tokenizer_path=str(run.parent / "model"),
         model_revision=None,
@@ -69,6 +74,7 @@ def write_spec(
     rd = RunDir(run)
     rd.meta.mkdir(parents=True, exist_ok=True)
     rd.spec.write_text(spec.to_json())
+    rd.recipe.write_text(json.dumps({"train": {"precision": precision}}))
     return rd
 
 
@@ -80,7 +86,11 @@ def tier_run(run: Path, template: str, nodes: list[str], durable_steps: int = 5,
         "steps": 1,
         "keep": keep,
         "peer_copies": 0,
+        "bytes_per_node": 0,
+        "host_gb_per_node": 0.0,
+        "why": "test",
         "durable_steps": durable_steps,
         "nodes": nodes,
+        "ssh_config": None,
     }
     return write_spec(run, name="tiered", nodes=nodes, local_tier=tier)

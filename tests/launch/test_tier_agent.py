@@ -169,6 +169,7 @@ def test_ranks_that_finish_without_their_supervisor_end_their_nodes_tier(
         write_set_record(rd.path, step, attempt=0, nodes=["localhost"], world_size=2, stop=None)
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "FTKIT_NODE": "localhost"}.items():
         monkeypatch.setenv(name, value)
-    NodeTier(spec, "localhost").end_orphaned(RankContext(rd.path, 0, spec), spec)
+    assert spec.local_tier is not None
+    NodeTier(spec.local_tier, "localhost").end_orphaned(RankContext(rd.path, 0, spec), spec)
     durable = sorted(int(p.name.split("-")[1]) for p in rd.path.glob("checkpoint-*") if (p / COMMIT_FILE).is_file())
     assert durable == [5, 7] and not (shm / "ftkit-x").exists() and shm.is_dir()

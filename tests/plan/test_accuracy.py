@@ -109,12 +109,13 @@ def test_the_plan_says_its_activations_were_traced(h200: Path) -> None:
 def _measured_run(
     root: Path, recipe: Path, overrides: list[str], step_s: float, steps: int = 12, name: str = "measured-run"
 ) -> Path:
-    """A run directory recording the H200 run of one case: its spec (the resolved recipe, the hosts) and rank 0's
+    """A run directory recording the H200 run of one case: its spec (the hosts), the resolved recipe and rank 0's
     metrics, one logged step every ``step_s`` seconds."""
     run = root / name
     (run / "ftkit").mkdir(parents=True)
     r = load_recipe(str(recipe), overrides)
-    (run / "ftkit" / "spec.json").write_text(json.dumps({"recipe": r.to_dict(), "hosts": [["localhost", 1]]}))
+    (run / "ftkit" / "spec.json").write_text(json.dumps({"hosts": [["localhost", 1]]}))
+    (run / "ftkit" / "recipe.json").write_text(json.dumps(r.to_dict()))
     lines = [{"step": s, "attempt": 0, "time": 1000.0 + s * step_s, "loss": 5.0} for s in range(1, steps + 1)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     return run

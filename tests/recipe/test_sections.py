@@ -1,4 +1,4 @@
-"""The typed recipe sections (ftkit/recipe/sections.py) agree with the one schema table: the same fields, in order,
+"""The typed recipe sections (ftkit/rundir/sections.py) agree with the one schema table: the same fields, in order,
 with the Python type of each schema type; a loaded recipe's sections hold its values."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from ftkit.recipe import sections
 from ftkit.recipe.load import load_recipe
 from ftkit.recipe.schema import SECTIONS
+from ftkit.rundir import sections
 
 PY = {"bool": bool, "int": int, "float": float, "str": str, "path": str, "host": str, "choice": str, "auto": str}
 

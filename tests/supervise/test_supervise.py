@@ -12,7 +12,7 @@ import pytest
 
 from ftkit.errors import ExitCode
 from ftkit.recipe.schema import SECTION_BY_NAME
-from ftkit.recipe.sections import ResilienceSection
+from ftkit.rundir.sections import ResilienceSection
 from ftkit.supervise.decide import (
     NO_PROGRESS_LIMIT,
     Action,

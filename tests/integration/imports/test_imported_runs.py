@@ -103,7 +103,7 @@ def test_an_imported_fsdp1_config_trains_under_fsdp2_with_sharded_checkpoints(fx
         "learning_rate: 1.0e-3\nlr_scheduler_type: constant\nmax_steps: 6\nsave_steps: 3\nlogging_steps: 1\nseed: 7\n"
     )
     recipe, run = _import_and_launch(tmp_path, [str(FIX / "accelerate_fsdp1_cpu.yaml"), str(tmp_path / "args.yaml")])
-    recipe_used = json.loads((run / "ftkit" / "spec.json").read_text())["recipe"]
+    recipe_used = json.loads((run / "ftkit" / "recipe.json").read_text())
     assert (recipe_used["train"]["backend"], recipe_used["cluster"]["engine"]) == ("fsdp2", "accelerate")
     assert recipe_used["fsdp"]["state_dict_type"] == "sharded" and recipe_used["fsdp"]["reshard_after_forward"]
     assert not (run / "ftkit" / "ds_config.json").exists()

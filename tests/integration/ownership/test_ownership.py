@@ -91,8 +91,8 @@ def test_second_launch_into_a_live_run_is_refused_at_once(fx, baseline, tmp_path
         assert took < 2.0, f"the refusal took {took:.2f}s"
         code = finish(first)
         assert code == ExitCode.OK, output(recipe)[-3000:]
-    spec = json.loads((run / "ftkit" / "spec.json").read_text())
-    assert spec["recipe"]["train"]["learning_rate"] == 1e-3 and spec["recipe"]["train"]["seed"] == 7
+    used = json.loads((run / "ftkit" / "recipe.json").read_text())
+    assert used["train"]["learning_rate"] == 1e-3 and used["train"]["seed"] == 7
     assert [e["attempt"] for e in named(run, "launch")] == [0]  # the second never started an attempt
     assert_same_losses(run, baseline["losses"])
     assert not (run / "ftkit" / "owner.json").exists()  # released at the end

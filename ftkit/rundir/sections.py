@@ -1,5 +1,7 @@
 """The recipe's sections as typed, frozen records: ``recipe.train.save_steps`` instead of a string lookup.
 
+Here, in the stdlib-only contract between the head and the ranks, so both sides import them: the loader builds them
+(:mod:`ftkit.recipe.load`), the run spec carries the resolved ones to the ranks (:class:`ftkit.rundir.spec.RunSpec`).
 Generated from the one schema table (:mod:`ftkit.recipe.schema`; ``tests/recipe`` checks they agree): one class per
 section, one attribute per field, in the table's order, with the Python type of the field's schema type (``path``
 and ``host`` are ``str``; ``auto`` is the string ``"auto"``; ``null`` is ``None``). The loader builds them from the
