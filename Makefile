@@ -31,7 +31,7 @@ $(STAMP): setup.cfg pyproject.toml
 install: $(STAMP)
 
 # What CI runs, tier by tier, each with its wall time (the integration variants of tests/conftest.py EXTENDED are left
-# to make test-extended): quick (in parallel), heavy (transformers/peft in-process), and
+# to make test-extended): quick (in parallel), heavy (the training stack loaded, in parallel), and
 # integration: the real multi-process runs (slow), two namespace hosts (multinode, root) and a real Slurm (slurm,
 # root), on two workers that may each have one run going (FTKIT_TEST_RUNS=2; a test whose assertions are about time
 # has the machine to itself, see tests/helpers/runs.py). A module's runs stay on one worker, and the namespace-host
@@ -42,7 +42,7 @@ install: $(STAMP)
 # pytest (tests/conftest.py). On a partial machine, let named ones skip: FTKIT_TEST_ALLOW_SKIPS=multinode,slurm
 # (names: a module such as deepspeed, multinode, slurm, chromium; or all).
 TIER_fast        := -n 3 -m "not slow and not multinode and not slurm and not heavy"
-TIER_heavy       := -m "heavy and not slow and not multinode and not slurm"
+TIER_heavy       := -n 2 -m "heavy and not slow and not multinode and not slurm"
 TIER_integration := -n 2 --dist loadscope --durations=20 -m "(slow or multinode or slurm) and not extended"
 test: install
 	@rc=0; total=$$(date +%s); skips=0; counted=$$(mktemp); \
@@ -61,7 +61,7 @@ test: install
 # (these tests start no multi-process jobs, so they may share the machine; a third worker fills the time the
 # fan-out tests spend waiting on ssh timeouts). Left to make test:
 # multi-process runs (slow), namespace hosts (multinode), Slurm daemons (slurm) and the checks against the real
-# libraries that import transformers/peft in-process (heavy, ~40 CPU-seconds).
+# libraries: tests that load the training stack, mlflow or matplotlib, or build the wheel (heavy).
 test-fast: install
 	$(PYTEST) -q -n 3 -m "not slow and not multinode and not slurm and not heavy" tests
 

@@ -214,6 +214,7 @@ def test_every_package_is_in_setup_cfg():
     assert found <= listed, sorted(found - listed)
 
 
+@pytest.mark.heavy
 def test_wheel_ships_templates_and_launch(tmp_path):
     """A plain (non-editable) install must carry templates/ and launch/ as package data. Built from the tracked
     files only (a build/ directory left in the checkout would otherwise leak stale modules into the wheel)."""

@@ -393,6 +393,7 @@ VALID_HOSTFILES = [
 ]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("text", VALID_HOSTFILES)
 def test_parse_matches_deepspeed(ds: SimpleNamespace, tmp_path: Path, text: str) -> None:
     p = tmp_path / "hostfile"
@@ -402,6 +403,7 @@ def test_parse_matches_deepspeed(ds: SimpleNamespace, tmp_path: Path, text: str)
     assert list(theirs.items()) == [(h.name, h.slots) for h in ours.hosts]
 
 
+@pytest.mark.heavy
 def test_deepspeed_is_laxer_than_us(ds: SimpleNamespace) -> None:
     # Documents why ftkit parses itself: DeepSpeed accepts these lines, silently.
     for line in ("host1 slots=4 foo", "host1 slots=4x", "root@host1 slots=4", "h;rm slots=1", "h slots=0"):
@@ -410,6 +412,7 @@ def test_deepspeed_is_laxer_than_us(ds: SimpleNamespace) -> None:
             parse_hostfile_text(line)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(("text", "include", "exclude", "expected"), FILTERS)
 def test_filters_match_deepspeed(
     ds: SimpleNamespace, text: str, include: str | None, exclude: str | None, expected: dict[str, list[int]]
@@ -426,6 +429,7 @@ def test_filters_match_deepspeed(
 @pytest.mark.parametrize(
     ("include", "exclude"), [("w0", "w1"), ("w9", None), ("w2:2", None), (None, "w0:4"), ("w0:a", None)]
 )
+@pytest.mark.heavy
 def test_deepspeed_also_rejects_these_filters(ds: SimpleNamespace, include: str | None, exclude: str | None) -> None:
     pool = collections.OrderedDict((h.name, h.slots) for h in parse_hostfile_text(TWO).hosts)
     with pytest.raises(ValueError):
@@ -479,6 +483,7 @@ def _launched_devices(ds: SimpleNamespace, cmd, slots: dict[str, int], tmp_path:
     return out
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("engine", ["deepspeed", "torchrun", "accelerate"])
 @pytest.mark.parametrize(("text", "include", "exclude"), SELECTIONS)
 def test_slot_selection_reaches_the_ranks(

@@ -5,25 +5,18 @@ import-light. Wrapped scripts run for real: tests/integration/wrap/test_wrap.py.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.cli import run_ftkit
 from tests.helpers.paths import REPO
 
 
 def _dry(recipe: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ftkit", "launch", str(recipe), "--dry-run", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=recipe.parent,
-        env={**os.environ, **(env or {})},
-    )
+    return run_ftkit("launch", str(recipe), "--dry-run", *args, cwd=recipe.parent, env=env)
 
 
 def test_dry_run_shows_the_command_the_env_contract_and_the_hook(write_recipe, tmp_path):

@@ -6,8 +6,8 @@ with the modules already loaded. The child is still a process of its own: its ow
 working directory and environment, Python's default signal handlers, warnings and exit handlers, nothing of the
 test's. A fresh interpreter is used where a fork could differ from what a user runs:
 
-* ``env`` changes the environment: libraries read some of it once, when they are imported (``huggingface_hub``'s
-  offline flag and cache paths);
+* ``env`` changes the environment and the test process already holds a library that reads the environment once,
+  when it is imported (``huggingface_hub``'s offline flag and cache paths: :data:`ENV_READ_AT_IMPORT`);
 * the test process has torch loaded: its thread pools do not survive a fork;
 * ``fresh=True``, or ``FTKIT_TEST_FRESH_CLI=1`` for the whole suite.
 
@@ -32,6 +32,8 @@ import warnings
 from pathlib import Path
 
 FTKIT_MAIN = str(Path(__file__).resolve().parents[2] / "ftkit" / "__main__.py")  # sys.argv[0] of `python -m ftkit`
+# libraries that read environment variables when they are imported (a fork would see the test process's values)
+ENV_READ_AT_IMPORT = ("huggingface_hub", "transformers", "torch", "datasets", "mlflow", "wandb")
 # Python's own warning filters when no -W option or PYTHONWARNINGS is given (the test process has pytest's)
 DEFAULT_WARNING_FILTERS = [
     ("default", None, DeprecationWarning, "__main__", 0),
@@ -47,15 +49,19 @@ def run_ftkit(
 ) -> subprocess.CompletedProcess[str]:
     """Run the real `ftkit` command line in a process of its own (as a user would); see the module's docstring."""
     if fresh is None:
-        fresh = bool(env) or "torch" in sys.modules or os.environ.get("FTKIT_TEST_FRESH_CLI") == "1"
+        fresh = (
+            "torch" in sys.modules
+            or (bool(env) and any(m in sys.modules for m in ENV_READ_AT_IMPORT))
+            or os.environ.get("FTKIT_TEST_FRESH_CLI") == "1"
+        )
+    e = dict(os.environ)
+    e.update(env or {})
     if fresh:
-        e = dict(os.environ)
-        e.update(env or {})
         return subprocess.run(
             [sys.executable, "-m", "ftkit", *args], cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout
         )
     _load_in_this_process(args[0] if args else "")
-    return _forked(list(args), cwd, timeout)
+    return _forked(list(args), cwd, e, timeout)
 
 
 def _load_in_this_process(command: str) -> None:
@@ -66,7 +72,7 @@ def _load_in_this_process(command: str) -> None:
         importlib.import_module(f"ftkit.cli.{COMMANDS[command]}")
 
 
-def _forked(args: list[str], cwd: Path | None, timeout: float) -> subprocess.CompletedProcess[str]:
+def _forked(args: list[str], cwd: Path | None, env: dict, timeout: float) -> subprocess.CompletedProcess[str]:
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     pid = os.fork()
@@ -75,7 +81,7 @@ def _forked(args: list[str], cwd: Path | None, timeout: float) -> subprocess.Com
         try:
             os.close(out_r)
             os.close(err_r)
-            code = _child_main(args, cwd, out_w, err_w)
+            code = _child_main(args, cwd, env, out_w, err_w)
         except BaseException:  # noqa: BLE001 - whatever happens, the child reports it and ends here
             traceback.print_exc()
         finally:
@@ -89,7 +95,7 @@ def _forked(args: list[str], cwd: Path | None, timeout: float) -> subprocess.Com
     )
 
 
-def _child_main(args: list[str], cwd: Path | None, out_w: int, err_w: int) -> int:
+def _child_main(args: list[str], cwd: Path | None, env: dict, out_w: int, err_w: int) -> int:
     """``python -m ftkit ARGS`` from ``main()`` on, in the forked child; returns the exit status."""
     signal.setitimer(signal.ITIMER_REAL, 0)  # the test's timeout alarm (pytest-timeout) is the parent's
     for sig in (signal.SIGALRM, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
@@ -101,7 +107,7 @@ def _child_main(args: list[str], cwd: Path | None, out_w: int, err_w: int) -> in
     os.dup2(err_w, 2)
     for fd in (null, out_w, err_w):
         os.close(fd)
-    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+    unbuffered = bool(env.get("PYTHONUNBUFFERED"))
     sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding="utf-8")
     sys.stdout = _writer(1, "strict", write_through=unbuffered)
     sys.stderr = _writer(2, "backslashreplace", write_through=True)
@@ -110,6 +116,8 @@ def _child_main(args: list[str], cwd: Path | None, out_w: int, err_w: int) -> in
     logging.root.setLevel(logging.WARNING)
     warnings.filters[:] = DEFAULT_WARNING_FILTERS
     warnings._showwarnmsg_impl = _print_warning  # type: ignore[attr-defined]  # pytest records them instead
+    os.environ.clear()
+    os.environ.update(env)
     if cwd is not None:
         os.chdir(cwd)
     sys.argv = [FTKIT_MAIN, *args]

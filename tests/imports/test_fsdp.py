@@ -40,6 +40,7 @@ def test_an_fsdp2_config_maps_key_for_key(here, tmp_path, model_dir):
     [("FULL_SHARD", True, False), ("SHARD_GRAD_OP", False, False), ("HYBRID_SHARD", True, True),
      ("HYBRID_SHARD_ZERO2", False, True), ("NO_SHARD", False, True), ("2", False, False)],
 )  # fmt: skip
+@pytest.mark.heavy
 def test_fsdp1_strategies_convert_like_accelerate_to_fsdp2(tmp_path, model_dir, strategy, reshard, changes):
     """Each strategy's reshard_after_forward is the one ``accelerate to-fsdp2`` writes (read from Accelerate's own
     table); a strategy whose meaning changes says so on its own line."""

@@ -81,6 +81,7 @@ def test_accelerate_falls_back_to_ddp_on_cpu_and_the_rank_start_up_turns_fsdp2_o
     assert ftkit == {"type": "FSDP", "proof": {"dtensor_params": 21, "params": 21}}, ftkit
 
 
+@pytest.mark.heavy
 def test_the_proof_refuses_a_model_without_dtensors():
     torch = pytest.importorskip("torch")
     with pytest.raises(FsdpNotOn, match="0 of 2 parameters are DTensors; FSDP2 is not on"):

@@ -20,6 +20,7 @@ def _mlflow() -> None:
     pytest.importorskip("mlflow")  # a test's skip, not the module's: a missing mlflow fails them (tests/conftest.py)
 
 
+@pytest.mark.heavy
 def test_a_run_info_rewrite_cut_short_leaves_the_mlflow_run_readable(tmp_path, monkeypatch):
     """mlflow rewrites a run's meta.yaml in place when the run ends; a rank killed in the middle (CI saw it: the
     teardown of a failed attempt) left it empty, and the next attempt, resuming that run, failed before its first
@@ -48,6 +49,7 @@ def test_a_run_info_rewrite_cut_short_leaves_the_mlflow_run_readable(tmp_path, m
     assert client.get_run(run.info.run_id).info.status == "FINISHED"
 
 
+@pytest.mark.heavy
 def test_the_patch_is_applied_once(monkeypatch):
     from mlflow.store.tracking import file_store
 

@@ -213,6 +213,7 @@ def test_params_and_memory_do_not_import_the_heavy_stack():
 # ---------------------------------------------------------------------------------------------- closed form
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", PUBLISHED)
 def test_closed_form_equals_meta_device_published(name, tmp_path):
     cfg = _published(name)
@@ -221,6 +222,7 @@ def test_closed_form_equals_meta_device_published(name, tmp_path):
     _assert_same(closed, count_params_meta(_model_dir(tmp_path, cfg)))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", sorted(TINY))
 def test_closed_form_equals_meta_device_tiny(name, tmp_path):
     cfg = TINY[name]
@@ -229,6 +231,7 @@ def test_closed_form_equals_meta_device_tiny(name, tmp_path):
     _assert_same(closed, count_params_meta(_model_dir(tmp_path, cfg)))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("family", DEFAULTS_ONLY)
 def test_absent_keys_take_transformers_defaults(family, tmp_path):
     cfg = {"model_type": family}
@@ -284,6 +287,7 @@ def test_unknown_family_has_no_closed_form():
     assert count_params({**TINY["gpt2-tiny-untied"], "add_cross_attention": True}) is None
 
 
+@pytest.mark.heavy
 def test_count_params_any_uses_the_meta_device_for_other_families(tmp_path):
     cfg = dict(
         model_type="starcoder2",
@@ -317,6 +321,7 @@ def test_count_params_any_prefers_the_closed_form(tmp_path, monkeypatch):
     assert count_params_any(_model_dir(tmp_path, _published("gpt2"))).total_params == 124_439_808
 
 
+@pytest.mark.heavy
 def test_multimodal_slow_path(tmp_path):
     shape = count_params_any(_model_dir(tmp_path, _published("llava-1.5-7b-hf")))
     assert shape.source == "meta-device"
@@ -429,6 +434,7 @@ LORA_TINY = [
 ]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name,targets", LORA_TINY, ids=[f"{n}-{'+'.join(t)}" for n, t in LORA_TINY])
 def test_lora_equals_peft_tiny(name, targets):
     cfg = TINY[name]
@@ -456,6 +462,7 @@ LORA_REAL = [
 ]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name,targets", LORA_REAL)
 def test_lora_equals_peft_published(name, targets):
     cfg = _published(name)

@@ -79,6 +79,7 @@ def ds_estimators():
     return estimate_zero2_model_states_mem_needs, estimate_zero3_model_states_mem_needs
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("g,nodes", CLUSTERS)
 @pytest.mark.parametrize("name", MODELS)
 def test_stage2_matches_deepspeed(ds_estimators, name, g, nodes):
@@ -101,6 +102,7 @@ def test_stage2_matches_deepspeed(ds_estimators, name, g, nodes):
     assert est.host_ram_bytes_per_node == pytest.approx(max(4 * g * psi, states), rel=1e-6)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("g,nodes", CLUSTERS)
 @pytest.mark.parametrize("name", MODELS)
 def test_stage3_matches_deepspeed(ds_estimators, name, g, nodes):

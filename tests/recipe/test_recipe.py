@@ -414,6 +414,7 @@ def test_new_keys_are_bounded(write_recipe, override, message):
         load_recipe(write_recipe(), [override])
 
 
+@pytest.mark.heavy
 def test_eval_and_report_to_reach_training_arguments_that_transformers_accepts(write_recipe, tmp_path):
     """The recipe's eval and reporting keys become TrainingArguments kwargs, checked by transformers' own class."""
     from transformers import TrainingArguments

@@ -116,6 +116,7 @@ def test_matrix_accepted_by_deepspeed_and_accelerate(
     assert plugin.zero_stage == stage
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("world", [16, 64])
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("variant", ["hpz", "hpz+qwz+qgz"])

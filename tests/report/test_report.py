@@ -291,6 +291,7 @@ def test_plan_record_has_the_compute_model_and_the_memory(write_recipe):
 # ------------------------------------------------------------------------------------------------ where it writes
 
 
+@pytest.mark.heavy
 def test_report_never_writes_into_a_runs_state_nor_over_what_it_did_not_write(tmp_path):
     """Issue 36, item 3: `-o` overwrote any file (events.jsonl, the final model, the spec) and created a missing
     directory. Refused now, nothing changed: the run's own state even with --force; a file that is not a report
@@ -340,6 +341,7 @@ def test_report_never_writes_into_a_runs_state_nor_over_what_it_did_not_write(tm
     assert mine.read_text().startswith("<!DOCTYPE html>")
 
 
+@pytest.mark.heavy
 def test_dollar_signs_in_host_and_run_directory_names_are_text_not_mathtext(tmp_path):
     """Issue 36, item 15: a host named `n$\\frac{1}{$x` crashed `ftkit report` (matplotlib parsed it as mathtext)."""
     from ftkit.report import build_report
@@ -357,6 +359,7 @@ def test_dollar_signs_in_host_and_run_directory_names_are_text_not_mathtext(tmp_
     assert page.count("n$\\frac{1}{$x") >= 2 and "b$_" in page  # the timeline's and the host chart's labels, as text
 
 
+@pytest.mark.heavy
 def test_a_launch_killed_with_its_ranks_and_a_relaunch_are_two_launches_that_add_up_to_the_wall_time(tmp_path):
     """Issue 36, item 10: kill -9 of the whole launch (no outcome recorded), then a relaunch. The two launches were
     read as one: the killed attempt lasted until the end of the relaunch, the breakdown added up to 140% of the
@@ -399,6 +402,7 @@ def test_a_launch_killed_with_its_ranks_and_a_relaunch_are_two_launches_that_add
     assert "<span>2 launches</span>" in page, page[:3000]
 
 
+@pytest.mark.heavy
 def test_one_diverged_loss_is_marked_off_the_chart_instead_of_flattening_it():
     """Issue 36: one loss of 1e6 among losses of 3 to 5 set the loss chart's scale, and the curve was a flat line
     at its bottom. The axis keeps to the curve; the diverged step is a marker at the top edge, with its value."""
@@ -420,6 +424,7 @@ def test_one_diverged_loss_is_marked_off_the_chart_instead_of_flattening_it():
     assert loss_axis(goodput(events, metrics).attempts) == type(axis)(None, [])
 
 
+@pytest.mark.heavy
 def test_checkpoint_rows_say_which_tier_and_a_long_run_lists_the_newest(tmp_path):
     """Issue 36, item 10 and the million-step report: every checkpoint row said `durable`, the /dev/shm ones too;
     and every save was a row (a run saving every step made a 43 MB page)."""

@@ -83,6 +83,7 @@ def _baton(lock: Path, what: str) -> subprocess.Popen:
     return _holder(code)
 
 
+@pytest.mark.heavy
 def test_real_file_baton_holder_and_waiter(tmp_path):
     root = tmp_path / "ext"
     (root / "built").mkdir(parents=True)
@@ -101,6 +102,7 @@ def test_real_file_baton_holder_and_waiter(tmp_path):
             p.wait()
 
 
+@pytest.mark.heavy
 def test_a_build_that_starts_or_ends_during_the_scan_is_not_stale(tmp_path):
     """Another job on this machine loading its ops takes and gives back the baton many times a second; a lock seen
     between its listing and the scan of /proc, or between the holder's close and its remove, is not stale. (Seen
@@ -289,6 +291,7 @@ def test_cheap_checks_name_a_stale_build_lock(tmp_path):
     assert time.monotonic() - t0 < 20
 
 
+@pytest.mark.heavy
 def test_the_launchs_preflight_removes_the_lock_a_killed_rank_of_the_run_left(tmp_path):
     """A rank SIGKILLed while it held torch's build baton (a teardown during start-up, the OOM killer) left the lock.
     It is ftkit's own and provably dead: the next launch's preflight removes it and says so, instead of refusing

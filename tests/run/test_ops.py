@@ -85,6 +85,7 @@ def test_prebuilt_ops_need_no_toolchain_and_cpu_ops_need_no_cuda(tmp_path):
     ]
 
 
+@pytest.mark.heavy
 def test_facts_read_deepspeed_s_install_record_and_the_build_cache(tmp_path):
     """What DeepSpeed itself reads (git_version_info's installed_ops, torch's extension directory), found without
     importing either."""

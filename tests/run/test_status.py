@@ -309,6 +309,7 @@ def test_eval_loss_in_status_and_json(tmp_path: Path) -> None:
     assert data["eval_losses"] == [[10, 3.25, 2], [20, 3.0, 2]]
 
 
+@pytest.mark.heavy
 def test_plot_draws_recomputed_steps_in_a_lighter_style_and_eval_loss(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
@@ -384,6 +385,7 @@ def test_a_gracefully_stopped_run_has_an_outcome_line(tmp_path: Path) -> None:
     assert "outcome: stopped on request (SIGTERM): checkpoint committed at step 13" in out.stdout, out.stdout
 
 
+@pytest.mark.heavy
 def test_plot_of_a_run_whose_directory_name_holds_dollar_signs(tmp_path: Path) -> None:
     """Issue 36, item 15: the plot's title names the run directory; `$...$` in it was parsed as mathtext (and a
     name matplotlib cannot parse crashed `ftkit status --plot`)."""

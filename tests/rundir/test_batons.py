@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ftkit.rundir import batons
 from tests.helpers.doctor import holding_rank, read_until
 
@@ -20,6 +22,7 @@ def _killed(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
+@pytest.mark.heavy
 def test_a_lock_a_killed_rank_left_is_removed_by_the_next_ranks_start_up(tmp_path: Path) -> None:
     records, lock = tmp_path / "run" / "ftkit" / "batons", tmp_path / "ext" / "cpu_adam" / "lock"
     first = holding_rank(records, lock)

@@ -55,6 +55,7 @@ def test_exceptions_are_classed_by_type_message_and_origin(exc, name, restartabl
     assert (cls.name, cls.restartable) == (name, restartable)
 
 
+@pytest.mark.heavy
 def test_a_library_s_configuration_error_is_classed_by_where_it_was_raised():
     """DeepSpeed's pydantic config refuses a key (a ValidationError from its own config code)."""
     pytest.importorskip("deepspeed")
