@@ -175,8 +175,8 @@ def parallel_problems(values: Mapping[str, Value]) -> list[tuple[str, str]]:
             (
                 "parallel.sp",
                 f"tensor and sequence parallelism together (tp {tp_n} x sp {sp_n}) are not supported: Accelerate "
-                "builds DeepSpeed AutoTP's mesh over every rank and FSDP2 has no Ulysses SP; set parallel.tp or "
-                "parallel.sp to 1",
+                "prepares DeepSpeed with AutoTP or with Ulysses, not both, and FSDP2 has no Ulysses SP; set "
+                "parallel.tp or parallel.sp to 1",
             )
         )
     if sp_n > 1 and backend != "deepspeed":
@@ -191,8 +191,8 @@ def parallel_problems(values: Mapping[str, Value]) -> list[tuple[str, str]]:
         out.append(
             (
                 "parallel.tp",
-                "tensor parallelism runs differently on each backend (deepspeed: AutoTP over every rank; fsdp2: tp "
-                "x FSDP data parallelism): set train.backend deepspeed or fsdp2",
+                "tensor parallelism runs differently on each backend (deepspeed: AutoTP with ZeRO 0-2; fsdp2: tp "
+                "x FSDP2 sharding): set train.backend deepspeed or fsdp2",
             )
         )
     if tp_n > 1 and backend == "deepspeed" and values["zero.stage"] == 3:
@@ -264,20 +264,12 @@ def layout_problems(
                 "group stays inside one node; use a divisor of every host's slots",
             )
         )
-    if tp > 1 and backend == "deepspeed" and tp != world:
-        out.append(
-            (
-                "parallel.tp",
-                f"{tp} is not the world size {world}: Accelerate builds DeepSpeed AutoTP's mesh over every rank (tp "
-                f"x data parallelism needs train.backend fsdp2); set parallel.tp: {world} or train.backend fsdp2",
-            )
-        )
     if tp > 1 and backend == "fsdp2" and tp == world:
         out.append(
             (
                 "parallel.tp",
                 f"{tp} leaves FSDP2 no ranks to shard over (world size {world}; Accelerate refuses dp_shard_size 1 "
-                "under FSDP): use a tp below the world size, or train.backend deepspeed (AutoTP over every rank)",
+                "under FSDP): use a tp below the world size, or train.backend deepspeed (AutoTP)",
             )
         )
     if tp > 1 and heads is not None and heads % tp:

@@ -39,7 +39,6 @@ IMPOSSIBLE = [
         "4 does not divide the model's 2 key-value heads",
     ),
     (["parallel.sp=8"], "parallel.sp", "8 does not divide the model's 4 attention heads"),
-    (["parallel.tp=2", "cluster.gpus_per_node=4"], "parallel.tp", "2 is not the world size 4"),
     (
         ["parallel.tp=2", "train.backend=fsdp2", "cluster.gpus_per_node=2", "train.global_batch_size=4"],
         "parallel.tp",
