@@ -114,3 +114,9 @@ def test_degrees_below_one_are_refused(write_recipe):
     with pytest.raises(RecipeError) as e:
         load_recipe(str(write_recipe()), ["parallel.tp=0"])
     assert "parallel.tp" in str(e.value.problems[0])
+
+
+def test_launch_refuses_a_layout_it_cannot_run_yet(write_recipe, tmp_path):
+    res = run_ftkit("launch", str(write_recipe()), "parallel.sp=2", "--dry-run", cwd=tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "parallel.sp: tp 1 x sp 2: ftkit plans and renders this layout, but ftkit launch does not run" in res.stderr
