@@ -12,9 +12,10 @@ from ftkit.errors import ExitCode
 from ftkit.plan.candidates import plan_candidate
 from ftkit.plan.comm import fmt_bytes
 from ftkit.plan.load import PlanReport, plan_report
+from ftkit.plan.parallel import layout_table, layouts_dict
 from ftkit.plan.speed import expected_error_line
 from ftkit.plan.tiers import local_tier_line
-from ftkit.plan.types import HEADROOM
+from ftkit.plan.types import HEADROOM, Plan
 from ftkit.run.probe import probe_and_plan
 
 SHORT = {
@@ -51,7 +52,7 @@ def table(head: list[str], rows: list[tuple[list[str], str]]) -> list[str]:
 def report_json(report: PlanReport) -> dict[str, object]:
     plan, rep = report.plan, report.table
     data = rep.as_dict()
-    data["plan"] = {
+    summary: dict[str, object] = {
         "backend": plan.recipe.train.backend,
         "stage": plan.stage,
         "offload_optimizer": plan.offload_optimizer,
@@ -63,6 +64,11 @@ def report_json(report: PlanReport) -> dict[str, object]:
         "local_tier": plan.local_tier.to_json() if plan.local_tier else None,
         "local_tier_off": plan.local_tier_off or None,
     }
+    data["plan"] = summary
+    rows = layout_table(plan)
+    if rows:
+        summary.update(tp=plan.tp, sp=plan.sp, dp=plan.dp_size)
+        data["layouts"] = layouts_dict(rows)
     cal = report.calibration
     data["calibration"] = cal.as_json() if cal is not None else None
     data["calibration_stored"] = report.stored or None
@@ -135,7 +141,8 @@ def _print(report: PlanReport) -> None:
     click.echo(
         f"workload: {w.world_size} ranks ({w.gpus_per_node} per node), micro batch {w.micro_batch_size}, "
         f"sequence {w.seq_len}, {w.precision}, "
-        f"gradient checkpointing {'on' if w.gradient_checkpointing else 'off'}"
+        + (f"tp {w.tp} x sp {w.sp} x dp {plan.dp_size}, " if w.tp * w.sp > 1 else "")
+        + f"gradient checkpointing {'on' if w.gradient_checkpointing else 'off'}"
         f"; limit {rep.gpu_memory_gb:g} GiB/GPU and {rep.host_memory_gb:g} GiB host RAM/node, "
         f"{HEADROOM:.0%} headroom"
     )
@@ -189,6 +196,7 @@ def _print(report: PlanReport) -> None:
         "temporaries; alloc = the allocator's peak; GiB/GPU = the device total with reserved and the CUDA context; "
         "host = host RAM per node)"
     )
+    _print_layouts(plan)
     label = (sel.candidate if sel is not None else plan_candidate(plan)).label
     click.echo(f"\nthis run: {label} ({'auto' if rep.auto else 'set in the recipe'}): {plan.sharding_why}")
     click.echo(local_tier_line(plan.local_tier, plan.local_tier_off))
@@ -200,3 +208,28 @@ def _print(report: PlanReport) -> None:
             click.echo(f"  - {s}")
     if (sel is not None and not sel.fits) or (rep.auto and rep.choice.chosen is None):
         sys.exit(ExitCode.NOTHING_FITS)  # a finding (does not fit), not a usage error; 1 is `ftkit check` drift
+
+
+def _print_layouts(plan: Plan) -> None:
+    """A recipe with a ``parallel`` section: every tensor/sequence-parallel layout with its best candidate, memory,
+    step time and the longest sequence it fits."""
+    rows = layout_table(plan)
+    if not rows:
+        return
+    head = ["layout", "accum", "GiB/GPU", "s/step", "tokens/s", "longest seq"]
+    lines = []
+    for row in rows:
+        cells = [row.label, str(row.grad_accum), f"{row.gpu_gb:.2f}", f"{row.step_time_s:.3g}"]
+        cells += [f"{row.tokens_per_s:,.0f}", f"{row.longest_seq:,}" if row.longest_seq else "none"]
+        this = "  <- this run" if (row.tp, row.sp) == (plan.tp, plan.sp) else ""
+        verdict = "fits: " + row.reason.removeprefix("fits: ") if row.fits else "no: " + row.reason
+        lines.append((cells, f"{row.candidate}; {verdict}{this}"))
+    click.echo(
+        f"\nlayouts (tensor x sequence x data parallel; each with its fastest candidate that fits; longest seq: the "
+        f"longest data.max_seq_len it fits at micro batch {plan.micro_batch_size}):"
+    )
+    click.echo("\n".join(table(head, lines)))
+    why = plan.knobs.get("sequence_parallel_size") if plan.recipe.parallel.sp == "auto" else None
+    why = why or plan.knobs.get("tensor_parallel_size")
+    if why is not None:
+        click.echo(f"layout: tp {plan.tp} x sp {plan.sp} x dp {plan.dp_size}: {why.why}")

@@ -142,10 +142,67 @@ def read(sink: Sink, data: Mapping[str, object], ctx: Context) -> None:
         elif key == "parallelism_config":
             if unset(value):
                 sink.same(key, "empty")
-            else:
-                sink.refuse(key, "tensor/context parallelism", "without it: data parallelism only")
+            elif (block := to_mapping(sink, key, value)) is not None:
+                _parallelism(sink, key, block, kind)
         else:
             sink.unknown(key, value, "Accelerate")
+
+
+def _parallelism(sink: Sink, key: str, block: Mapping[str, object], kind: str) -> None:
+    """``parallelism_config`` (the keys ``accelerate config`` writes, ``parallelism_config_`` in front): tp_size and
+    sp_size map to the parallel section; data-parallel sizes are what ftkit derives (world / (tp x sp)), FSDP2's
+    hybrid replicas (HSDP) and context parallelism (ring attention) are refused."""
+    values = {str(k).removeprefix("parallelism_config_"): v for k, v in block.items()}
+    cp = to_int(sink, f"{key}.parallelism_config_cp_size", values.get("cp_size", 1), minimum=1) or 1
+    sp = to_int(sink, f"{key}.parallelism_config_sp_size", values.get("sp_size", 1), minimum=1) or 1
+    for raw, item in block.items():
+        name, k = str(raw).removeprefix("parallelism_config_"), f"{key}.{raw}"
+        if name == "tp_size":
+            if (n := to_int(sink, k, item, minimum=1)) is not None:
+                if n > 1:
+                    how = "tp_size x FSDP2" if kind == "FSDP" else "DeepSpeed AutoTP"
+                    sink.map(k, "parallel.tp", n, f"tensor parallelism ({how})")
+                else:
+                    sink.same(k, "no tensor parallelism")
+        elif name == "sp_size":
+            if sp > 1:
+                sink.map(k, "parallel.sp", sp, "DeepSpeed Ulysses (ALST) sequence parallelism")
+            else:
+                sink.same(k, "no sequence parallelism")
+        elif name == "sp_backend":
+            if str(item) == "deepspeed":
+                sink.same(k, "DeepSpeed's Ulysses, what parallel.sp runs")
+            else:
+                sink.refuse(k, f"sequence-parallel backend {item}: ftkit runs DeepSpeed's Ulysses")
+        elif name in ("sp_seq_length_is_variable", "sp_seq_length"):
+            sink.same(k, "ftkit renders sp_seq_length_is_variable: true (each batch's own length, a multiple of sp)")
+        elif name == "sp_attn_implementation":
+            sink.same(k, "ftkit passes the model's attention to Ulysses (config.json's flash attention, else sdpa)")
+        elif name == "cp_size":
+            if cp > 1:
+                sink.refuse(
+                    k,
+                    "context parallelism (ring attention) is not supported by ftkit (parallel.sp: Ulysses is)",
+                    "without it: every rank holds whole sequences",
+                )
+            else:
+                sink.same(k, "no context parallelism")
+        elif name in ("cp_backend", "cp_comm_strategy"):
+            if cp == 1:
+                sink.same(k, "used only with cp_size > 1")
+            else:
+                sink.no_effect(k, "a detail of context parallelism, refused with cp_size", NONE)
+        elif name == "dp_replicate_size":
+            n = to_int(sink, k, item, minimum=1)
+            if n is not None and n > 1 and kind == "FSDP":
+                sink.refuse(k, f"{n} FSDP2 replicas (HSDP): ftkit shards over every data-parallel rank")
+            elif n is not None:
+                sink.same(k, "the data-parallel degree, which ftkit derives: world size / (tp x sp)")
+        elif name == "dp_shard_size":
+            if to_int(sink, k, item, minimum=1) is not None:
+                sink.same(k, "the data-parallel degree, which ftkit derives: world size / (tp x sp)")
+        else:
+            sink.unknown(k, item, "Accelerate parallelism_config")
 
 
 def _distributed_type(sink: Sink, key: str, kind: str, value: object, version: int) -> None:

@@ -155,6 +155,14 @@ def compare_deepspeed(
             fa.update({k: "auto" for k in ("optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps")})
             fa.update({"optimizer.type": "adamw", "optimizer.params.weight_decay": "auto"})
             notes.append('optimizer: absent: HF Trainer builds AdamW from TrainingArguments (compared as "auto")')
+    if plan is not None and plan.tp * plan.sp > 1 and "train_batch_size" not in fb:
+        was = fa.pop("train_batch_size", MISSING)
+        if was is not MISSING:
+            notes.append(
+                f"train_batch_size: {_show(was)} not compared: under tensor/sequence parallelism ftkit leaves it to "
+                "DeepSpeed (micro x accumulation x its data-parallel ranks); HF's check wants micro x accumulation "
+                "x world size"
+            )
     for key in sorted(set(fa) | set(fb)):
         a, b = fa.get(key, MISSING), fb.get(key, MISSING)
         why = _not_training(key) or _reported(key, not_carried)

@@ -306,11 +306,65 @@ def _top(sink: Sink, key: str, value: object, stage: int) -> None:
             sink.same_each(key, block, "compile disabled")
     elif key == "tensor_parallel" and isinstance(value, dict) and value.get("autotp_size", 1) in (0, 1):
         sink.same_each(key, value, "tensor-parallel size 1: plain data parallelism")
+    elif key == "tensor_parallel" and isinstance(value, dict):
+        _tensor_parallel(sink, key, value)
+    elif key == "sequence_parallel_size":
+        if (n := to_int(sink, key, value, minimum=1)) is not None:
+            if n == 1:
+                sink.same(key, "sequence-parallel size 1: plain data parallelism")
+            else:
+                sink.map(key, "parallel.sp", n, "DeepSpeed Ulysses (ALST) sequence parallelism")
+    elif key == "sequence_parallel" and isinstance(value, dict) and str(value.get("mode", "ulysses")) == "ulysses":
+        _sequence_parallel(sink, key, value)
+    elif key == "data_parallel_size":
+        if to_int(sink, key, value, minimum=1) is not None:
+            sink.same(key, "the data-parallel degree, which ftkit derives: world size / (parallel.tp x parallel.sp)")
     elif key in REFUSED_TOP:
         why, effect = REFUSED_TOP[key]
         sink.refuse(key, why, f"without it: {effect}")
     else:
         sink.unknown(key, value, "DeepSpeed")
+
+
+# AutoTP's options besides its size (deepspeed/runtime/tensor_parallel/config.py, TPTrainingConfig): what ftkit does
+# with each; a key not named here is refused (it may change how the layers are split)
+AUTOTP_SAME = {"tp_overlap_comm": False, "keep_module_on_host": False, "replace_with_kernel_inject": False}
+
+
+def _tensor_parallel(sink: Sink, key: str, value: Mapping[str, object]) -> None:
+    """DeepSpeed AutoTP training (``tensor_parallel.autotp_size``): parallel.tp; its other options, DeepSpeed's
+    defaults or refused."""
+    for sub, item in value.items():
+        k = f"{key}.{sub}"
+        if sub == "autotp_size":
+            if (n := to_int(sink, k, item, minimum=1)) is not None:
+                sink.map(k, "parallel.tp", n, "DeepSpeed AutoTP tensor parallelism (train.backend deepspeed)")
+        elif sub in AUTOTP_SAME and item == AUTOTP_SAME[sub]:
+            sink.same(k, f"DeepSpeed's default ({fmt(item)})")
+        elif sub == "tp_overlap_comm":
+            sink.no_effect(k, "overlaps AutoTP's all-reduces with compute: speed only", ROUNDING)
+        else:
+            sink.refuse(k, f"an AutoTP option ftkit does not render ({sub})", "without it: AutoTP's defaults")
+
+
+def _sequence_parallel(sink: Sink, key: str, value: Mapping[str, object]) -> None:
+    """A ``sequence_parallel`` block (LLaMA-Factory's ALST configs: ``enabled``, ``size``, ``mode: ulysses``):
+    parallel.sp."""
+    enabled = value.get("enabled", True) is not False
+    for sub, item in value.items():
+        k = f"{key}.{sub}"
+        if sub == "size":
+            if (n := to_int(sink, k, item, minimum=1)) is not None:
+                if enabled and n > 1:
+                    sink.map(k, "parallel.sp", n, "DeepSpeed Ulysses (ALST) sequence parallelism")
+                else:
+                    sink.same(k, "no sequence parallelism")
+        elif sub == "enabled":
+            sink.same(k, "read with size")
+        elif sub == "mode":
+            sink.same(k, "Ulysses: what parallel.sp runs")
+        else:
+            sink.refuse(k, f"a sequence-parallel option ftkit does not render ({sub})", "without it: the defaults")
 
 
 def _int_or_auto(sink: Sink, key: str, value: object, target: str, minimum: int) -> None:
@@ -806,6 +860,10 @@ def canonical(cfg: Mapping[str, object]) -> dict[str, object]:
                         put(f"zero_optimization.{name}.{k2}", v2)
                     continue
                 put(f"zero_optimization.{name}", v)
+        elif key == "sequence_parallel" and isinstance(value, dict) and str(value.get("mode", "ulysses")) == "ulysses":
+            # LLaMA-Factory's block: what DeepSpeed reads as sequence_parallel_size (when enabled)
+            if _norm(value.get("enabled", True)) is not False and _norm(value.get("size", 1)) not in (1, None):
+                put("sequence_parallel_size", value.get("size"))
         elif isinstance(value, dict) and key not in ("scheduler",):
             for sub, v in _flatten(value, key).items():
                 put(sub, v)

@@ -277,9 +277,15 @@ class Report:
                 f"default (per_device_train_batch_size={micro})"
             )
         world_from = "; ".join(f"{c.source} {c.key}" for c in world_claims)
+        # tensor/sequence parallelism: only the data-parallel ranks multiply the micro batch
+        group = int(cast(int, self.values.get("parallel.tp") or 1)) * int(
+            cast(int, self.values.get("parallel.sp") or 1)
+        )
         if world is None and glob_value is not None and accum is not None and glob_value % (micro * accum) == 0:
-            world = glob_value // (micro * accum)
-            world_from = f"train_batch_size {glob_value} / (micro {micro} x accumulation {accum})"
+            world = glob_value // (micro * accum) * group
+            world_from = f"train_batch_size {glob_value} / (micro {micro} x accumulation {accum})" + (
+                f" x tp x sp {group}" if group > 1 else ""
+            )
             self.notes.append(f"(derived) world size {world}: {world_from}")
         if world is None:
             n, per = world_default
@@ -289,19 +295,21 @@ class Report:
                 f"world size {world}: no source states it; ftkit's default cluster ({n} node x {per} processes): "
                 "set cluster.num_nodes/gpus_per_node or pass --hostfile"
             )
-        if accum is None and glob_value is not None and glob_value % (micro * world) == 0:
-            accum = glob_value // (micro * world)  # DeepSpeed derives the missing one of the triple
+        dp = world // group if world % group == 0 else world  # the plan refuses a layout that does not divide
+        if accum is None and glob_value is not None and glob_value % (micro * dp) == 0:
+            accum = glob_value // (micro * dp)  # DeepSpeed derives the missing one of the triple
         if accum is None:
             accum = cast(int, HF_FILLED[ACCUM][1])
             self.notes.append(f"gradient accumulation {accum}: no source states it; TrainingArguments' default")
-        computed = micro * accum * world
+        computed = micro * accum * dp
         if glob_value is not None and glob_value != computed:
             c = glob[0]
             self.problem(
                 c.source,
                 c.key,
-                f"{glob_value} is not micro batch {micro} x accumulation {accum} x world size {world} = {computed}: "
-                "DeepSpeed refuses this; fix one of the four",
+                f"{glob_value} is not micro batch {micro} x accumulation {accum} x "
+                + (f"world size {world}" if group == 1 else f"data-parallel degree {dp} (world {world} / {group})")
+                + f" = {computed}: DeepSpeed refuses this; fix one of the four",
                 c.line,
             )
         self.values["train.micro_batch_size"] = micro
@@ -313,10 +321,11 @@ class Report:
             nodes = 1
         self.values.setdefault("cluster.num_nodes", nodes)
         self.values.setdefault("cluster.gpus_per_node", world // nodes)
-        triple = f"{micro} x {accum} x {world} = {computed}"
+        triple = f"{micro} x {accum} x {dp} = {computed}"
+        ranks = "world size" if group == 1 else "data-parallel degree"
         for c in self.on(GLOBAL, (MAPPED, DEFAULT, AUTO)):
             how = "HF computes it" if c.status == AUTO else "equal to"
-            c.shown = f"-> train.global_batch_size = {computed} ({how} micro x accumulation x world size: {triple})"
+            c.shown = f"-> train.global_batch_size = {computed} ({how} micro x accumulation x {ranks}: {triple})"
         for c in self.on(ACCUM, (MAPPED, DEFAULT, AUTO)):
             if c.status != AUTO:
                 how = f"{c.how}; " if c.how else ""

@@ -113,6 +113,8 @@ def plan_memory(plan: Plan) -> MemoryReport:
         profile_zero3=plan.inputs.profile_zero3 if plan.inputs is not None else None,
         lora_dropout=float(r.peft.dropout) if r.peft is not None else 0.0,
         eager_attention=str(plan.model_config.get("_attn_implementation") or "") == "eager",
+        tp=plan.tp,
+        sp=plan.sp,
     )
     gpu, host = float(r.cluster.gpu_memory_gb), float(r.cluster.host_memory_gb)
     stage, opt, par = r.zero.stage, r.zero.offload_optimizer, r.zero.offload_params
@@ -122,12 +124,13 @@ def plan_memory(plan: Plan) -> MemoryReport:
     par_open = stage == "auto" and "zero.offload_params" not in r.explicit
     allowed = [
         c
-        for c in candidates(include_stage0=plan.world_size == 1, include_nvme=bool(r.zero.nvme_path))
+        for c in candidates(include_stage0=plan.dp_size == 1, include_nvme=bool(r.zero.nvme_path))
         if (stage == "auto" or c.stage == stage)
+        and not (plan.tp > 1 and c.stage == 3)  # DeepSpeed AutoTP under HF Trainer: ZeRO 0-2 (ftkit.recipe.rules)
         and (opt == "auto" or c.offload_optimizer == opt)
         and (par_open or c.offload_params == par)
     ]
-    if stage in ("auto", 3) and opt in ("auto", "none") and (par_open or par == "none"):
+    if stage in ("auto", 3) and opt in ("auto", "none") and (par_open or par == "none") and plan.tp == 1:
         allowed += zeropp_candidates(w.gpus_per_node, w.num_nodes)  # across nodes only
     if r.train.backend == "auto":  # both backends' candidates, each narrowed by its own section
         auto = True

@@ -55,7 +55,7 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypedDict
 
@@ -316,7 +316,94 @@ def bucket_calls(tensors: list[int], bucket: int) -> int:
     return calls + (1 if acc else 0)
 
 
+def tp_view(w: Workload) -> Workload:
+    """The data-parallel side of a tensor-parallel workload: the 1/tp of the model one rank holds, sharded and
+    reduced over the world_size / tp data-parallel ranks (a node's ranks split into tp groups). ``w`` without
+    tensor parallelism is returned as it is."""
+    if w.tp == 1:
+        return w
+    tp, shape = w.tp, w.shape
+    part = replace(
+        shape,
+        total_params=_ceil_div(shape.total_params, tp),
+        largest_layer_params=_ceil_div(shape.largest_layer_params, tp),
+        largest_tensor_params=_ceil_div(shape.largest_tensor_params, tp),
+        tensors=(),
+    )
+    lora = _ceil_div(w.lora_params, tp) if w.lora_params is not None else None
+    return replace(
+        w,
+        shape=part,
+        lora_params=lora,
+        world_size=max(1, w.world_size // tp),
+        gpus_per_node=max(1, w.gpus_per_node // tp),
+        tp=1,
+    )
+
+
+def parallel_collectives(w: Workload, grad_accum: int, comm_bytes: int | None = None) -> list[Collective]:
+    """Tensor and sequence parallelism's traffic per optimizer step on one rank, inside a node (its groups never span
+    nodes), on the critical path (nothing hides it). TP (Megatron-style, as transformers' tp_plan and DeepSpeed
+    AutoTP split a decoder layer): an all-reduce of b·s·h after attention and after the MLP in forward, and two of
+    the same size for their inputs' gradients in backward. SP (DeepSpeed Ulysses): an all-to-all of q, k, v into the
+    attention and one of its output back, each way, per layer. Gradient checkpointing repeats forward's."""
+    out: list[Collective] = []
+    kb = comm_bytes if comm_bytes is not None else PRECISION_BYTES[w.precision]
+    b, s, h, layers = w.micro_batch_size, w.seq_len, w.shape.hidden_size, w.shape.num_layers
+    passes = 3 if w.gradient_checkpointing else 2  # forward (again under recompute) and backward
+    if w.tp > 1:
+        calls = 2 * layers * passes * grad_accum
+        msg = b * (s // w.sp) * h * kb
+        what = f"tensor parallelism: 2 all-reduces of b·s·h per layer and pass ({passes} passes), tp {w.tp}"
+        out.append(Collective("all_reduce", msg * calls, calls, w.tp, "intra", what, micro_steps=grad_accum))
+    if w.sp > 1:
+        h_kv = w.shape.num_kv_heads * w.shape.head_dim if w.shape.num_kv_heads and w.shape.head_dim else h
+        per_layer = b * (s // w.sp) * (2 * h + 2 * h_kv) * kb  # q, k, v in; the attention's output back
+        calls = 4 * layers * passes * grad_accum
+        what = f"Ulysses sequence parallelism: all-to-alls of q, k, v and the output per layer and pass, sp {w.sp}"
+        out.append(
+            Collective(
+                "all_to_all_single",
+                per_layer * layers * passes * grad_accum,
+                calls,
+                w.sp,
+                "intra",
+                what,
+                micro_steps=grad_accum,
+            )
+        )
+    return out
+
+
 def traffic(
+    c: Candidate,
+    w: Workload,
+    grad_accum: int = 1,
+    *,
+    comm_bytes: int | None = None,
+    persistence_threshold: int | None = None,
+    max_reuse_distance: int = 1_000_000_000,
+    lora_tensors: list[int] | None = None,
+    reduce_bucket_size: int | None = None,
+) -> Traffic:
+    """Bytes per optimizer step on one rank, by collective: the data-parallel side's (:func:`_dp_traffic`, over
+    the data-parallel ranks of the rank's 1/tp of the model) and tensor and sequence parallelism's
+    (:func:`parallel_collectives`)."""
+    dp = _dp_traffic(
+        c,
+        tp_view(w),
+        grad_accum,
+        comm_bytes=comm_bytes,
+        persistence_threshold=persistence_threshold,
+        max_reuse_distance=max_reuse_distance,
+        lora_tensors=lora_tensors,
+        reduce_bucket_size=reduce_bucket_size,
+    )
+    extra = parallel_collectives(w, grad_accum, comm_bytes)
+    return Traffic((*dp.collectives, *extra), dp.host_bytes) if extra else dp
+
+
+def _dp_traffic(
     c: Candidate,
     w: Workload,
     grad_accum: int = 1,
@@ -675,11 +762,12 @@ def predict(
     peak_bf16, peak_tf32, gpu_doc = GPU_PEAK_TFLOPS[gpu]
     peak = (peak_tf32 if w.precision == "fp32" else peak_bf16) * 1e12
     cls = gpu_class(gpu)
-    n = w.world_size
-    part_phi = _ceil_div(w.phi, n) if c.stage else w.phi
-    part_psi = _ceil_div(w.psi, n) if c.stage == 3 else w.psi
+    dpw = tp_view(w)  # the rank's 1/tp of the model over the data-parallel ranks (w itself without TP)
+    n = dpw.world_size
+    part_phi = _ceil_div(dpw.phi, n) if c.stage else dpw.phi
+    part_psi = _ceil_div(dpw.psi, n) if c.stage == 3 else dpw.psi
     fsdp = isinstance(c, Fsdp2)
-    units = fsdp2_units(w) if fsdp else None
+    units = fsdp2_units(dpw) if fsdp else None
     engine = Engine(
         "fsdp2" if fsdp else "deepspeed",
         c.stage,
@@ -691,7 +779,7 @@ def predict(
     prof = w.profile_for(c)
     raw = step_parts(
         prof,
-        seq_len=w.seq_len,
+        seq_len=w.seq_len // w.sp,
         micro_batch=w.micro_batch_size,
         grad_accum=grad_accum,
         k=w.k,
@@ -700,6 +788,8 @@ def predict(
         engine=engine,
         trainable_part=part_phi,
         weight_part=part_psi,
+        attn_scale=float(w.sp),
+        work_share=1 / w.tp,
     )
     cal = calibration if calibration is not None and calibration.gpu_class == gpu else None
     parts = raw.scaled(cal)
@@ -727,8 +817,8 @@ def predict(
     exposed += per_micro_exposed * grad_accum if grad_calls > 1 or fb_comm else per_micro_exposed
     host = parts.offload_s
     step = compute + exposed + host
-    tokens = w.micro_batch_size * w.seq_len * grad_accum
-    model_flops = flops_per_token(w) * tokens
+    tokens = w.micro_batch_size * (w.seq_len // w.sp) * grad_accum  # this rank's share of each sequence
+    model_flops = flops_per_token(w) * tokens / w.tp
     assumptions: Assumptions = {
         "gpu": gpu,
         "gpu_doc": gpu_doc,
@@ -760,7 +850,7 @@ def predict(
         exposed,
         host,
         step,
-        tokens * w.world_size,
+        tokens * w.world_size // w.tp,  # a tensor-parallel group shares its tokens
         assumptions,
         gpu_s=parts.gpu_s,
         overhead_s=parts.host_s,

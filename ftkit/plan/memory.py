@@ -204,11 +204,16 @@ class Workload:
     profile: Profile | None = None  # activations and work per micro-step (None: the closed form, ftkit.plan.profile)
     profile_zero3: Profile | None = None  # LoRA at DeepSpeed ZeRO-3 (its linear keeps frozen layers' inputs)
     lora_dropout: float = 0.0
+    # parallel.tp / parallel.sp: tensor- and sequence-parallel degrees (ftkit.plan.parallel). With tp > 1 the
+    # ZeRO/FSDP2 states shard over world_size / tp data-parallel ranks, each holding 1/tp of every layer; with sp > 1
+    # each rank holds seq_len / sp tokens of every sequence (ZeRO still shards over every rank, as DeepSpeed's ALST)
+    tp: int = 1
+    sp: int = 1
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISION_BYTES:
             raise ValueError(f"precision must be one of {sorted(PRECISION_BYTES)}, got {self.precision!r}")
-        for name in ("world_size", "gpus_per_node", "micro_batch_size", "seq_len"):
+        for name in ("world_size", "gpus_per_node", "micro_batch_size", "seq_len", "tp", "sp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
 
@@ -349,6 +354,16 @@ def _flat_partition(numel: int, world_size: int) -> int:
     return _ceil_div(numel, alignment) * alignment // world_size
 
 
+def tp_activation_share(shape: ModelShape, tp: int) -> float:
+    """The share of a layer's saved activations one of ``tp`` tensor-parallel ranks keeps. Of HF Llama's
+    s·b·(24h + 8I) bytes per layer (docs/design.md, Memory planning), the two norms' inputs and the residual stream,
+    about 8h, stay whole on every rank; the attention and MLP insides, 16h + 8I, split (an estimate from the counts,
+    not measured under TP)."""
+    h, i = shape.hidden_size, shape.intermediate_size or 4 * shape.hidden_size
+    whole, split = 8 * h, 16 * h + 8 * i
+    return (whole + split / tp) / (whole + split)
+
+
 def activation_bytes(w: Workload, c: Candidate | None = None) -> int:
     """Bytes autograd keeps from forward to backward (the profile's ``saved``), per GPU."""
     prof = w.profile_for(c or Candidate(2))
@@ -372,6 +387,9 @@ def estimate(c: Candidate, w: Workload) -> Estimate:
     k, n, g = w.k, w.world_size, w.local_ranks
     psi, phi = w.psi, w.phi
     L = w.shape.largest_layer_params  # noqa: N806 - the paper's symbol
+    tp = w.tp
+    if tp > 1:  # each rank holds 1/tp of every layer; ZeRO/FSDP2 shard that over the data-parallel ranks
+        n, psi, phi, L = w.world_size // tp, _ceil_div(psi, tp), _ceil_div(phi, tp), _ceil_div(L, tp)  # noqa: N806
     full_ft = w.lora_params is None
     mixed = k == 2
     opt_on_gpu = c.offload_optimizer == "none"
@@ -380,8 +398,8 @@ def estimate(c: Candidate, w: Workload) -> Estimate:
 
     # per-rank element counts, padded as DeepSpeed pads them (rank_partition has the exact per-tensor version)
     if c.stage == 3:
-        tensors = w.shape.tensors
-        base = _stage3_partition(tensors, n) if tensors else _ceil_div(w.shape.total_params, n)
+        tensors = w.shape.tensors if tp == 1 else ()
+        base = _stage3_partition(tensors, n) if tensors else _ceil_div(_ceil_div(w.shape.total_params, tp), n)
         adapters = 0 if full_ft else _ceil_div(phi, n)  # adapter tensors are small: one ceil for all of them
         part_psi = base + adapters
         part_phi = base if full_ft else adapters
@@ -444,9 +462,12 @@ def estimate(c: Candidate, w: Workload) -> Estimate:
     allowance = FSDP2_ALLOWANCE_PER_PARAM * part_phi if fsdp and w.accelerator != "cpu" else 0
 
     prof = w.profile_for(c)
-    s_, b_ = w.seq_len, w.micro_batch_size
+    s_, b_ = w.seq_len // w.sp, w.micro_batch_size  # sequence parallelism: the rank's share of every sequence
     saved = prof.activation_bytes(s_, b_)
     peak = max(saved, prof.peak_bytes(s_, b_))
+    if tp > 1:  # tensor parallelism splits the layers' inner activations; the loss's logits stay whole
+        kept = int(saved * tp_activation_share(w.shape, tp))
+        peak, saved = peak - (saved - kept), kept
     first_grad = prof.largest_grad_bytes if full_ft else 0
     fixed = weights + resident_opt + largest + prefetch + buckets + allowance
     fwd_bwd = fixed + grads_start + peak + first_grad

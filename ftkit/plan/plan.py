@@ -25,10 +25,12 @@ from ftkit.plan.fsdp import resolve_fsdp
 from ftkit.plan.inputs import gather, resolve_cluster
 from ftkit.plan.knobs import decide_config_knobs, decide_zero_knobs
 from ftkit.plan.memory import PRECISION_BYTES, Candidate, Fsdp2
+from ftkit.plan.parallel import layout_facts, note_layout, resolve_layout
 from ftkit.plan.speed import Calibration, CalPoint, fit
 from ftkit.plan.tiers import plan_local_tier
 from ftkit.plan.types import Knob, KnobValue, MemoryReport, Plan, PlanInputs
 from ftkit.recipe.load import CLI, DEFAULT, Recipe
+from ftkit.recipe.rules import layout_problems
 
 __all__ = ["Knob", "KnobValue", "MemoryReport", "Plan", "PlanInputs", "build_plan", "plan_from", "resolve_hosts"]
 
@@ -146,12 +148,23 @@ def plan_from(
 
     micro = recipe.train.micro_batch_size
     gbs = recipe.train.global_batch_size
-    per_step = micro * world
-    if gbs % per_step != 0:
+    # parallel.tp / sp: auto starts from data parallelism alone and is resolved below (ftkit.plan.parallel)
+    tp = recipe.parallel.tp if isinstance(recipe.parallel.tp, int) else 1
+    sp = recipe.parallel.sp if isinstance(recipe.parallel.sp, int) else 1
+    dp = world // (tp * sp) if world % (tp * sp) == 0 else world
+    per_step = micro * dp
+    if gbs % per_step != 0 and tp * sp == 1:
         problem(
             "train.global_batch_size",
             f"{gbs} is not divisible by micro_batch_size {micro} x world size {world} = {per_step}; "
             f"use a multiple of {per_step} (e.g. {max(per_step, gbs - gbs % per_step)}) or change micro_batch_size",
+        )
+    elif gbs % per_step != 0:
+        problem(
+            "train.global_batch_size",
+            f"{gbs} is not divisible by micro_batch_size {micro} x data-parallel degree {dp} (world size {world} / "
+            f"{_layout(tp, sp)}) = {per_step}; use a multiple of {per_step} (e.g. "
+            f"{max(per_step, gbs - gbs % per_step)}) or change micro_batch_size",
         )
     engine = recipe.cluster.engine
     if engine in ("torchrun", "accelerate") and len({n for _, n in hosts}) > 1:
@@ -192,6 +205,9 @@ def plan_from(
         elif recipe.zero.stage == "auto" or recipe.zero.offload_optimizer == "auto":
             problem("zero.stage", f"auto needs the model's config ({unknown_why}): set zero.stage and offload")
         cfg, h = {}, 0
+    if tp * sp > 1:
+        for key, message in layout_problems(tp, sp, **layout_facts(recipe, hosts, cfg)):
+            problem(key, message)
     if problems:
         raise RecipeError(problems)
 
@@ -212,6 +228,8 @@ def plan_from(
         model_config_label=inputs.model_config_label,
         devices=devices,
         inputs=inputs,
+        tp=tp,
+        sp=sp,
     )
     label = inputs.model_config_label or f"{recipe['model.path']}/config.json"
     plan.note(
@@ -224,9 +242,12 @@ def plan_from(
     plan.note(
         "train_micro_batch_size_per_gpu", micro, f"train.micro_batch_size ({_src(recipe, 'train.micro_batch_size')})"
     )
-    plan.note(
-        "gradient_accumulation_steps", plan.grad_accum, f"global_batch_size {gbs} / (micro {micro} x world {world})"
-    )
+    if tp * sp == 1:
+        plan.note(
+            "gradient_accumulation_steps", plan.grad_accum, f"global_batch_size {gbs} / (micro {micro} x world {world})"
+        )
+    else:
+        note_layout(plan, _src(recipe, "parallel.tp"), _src(recipe, "parallel.sp"))
     plan.note("train_batch_size", gbs, f"train.global_batch_size ({_src(recipe, 'train.global_batch_size')})")
     plan.note("hidden_size", h, label)
 
@@ -235,6 +256,8 @@ def plan_from(
             f"model: {unknown_why}: memory and step time not estimated; bucket sizes are DeepSpeed's defaults"
         )
         with_memory = False
+    if "auto" in (recipe.parallel.tp, recipe.parallel.sp):
+        resolve_layout(plan, with_memory=with_memory, strict=strict)
     if recipe.train.backend == "auto":
         _resolve_backend(plan, with_memory, strict)
     if plan.recipe.train.backend == "fsdp2":
@@ -350,6 +373,10 @@ def note_zeropp(plan: Plan, chosen: Candidate, why: str) -> None:
         plan.note("zero_hpz_partition_size", chosen.hpz, f"hpZ over one node's {chosen.hpz} ranks: {why}")
         plan.note("zero_quantized_weights", chosen.qwz, f"qwZ: {why}")
         plan.note("zero_quantized_gradients", chosen.qgz, f"qgZ: {why}")
+
+
+def _layout(tp: int, sp: int) -> str:
+    return " x ".join([f"tp {tp}"] * (tp > 1) + [f"sp {sp}"] * (sp > 1))
 
 
 def _ints(values: tuple[int, ...]) -> str:

@@ -281,16 +281,22 @@ def step_parts(
     engine: Engine,
     trainable_part: int,
     weight_part: int,
+    attn_scale: float = 1.0,
+    work_share: float = 1.0,
 ) -> Parts:
     """The step's parts for one rank (module docstring). ``trainable_part``: trainable elements this rank updates;
-    ``weight_part``: parameter elements it holds (offload's copies)."""
+    ``weight_part``: parameter elements it holds (offload's copies). Sequence parallelism passes its local
+    ``seq_len`` and ``attn_scale`` = its degree (each rank attends over the whole sequence for its share of the
+    heads); tensor parallelism ``work_share`` = 1/degree of the matmul, attention and memory-bound work."""
     s, b = seq_len, micro_batch
     tokens = s * b
     gemm = sum(g.count * gemm_s(*g.dims(tokens), peak_flops, cls, k) for g in prof.gemms)
     if not prof.gemms:  # no shapes (closed form without tensors): all matmul FLOPs at the best efficiency
         gemm = prof.matmul_flops.at(s, b, prof.layers) / (peak_flops * cls.matmul_eff)
-    attn = prof.attn_flops.at(s, b, prof.layers) / (peak_flops * cls.attn_eff)
+    attn = attn_scale * prof.attn_flops.at(s, b, prof.layers) / (peak_flops * cls.attn_eff)
     mem = prof.mem_bytes.at(s, b, prof.layers) / (cls.hbm_gbs * 1e9 * cls.mem_eff)
+    if work_share != 1.0:
+        gemm, attn, mem = gemm * work_share, attn * work_share, mem * work_share
     launches = prof.launches.at(s, b, prof.layers) * cls.launch_us * 1e-6
     hk = prof.hooks
     if engine.kind == "fsdp2":
@@ -317,7 +323,8 @@ def step_parts(
         offload += grad_accum * 2 * k * weight_part / (cls.pcie_gbs * 1e9)
     micro_gpu = gemm + attn + mem
     micro_host = launches + hooks
-    flops = (prof.matmul_flops.at(s, b, prof.layers) + prof.attn_flops.at(s, b, prof.layers)) * grad_accum
+    flops = (prof.matmul_flops.at(s, b, prof.layers) + attn_scale * prof.attn_flops.at(s, b, prof.layers)) * grad_accum
+    flops *= work_share
     return Parts(
         gpu_s=grad_accum * micro_gpu + opt_gpu,
         host_s=grad_accum * micro_host + cls.step_fixed_s,

@@ -72,6 +72,30 @@ class Knob:
     why: str  # the rule or source that produced the value
 
 
+@dataclass(frozen=True)
+class LayoutRow:
+    """One tensor/sequence-parallel layout as ``ftkit plan`` compares them (:mod:`ftkit.plan.parallel`): the best
+    candidate of the recipe's sharding under it, its memory and step time, and the longest sequence it fits."""
+
+    tp: int
+    sp: int
+    dp: int
+    grad_accum: int
+    candidate: str  # the candidate the layout would run (its label), "" when none is allowed
+    gpu_gb: float
+    fits: bool
+    step_time_s: float
+    tokens_per_s: float
+    longest_seq: int  # the longest data.max_seq_len the candidate fits at this micro batch (0: none)
+    reason: str  # why chosen, or why not
+
+    @property
+    def label(self) -> str:
+        parts = [f"TP={self.tp}"] if self.tp > 1 else []
+        parts += [f"SP={self.sp}"] if self.sp > 1 else []
+        return " x ".join(parts + [f"DP={self.dp}"])
+
+
 @dataclass
 class Plan:
     recipe: Recipe
@@ -101,6 +125,10 @@ class Plan:
     # train.backend auto: the memory and step-time plan across both backends that chose this plan's backend
     backend_report: MemoryReport | None = None
     inputs: PlanInputs | None = None  # what the plan was built from (ftkit.plan.inputs)
+    # parallel.tp / parallel.sp resolved (ftkit.plan.parallel): the data-parallel degree is world_size / (tp x sp)
+    tp: int = 1
+    sp: int = 1
+    layouts: list[LayoutRow] = field(default_factory=list)  # parallel.* auto: every layout judged, chosen first
 
     @property
     def cpu_adam_ok(self) -> bool | None:
@@ -110,6 +138,11 @@ class Plan:
     @property
     def world_size(self) -> int:
         return sum(n for _, n in self.hosts)
+
+    @property
+    def dp_size(self) -> int:
+        """The data-parallel degree: the ranks that each see their own micro batches (world size / (tp x sp))."""
+        return self.world_size // (self.tp * self.sp)
 
     @property
     def num_nodes(self) -> int:

@@ -27,7 +27,7 @@ import yaml
 
 from ftkit.errors import Problem, RecipeError
 from ftkit.model.config import is_hub_id
-from ftkit.recipe.rules import backend_problems, offload_problems, scheduler_problems
+from ftkit.recipe.rules import backend_problems, offload_problems, parallel_problems, scheduler_problems
 from ftkit.recipe.schema import FIELD_BY_KEY, SECTION_BY_NAME, SECTIONS, TOP_LEVEL, Field, Value
 from ftkit.rundir.env import mask_items
 from ftkit.rundir.records import JSON, JSONObject
@@ -37,6 +37,7 @@ from ftkit.rundir.sections import (
     DataSection,
     FsdpSection,
     ModelSection,
+    ParallelSection,
     PeftSection,
     ResilienceSection,
     SchedulerSection,
@@ -127,6 +128,10 @@ class Recipe:
         return self._section("fsdp", FsdpSection)
 
     @property
+    def parallel(self) -> ParallelSection:
+        return self._section("parallel", ParallelSection)
+
+    @property
     def cluster(self) -> ClusterSection:
         return self._section("cluster", ClusterSection)
 
@@ -159,6 +164,8 @@ class Recipe:
             if s.name == "peft" and not self.has_peft:
                 out["peft"] = None
                 continue
+            if s.name == "parallel" and all(self.values[f"parallel.{f.name}"] == f.default for f in s.fields):
+                continue  # data parallelism only: the record (and the recipe's hash) as before the section existed
             out[s.name] = {f.name: _json(self.values[f"{s.name}.{f.name}"]) for f in s.fields}
         cluster, env = out.get("cluster"), self.values.get("cluster.env")
         if isinstance(cluster, dict) and isinstance(env, list):  # secrets never reach a record
@@ -690,6 +697,8 @@ def _cross_checks(r: Recipe, add: _Add) -> None:
     for key, problem in backend_problems(v, r.explicit):
         add(key, problem, src(key))
     for key, problem in scheduler_problems(v, r.explicit):
+        add(key, problem, src(key))
+    for key, problem in parallel_problems(v):
         add(key, problem, src(key))
     if cluster.engine == "auto" or (fsdp2 and "cluster.engine" not in r.explicit):
         # resolved once, here, so every reader sees the engine that will run; FSDP2 runs under accelerate

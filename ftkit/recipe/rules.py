@@ -5,6 +5,7 @@ planner's candidates obey them."""
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from typing import TypedDict
 
 from ftkit.recipe.schema import DEEPSPEED_SCHEDULES, FIELD_BY_KEY, SECTION_BY_NAME, Value
 
@@ -159,3 +160,151 @@ def scheduler_problems(values: Mapping[str, Value], explicit: Collection[str]) -
             if values[key] is None:
                 out.append((key, "required with train.lr_scheduler OneCycle (DeepSpeed has no default for it)"))
     return out
+
+
+def parallel_problems(values: Mapping[str, Value]) -> list[tuple[str, str]]:
+    """``(recipe key, problem)`` for each tensor/sequence-parallel layout the engines cannot run, found from the
+    recipe alone (the model's heads and the hosts' slots are checked by the plan, :func:`layout_problems`). ``auto``
+    degrees are left to the planner, which only picks valid layouts."""
+    out: list[tuple[str, str]] = []
+    tp, sp, backend = values["parallel.tp"], values["parallel.sp"], values["train.backend"]
+    tp_n = tp if isinstance(tp, int) else 1
+    sp_n = sp if isinstance(sp, int) else 1
+    if tp_n > 1 and sp_n > 1:
+        out.append(
+            (
+                "parallel.sp",
+                f"tensor and sequence parallelism together (tp {tp_n} x sp {sp_n}) are not supported: Accelerate "
+                "prepares DeepSpeed with AutoTP or with Ulysses, not both, and FSDP2 has no Ulysses SP; set "
+                "parallel.tp or parallel.sp to 1",
+            )
+        )
+    if sp_n > 1 and backend != "deepspeed":
+        out.append(
+            (
+                "parallel.sp",
+                f"Ulysses sequence parallelism is DeepSpeed's (ALST, Accelerate sp_backend deepspeed): it needs "
+                f"train.backend deepspeed (is {backend}); or set parallel.sp: 1",
+            )
+        )
+    if tp_n > 1 and backend == "auto":
+        out.append(
+            (
+                "parallel.tp",
+                "tensor parallelism runs differently on each backend (deepspeed: AutoTP with ZeRO 0-2; fsdp2: tp "
+                "x FSDP2 sharding): set train.backend deepspeed or fsdp2",
+            )
+        )
+    if tp_n > 1 and backend == "deepspeed" and values["zero.stage"] == 3:
+        out.append(
+            (
+                "parallel.tp",
+                "DeepSpeed AutoTP training under HF Trainer runs at ZeRO stage 0-2 (zero.stage is 3: the weights "
+                "are partitioned at load, before AutoTP splits them); set zero.stage 2, or train.backend fsdp2",
+            )
+        )
+    group = tp_n * sp_n
+    per_node = values["cluster.gpus_per_node"]
+    if group > 1 and values["cluster.hostfile"] is None and isinstance(per_node, int) and per_node % group:
+        key = "parallel.tp" if tp_n > 1 else "parallel.sp"
+        out.append(
+            (
+                key,
+                f"{_group(tp_n, sp_n)} does not divide cluster.gpus_per_node {per_node}: a tensor- or "
+                "sequence-parallel group stays inside one node, on its fast links; use a divisor of "
+                f"{per_node}",
+            )
+        )
+    seq = values["data.max_seq_len"]
+    if sp_n > 1 and isinstance(seq, int) and seq % sp_n:
+        out.append(
+            (
+                "parallel.sp",
+                f"{sp_n} does not divide data.max_seq_len {seq}: Ulysses splits every sequence into {sp_n} equal "
+                f"parts; use a max_seq_len that is a multiple of {sp_n} (e.g. {seq + sp_n - seq % sp_n})",
+            )
+        )
+    return out
+
+
+class LayoutFacts(TypedDict):
+    """What :func:`layout_problems` needs besides the degrees (:func:`ftkit.plan.parallel.layout_facts`)."""
+
+    backend: str
+    slots: list[int]
+    heads: int | None
+    kv_heads: int | None
+    attn_implementation: str
+
+
+def layout_problems(
+    tp: int,
+    sp: int,
+    *,
+    backend: str,
+    slots: list[int],
+    heads: int | None,
+    kv_heads: int | None,
+    attn_implementation: str,
+) -> list[tuple[str, str]]:
+    """``(recipe key, problem)`` for a concrete ``tp`` x ``sp`` layout against the hosts' ``slots`` (processes per
+    host, in rank order) and the model's heads: the rules that need the hostfile and config.json. The plan reports
+    them for the recipe's degrees; ``auto`` keeps only the layouts with none."""
+    out: list[tuple[str, str]] = []
+    group, world = tp * sp, sum(slots)
+    key = "parallel.tp" if tp > 1 else "parallel.sp"
+    if group == 1:
+        return out
+    uneven = [n for n in slots if n % group]
+    if uneven:
+        out.append(
+            (
+                key,
+                f"{_group(tp, sp)} does not divide the {uneven[0]} processes of a host: a tensor- or sequence-parallel "
+                "group stays inside one node; use a divisor of every host's slots",
+            )
+        )
+    if tp > 1 and backend == "fsdp2" and tp == world:
+        out.append(
+            (
+                "parallel.tp",
+                f"{tp} leaves FSDP2 no ranks to shard over (world size {world}; Accelerate refuses dp_shard_size 1 "
+                "under FSDP): use a tp below the world size, or train.backend deepspeed (AutoTP)",
+            )
+        )
+    if tp > 1 and heads is not None and heads % tp:
+        out.append(("parallel.tp", f"{tp} does not divide the model's {heads} attention heads; use a divisor of it"))
+    if tp > 1 and kv_heads is not None and kv_heads % tp:
+        out.append(("parallel.tp", f"{tp} does not divide the model's {kv_heads} key-value heads; use a divisor of it"))
+    if sp > 1 and heads is not None and heads % sp:
+        out.append(
+            (
+                "parallel.sp",
+                f"{sp} does not divide the model's {heads} attention heads (Ulysses gives each rank whole heads); "
+                "use a divisor of it",
+            )
+        )
+    if sp > 1 and kv_heads is not None and kv_heads % sp and sp % kv_heads:
+        out.append(
+            (
+                "parallel.sp",
+                f"{sp} and the model's {kv_heads} key-value heads do not divide one another (DeepSpeed's Ulysses "
+                "needs one to divide the other)",
+            )
+        )
+    if sp > 1 and attn_implementation == "eager":
+        out.append(
+            (
+                "parallel.sp",
+                "Ulysses sequence parallelism cannot use eager attention (config.json attn_implementation: eager; "
+                "it passes position_ids, not an attention mask): use sdpa or flash_attention_2",
+            )
+        )
+    return out
+
+
+def _group(tp: int, sp: int) -> str:
+    """The group's size as the recipe spells it: ``tp 4``, ``sp 2``, or ``tp 2 x sp 2 = 4``."""
+    if tp > 1 and sp > 1:
+        return f"tp {tp} x sp {sp} = {tp * sp}"
+    return f"tp {tp}" if tp > 1 else f"sp {sp}"

@@ -645,6 +645,34 @@ SECTIONS: tuple[Section, ...] = (
         ),
     ),
     Section(
+        "parallel",
+        "Tensor and sequence parallelism inside a node, on top of the data parallelism of zero or fsdp; the "
+        "data-parallel degree is what is left: world size / (tp x sp), and it alone multiplies the micro batch. "
+        "Omit the section (tp: 1, sp: 1) to train data-parallel only.",
+        (
+            _f(
+                "tp",
+                "int|auto",
+                1,
+                "Tensor-parallel degree: ranks of one node that split every layer's weights and activations "
+                "(DeepSpeed AutoTP under train.backend deepspeed, Accelerate's tp_size under fsdp2); must divide "
+                "the attention and key-value heads and cluster.gpus_per_node; auto: 1 unless ftkit plan finds "
+                "data parallelism alone does not fit or is slower.",
+                minimum=1,
+            ),
+            _f(
+                "sp",
+                "int|auto",
+                1,
+                "Sequence-parallel degree (DeepSpeed ALST/Ulysses, Accelerate sp_backend deepspeed; train.backend "
+                "deepspeed): ranks of one node that split every sequence, with two all-to-alls per attention "
+                "layer; must divide the attention heads, cluster.gpus_per_node and data.max_seq_len; needs sdpa or "
+                "flash attention; auto: 1 unless ftkit plan finds data parallelism alone does not fit or is slower.",
+                minimum=1,
+            ),
+        ),
+    ),
+    Section(
         "cluster",
         "Where the job runs.",
         (

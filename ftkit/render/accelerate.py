@@ -47,7 +47,40 @@ def accelerate_dict(plan: Plan, ds_config_path: str | None, machine_rank: int = 
         "same_network": True,
         "use_cpu": plan.recipe.cluster.accelerator == "cpu",
     }
+    parallel = parallelism_config(plan)
+    if parallel:
+        out["parallelism_config"] = parallel
     return out
+
+
+def parallelism_config(plan: Plan) -> dict[str, object]:
+    """accelerate.yaml's ``parallelism_config`` (the keys of ``accelerate config``, as ``accelerate launch`` reads
+    them into PARALLELISM_CONFIG_* for the ranks); empty for data parallelism alone. Sequence parallelism: DeepSpeed's
+    Ulysses (``sp_backend: deepspeed``), the data-parallel ranks as replicas (ZeRO shards over all of them).
+    Tensor parallelism under FSDP2: ``tp_size`` x ``dp_shard_size``; under DeepSpeed, AutoTP's size is in
+    ds_config.json (``tensor_parallel.autotp_size``), which Accelerate reads from there."""
+    prefix = "parallelism_config_"
+    if plan.sp > 1:
+        values: dict[str, object] = {
+            "dp_replicate_size": plan.dp_size,
+            "dp_shard_size": 1,
+            "sp_size": plan.sp,
+            "sp_backend": "deepspeed",
+            "sp_seq_length_is_variable": True,
+            "sp_attn_implementation": sp_attn_implementation(plan),
+        }
+    elif plan.tp > 1 and plan.recipe.train.backend == "fsdp2":
+        values = {"dp_replicate_size": 1, "dp_shard_size": plan.dp_size, "tp_size": plan.tp, "cp_size": 1}
+    else:
+        return {}
+    return {prefix + k: v for k, v in values.items()}
+
+
+def sp_attn_implementation(plan: Plan) -> str:
+    """The attention Ulysses wraps: config.json's when it is a flash attention, else sdpa (eager is refused by the
+    plan, ftkit.recipe.rules.layout_problems)."""
+    attn = str(plan.model_config.get("_attn_implementation") or plan.model_config.get("attn_implementation") or "")
+    return attn if attn.startswith("flash_attention") else "sdpa"
 
 
 def render_accelerate(plan: Plan, ds_config_path: str | None, machine_rank: int = 0) -> str:

@@ -95,6 +95,16 @@ def render_deepspeed(plan: Plan) -> dict[str, object]:
             if key in k:
                 z[key] = k[key].value
     cfg["zero_optimization"] = z
+    # tensor / sequence parallelism (parallel.tp, parallel.sp; ftkit.plan.parallel)
+    if plan.tp > 1:  # DeepSpeed AutoTP: HF Trainer calls deepspeed.tp_model_init with this size
+        cfg["tensor_parallel"] = {"autotp_size": plan.tp}
+    if plan.sp > 1:  # read where no Ulysses mpu is passed (zero.Init): its world is then world / sp
+        cfg["sequence_parallel_size"] = plan.sp
+    if plan.tp * plan.sp > 1:
+        # HF Trainer checks train_batch_size against micro x accumulation x world size, DeepSpeed against micro x
+        # accumulation x its data-parallel ranks (world / sp with Ulysses): written, one of them refuses the file.
+        # Left out, DeepSpeed derives it from the two it is given and HF has nothing to compare.
+        del cfg["train_batch_size"]
     if plan.local_tier is not None and plan.num_nodes > 1:
         # the local checkpoint tier: every node writes its own copy of the shared files (ftkit.checkpoint.tiers)
         cfg["checkpoint"] = {"use_node_local_storage": True}

@@ -45,6 +45,8 @@ not compared    zero.stage, cluster.num_nodes, cluster.gpus_per_node, the job's 
                                                                      fewer ranks are resumed through DeepSpeed's
                                                                      universal checkpoint when ftkit shrinks a job)
 not compared    train.output_dir                                     it is the run directory itself
+impossible      parallel.tp, parallel.sp                             the checkpoint's layout and data order are the
+                                                                     recorded layout's; not re-formed yet
 allowable       train.learning_rate, train.weight_decay,             change the optimizer; the checkpoint restores
                 train.adam_beta1, train.adam_beta2,                  its hyperparameters, so the rank re-applies the
                 train.adam_epsilon                                   new ones after loading it
@@ -241,6 +243,12 @@ POLICY: tuple[tuple[str, tuple[str, ...], str], ...] = (
         SAFE,
         ("fsdp.reshard_after_forward", "fsdp.transformer_layer_cls", "fsdp.cpu_ram_efficient_loading"),
         "same update, other memory or communication scheduling",
+    ),
+    (
+        IMPOSSIBLE,
+        ("parallel.tp", "parallel.sp"),
+        "the checkpoint was saved by the recorded tensor/sequence-parallel layout (AutoTP's or FSDP2's split "
+        "weights, the data order of its data-parallel ranks) and ftkit does not re-form it yet; start a new run",
     ),
 )
 DEFAULT_REASON = "not known to be safe"

@@ -127,6 +127,21 @@ def require_launchable(recipe: Recipe) -> None:
         )
 
 
+def require_launchable_layout(plan: Plan) -> None:
+    """Tensor and sequence parallelism are planned and rendered (ftkit plan, render, import) but the ranks do not set
+    them up yet: refused before anything starts, never run as data parallelism under another name."""
+    if plan.tp * plan.sp > 1:
+        key = "parallel.tp" if plan.tp > 1 else "parallel.sp"
+        raise RecipeError(
+            plan.recipe.problem(
+                key,
+                f"tp {plan.tp} x sp {plan.sp}: ftkit plans and renders this layout, but ftkit launch does not run "
+                "tensor or sequence parallelism yet; use the rendered configs with your own launcher, or set "
+                "parallel.tp and parallel.sp to 1",
+            )
+        )
+
+
 def launch(req: LaunchRequest, echo: Callable[[str], None] = print, warn: Callable[[str], None] | None = None) -> int:
     """Run the job; returns the exit code (docs/exit-codes.md). Raises FtkitError for what ends it before start.
     ``warn`` gets warnings (stderr on the command line)."""
@@ -138,6 +153,7 @@ def launch(req: LaunchRequest, echo: Callable[[str], None] = print, warn: Callab
     # A user command loads its own model: a config.json the plan cannot read limits the plan, not the launch.
     custom = req.command is not None or recipe.train.command is not None
     plan = build_plan(recipe, include=req.include, exclude=req.exclude, unknown_model_ok=custom)
+    require_launchable_layout(plan)
 
     # model.config (checked in) differs from the model's real config.json
     warning = checked_in_drift(plan.recipe.model, plan.recipe.base_dir)

@@ -11,10 +11,11 @@ from ftkit import __version__
 from ftkit.model.config import DEFAULT_REVISION, model_is_hub
 from ftkit.plan.plan import Plan
 from ftkit.recipe.schema import DEEPSPEED_SCHEDULES
+from ftkit.render.accelerate import sp_attn_implementation
 from ftkit.run.fingerprint import compute as compute_fingerprint
 from ftkit.rundir.records import JSON, Fingerprint
 from ftkit.rundir.sections import PeftSection
-from ftkit.rundir.spec import DataSpec, LocalTierSpec, PeftSpec, RunSpec, TrainingArgs
+from ftkit.rundir.spec import DataSpec, LocalTierSpec, ParallelSpec, PeftSpec, RunSpec, TrainingArgs
 
 # TrainingArguments a wrapped script always gets from the recipe (the recipe decides what it states: docs/design.md,
 # Wrapping a user's script): the batch triple, precision, seed, save cadence, step limit, output directory, DeepSpeed
@@ -183,6 +184,22 @@ def build_spec(
         command=list(command) if command else None,
         stated_args=stated_arguments(plan, targs),
         local_tier=local_tier_spec(plan),
+        parallel=parallel_spec(plan),
+    )
+
+
+def parallel_spec(plan: Plan) -> ParallelSpec | None:
+    """What the ranks need to set up tensor/sequence parallelism; None for data parallelism alone."""
+    if plan.tp * plan.sp == 1:
+        return None
+    fsdp2 = plan.recipe.train.backend == "fsdp2"
+    return ParallelSpec(
+        tp=plan.tp,
+        sp=plan.sp,
+        dp=plan.dp_size,
+        tp_engine=("fsdp2" if fsdp2 else "deepspeed-autotp") if plan.tp > 1 else "",
+        sp_backend="deepspeed" if plan.sp > 1 else "",
+        sp_attn_implementation=sp_attn_implementation(plan) if plan.sp > 1 else "",
     )
 
 

@@ -151,6 +151,15 @@ class FsdpSection:
 
 
 @dataclass(frozen=True)
+class ParallelSection:
+    """``parallel``: Tensor and sequence parallelism inside a node, on top of the data parallelism of zero or
+    fsdp."""
+
+    tp: int | str
+    sp: int | str
+
+
+@dataclass(frozen=True)
 class ClusterSection:
     """``cluster``: Where the job runs."""
 
@@ -200,6 +209,7 @@ SECTION_TYPES: dict[str, type] = {
     "checkpoint": CheckpointSection,
     "zero": ZeroSection,
     "fsdp": FsdpSection,
+    "parallel": ParallelSection,
     "cluster": ClusterSection,
     "resilience": ResilienceSection,
 }

@@ -37,6 +37,20 @@ class PeftSpec(TypedDict):
     target_modules: list[str]
 
 
+class ParallelSpec(TypedDict):
+    """Tensor and sequence parallelism as the ranks set them up (the plan's resolved ``parallel`` section): the
+    degrees, the data-parallel degree that alone multiplies the micro batch, which engine splits the layers, and the
+    attention Ulysses wraps. The ranks build Accelerate's ParallelismConfig from it (TrainingArguments'
+    ``parallelism_config``): ``accelerate launch`` also exports it from accelerate.yaml, the other launchers do not."""
+
+    tp: int
+    sp: int
+    dp: int
+    tp_engine: str  # "" (tp 1) | "deepspeed-autotp" (ds_config.json's tensor_parallel) | "fsdp2" (tp_size x FSDP2)
+    sp_backend: str  # "" (sp 1) | "deepspeed" (ALST/Ulysses)
+    sp_attn_implementation: str  # sdpa | flash_attention_2 | flash_attention_3 ("" with sp 1)
+
+
 class LocalTierPlan(TypedDict):
     """The local checkpoint tier as the plan decided it (:meth:`ftkit.plan.tiers.LocalTier.to_json`)."""
 
@@ -141,11 +155,17 @@ class RunSpec:
     # the local checkpoint tier (dir template with {host}, steps, keep, peer_copies, durable_steps, nodes, ssh_config);
     # None: every save goes to the run directory
     local_tier: LocalTierSpec | None = None
+    # tensor/sequence parallelism (parallel.tp, parallel.sp); None: data parallelism alone (and the key is left out of
+    # spec.json, so such a spec reads as before the field existed)
+    parallel: ParallelSpec | None = None
 
     # -------------------------------------------------------------------------------- (de)serialisation
 
     def to_dict(self) -> JSONObject:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if out.get("parallel") is None:
+            out.pop("parallel", None)
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, default=str) + "\n"

@@ -26,8 +26,6 @@ SOURCES = sorted(
 )
 # what a fixture's import needs: --accept (keys it refuses that can be carried without), or refused outright
 ACCEPT = {
-    "ds_z2_autotp.json": "tensor_parallel",
-    "ds_z3_ulysses.json": "sequence_parallel",
     "ds_torch_scheduler.json": "scheduler.type",
     "torchrun_cmd.txt": "warmup_ratio",
     "axolotl_qlora_packing.yml": "load_in_4bit,adapter,datasets,val_set_size,sample_packing,optimizer,special_tokens,"
@@ -44,6 +42,7 @@ REFUSED_OUTRIGHT = {  # fixture -> the start of its refusal, which names the fil
     "llamafactory_dpo.yaml": "llamafactory_dpo.yaml:2 stage: stage dpo",
     "axolotl_dpo.yml": "axolotl_dpo.yml:2 rl: rl dpo",
     "axolotl_tp_sp.yml": "axolotl_tp_sp.yml:10 tensor_parallel_size: tensor parallelism (size 2)",
+    "accelerate_fsdp2_cp.yaml": "accelerate_fsdp2_cp.yaml:12 parallelism_config.parallelism_config_cp_size: context",
 }
 
 

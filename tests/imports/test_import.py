@@ -155,7 +155,7 @@ ROUND_TRIPS = [
     ("ds_z2_offload.json", "", "transformers ds_config_zero2: offload, 2e8 buckets, WarmupLR autos"),
     ("ds_z2_offload_rr.json", "", "LLaMA-Factory ds_z2_offload: round_robin_gradients, pin_memory"),
     ("ds_z2_torch_adam.json", "", "accelerate zero_stage2: torch_adam, adam_w_mode, WarmupDecayLR"),
-    ("ds_z2_autotp.json", "tensor_parallel", "LLaMA-Factory ds_z2_autotp: AutoTP, a _comment key"),
+    ("ds_z2_autotp.json", "", "LLaMA-Factory ds_z2_autotp: AutoTP (parallel.tp 2), a _comment key"),
     ("ds_z3.json", "", "Axolotl zero3: sub_group_size 0, live/reuse 0, auto buckets"),
     ("ds_z3_offload_all.json", "", "Axolotl zero3_bf16_cpuoffload_all: unprefixed aliases, force_ds_cpu_optimizer"),
     ("ds_z3_partial_offload.json", "", "LLaMA-Factory ds_z3_partial_offload: pin_memory false, 1e9 limits"),
@@ -166,7 +166,8 @@ ROUND_TRIPS = [
     ("ds_onecycle.json", "", "DeepSpeed's OneCycle tutorial: stairs, decay, momentum cycling"),
     ("ds_lrrangetest.json", "", "DeepSpeed's LR range test tutorial: staircase"),
     ("ds_z2_monitors.json", "", "autotuning, flops profiler, comms logger, tensorboard/wandb/csv monitors"),
-    ("ds_z3_ulysses.json", "sequence_parallel", "LLaMA-Factory ds_z3_alst: Ulysses, bf16 loss keys"),
+    ("ds_z3_ulysses.json", "", "LLaMA-Factory ds_z3_alst: Ulysses (parallel.sp 4), bf16 loss keys"),
+    ("ds_alst.json", "", "DeepSpeed's ALST tutorial: sequence_parallel_size 2 at ZeRO-3"),
 ]
 
 
@@ -230,7 +231,11 @@ def test_aliases_and_deprecated_spellings_normalised(here, tmp_path, model_dir):
 
 REFUSED = [
     ("ds_z3_fp8.json", "ds_z3_fp8.json fp8: fp8 training (Transformer Engine) is not supported by ftkit"),
-    ("ds_z2_autotp.json", "ds_z2_autotp.json tensor_parallel: DeepSpeed AutoTP tensor parallelism"),
+    (
+        "accelerate_fsdp2_cp.yaml",
+        "accelerate_fsdp2_cp.yaml:12 parallelism_config.parallelism_config_cp_size: context parallelism (ring "
+        "attention) is not supported by ftkit",
+    ),
     ("ds_z3_concrete.json", "ds_z3_concrete.json zero_optimization.reduce_bucket_size: must be at least 1; got 0"),
     ("ds_torch_scheduler.json", "ds_torch_scheduler.json scheduler.type: schedule StepLR (DeepSpeed builds other"),
     (
@@ -257,10 +262,11 @@ def test_refused_with_one_line_exit_2_nothing_written(here, tmp_path, fixture, l
 
 def test_accept_carries_on_and_says_what_changes(here, tmp_path, model_dir):
     out = tmp_path / "recipe.yaml"
-    r = _cli("import", "ds_z2_autotp.json", "-o", str(out), "--model", str(model_dir), "--accept", "tensor_parallel")
+    key = "parallelism_config.parallelism_config_cp_size"
+    r = _cli("import", "accelerate_fsdp2_cp.yaml", "-o", str(out), "--model", str(model_dir), "--accept", key)
     assert r.exit_code == 0, r.output
-    assert "ds_z2_autotp.json tensor_parallel: accepted (--accept), not carried: DeepSpeed AutoTP" in r.output
-    assert "#   ds_z2_autotp.json tensor_parallel: DeepSpeed AutoTP" in out.read_text()
+    assert f"accelerate_fsdp2_cp.yaml:12 {key}: accepted (--accept), not carried: context parallelism" in r.output
+    assert f"#   accelerate_fsdp2_cp.yaml {key}: context parallelism (ring attention)" in out.read_text()
     r = _cli("import", "ds_z3.json", "-o", str(tmp_path / "x.yaml"), "--accept", "tensor_paralel")
     assert r.exit_code == 2 and "--accept tensor_paralel: matches no refused key" in r.output
 
@@ -600,7 +606,9 @@ def _as_deepspeed_sees_it(cfg: dict, world: int, monkeypatch) -> dict:
 
     monkeypatch.setattr(dsc.dist, "get_rank", lambda *a, **k: 0)
     monkeypatch.setattr(dsc.dist, "get_world_size", lambda *a, **k: world)
-    not_carried = ("scheduler", "tensor_parallel", "sequence_parallel", "compile")  # named in the report
+    # named in the report; sequence_parallel_size: DeepSpeed then counts world / sp data-parallel ranks, which HF's
+    # train_batch_size (world x micro x accumulation) does not: the batch is compared as HF fills it
+    not_carried = ("scheduler", "tensor_parallel", "sequence_parallel", "sequence_parallel_size", "compile")
     cfg = {k: v for k, v in cfg.items() if k not in not_carried}
     if isinstance(cfg.get("bf16"), dict):  # loss-scale keys in the bf16 block: named in the report
         cfg["bf16"] = {"enabled": cfg["bf16"].get("enabled", False)}
