@@ -43,6 +43,7 @@ def test_a_lock_a_killed_rank_left_is_removed_by_the_next_ranks_start_up(tmp_pat
     assert lines[-1] == "held"  # the op loads: without the removal torch would wait on the file forever
 
 
+@pytest.mark.heavy  # torch's own FileBaton, in a process of its own
 def test_a_baton_given_back_leaves_no_record(tmp_path: Path) -> None:
     records, lock = tmp_path / "batons", tmp_path / "ext" / "op" / "lock"
     proc = holding_rank(records, lock, give_back=True)
