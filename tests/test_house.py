@@ -304,3 +304,21 @@ def test_the_rank_restates_no_default_of_a_recipe_value():
 )
 def test_the_default_check_sees_the_old_reads(code):
     assert rank_side_defaults(ast.parse(code)), code
+
+
+def test_every_folder_has_a_face():
+    """Each package's ``__init__.py`` says what the folder offers (issue 39): a docstring, and where the folder's
+    face is its modules (nothing imported there, so importing the folder costs nothing), ``__all__`` names each one."""
+    faceless, stale = [], []
+    for init in sorted((REPO / "ftkit").glob("*/__init__.py")):
+        tree = ast.parse(init.read_text())
+        if not ast.get_docstring(tree):
+            faceless.append(str(init.relative_to(REPO)))
+        if any(isinstance(n, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)) for n in tree.body):
+            continue  # a folder whose face is what its __init__ defines or re-exports (render, export, ...)
+        assigned = {t.id: n.value for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if t.id}
+        names = ast.literal_eval(assigned["__all__"]) if "__all__" in assigned else None
+        modules = sorted(p.stem for p in init.parent.glob("*.py") if p.stem != "__init__")
+        if names != modules:
+            stale.append(f"{init.relative_to(REPO)}: __all__ {names} is not the folder's modules {modules}")
+    assert not faceless and not stale, faceless + stale
