@@ -165,24 +165,24 @@ MUTANTS = (
         "        return {k: self.text(v) for k, v in env.items()}",
         REDACT,
     ),
-    # the run directory's owner lock (ftkit/run/owner.py)
+    # the run directory's owner lock (ftkit/run/ownership.py)
     Mutant(
         "owner: a live owner is taken over",
-        "ftkit/run/owner.py",
+        "ftkit/run/ownership.py",
         '                if state == "alive":\n                    raise RunBusy',
         "                if False:\n                    raise RunBusy",
         OWNER,
     ),
     Mutant(
         "owner: an unreachable owner is taken over without --takeover",
-        "ftkit/run/owner.py",
+        "ftkit/run/ownership.py",
         '                if state == "unknown" and not takeover:',
         "                if False:",
         OWNER,
     ),
     Mutant(
         "owner: a dead supervisor's running ranks are ignored",
-        "ftkit/run/owner.py",
+        "ftkit/run/ownership.py",
         "                if not takeover:\n",
         "                if False:\n",
         OWNER,

@@ -130,7 +130,7 @@ def _job(recipe: str, overrides: list[str], workdir: Path) -> tuple[Any, dict[st
     """The plan and the rank-side job of one case (its DeepSpeed config, with the comms logger, in ``workdir``)."""
     from ftkit.plan.load import load_and_plan
     from ftkit.render.deepspeed import render_deepspeed
-    from ftkit.run.spec import training_arguments
+    from ftkit.run.make_spec import training_arguments
 
     plan = load_and_plan(recipe, overrides)
     cfg = render_deepspeed(plan)

@@ -3,7 +3,7 @@
 A rank whose ``ftkit launch`` is gone (SIGKILLed, its terminal or ssh session closed, its head node lost) must not
 train on unwatched, holding GPUs with no hang detection and no restarts. A daemon thread in every rank looks every
 :data:`POLL_S` seconds at the run's owner record and the supervisor heartbeat (``ftkit/owner.json``,
-``ftkit/supervisor.json``, see :mod:`ftkit.run.owner`):
+``ftkit/supervisor.json``, see :mod:`ftkit.run.ownership`):
 
 * the supervisor counts as *seen* when its pid (with its start time) is alive on this host, or when the heartbeat's
   content changed since the last look (timed on this rank's own monotonic clock, so clock skew between hosts and

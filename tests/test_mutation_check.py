@@ -24,7 +24,7 @@ def test_every_mutant_still_applies_to_the_code_it_names():
         "ftkit/supervise/choose.py",
         "ftkit/supervise/fidelity.py",
         "ftkit/rundir/env.py",
-        "ftkit/run/owner.py",
+        "ftkit/run/ownership.py",
     }
     for m in mc.MUTANTS:
         src = (REPO / m.path).read_text()

@@ -12,9 +12,9 @@ from ftkit.errors import ExitCode
 from ftkit.plan.candidates import plan_candidate
 from ftkit.plan.comm import fmt_bytes
 from ftkit.plan.load import PlanReport, plan_report
+from ftkit.plan.local_tier import local_tier_line
 from ftkit.plan.parallel import layout_table, layouts_dict
 from ftkit.plan.speed import expected_error_line
-from ftkit.plan.tiers import local_tier_line
 from ftkit.plan.types import HEADROOM, Plan
 from ftkit.run.probe import probe_and_plan
 

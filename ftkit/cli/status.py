@@ -9,7 +9,7 @@ import click
 
 from ftkit.cli.options import json_option, ssh_config_option
 from ftkit.errors import Problem, UserError
-from ftkit.run.owner import liveness
+from ftkit.run.ownership import liveness
 from ftkit.run.status import VerifyFailed, format_summary, plot_losses, plot_target, summarize
 
 

@@ -7,7 +7,7 @@ import sys
 import click
 
 from ftkit.cli.options import ssh_config_option
-from ftkit.run.owner import stop_run
+from ftkit.run.ownership import stop_run
 
 
 @click.command(

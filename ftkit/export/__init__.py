@@ -32,12 +32,13 @@ from pathlib import Path
 from ftkit.checkpoint.checksums import full_checksum
 from ftkit.checkpoint.commit import write_commit
 from ftkit.checkpoint.layout import _fsync_path
-from ftkit.checkpoint.verify import verify as verify_checkpoint  # ftkit.export.verify is a submodule
+from ftkit.checkpoint.verify import verify as verify_checkpoint  # ftkit.export.logits is a submodule
 from ftkit.cluster.procs import is_alive
 from ftkit.errors import ExitCode, ExportMismatch, FtkitError, Problem, UserError
 from ftkit.export import card, weights
 from ftkit.export import weights as w
 from ftkit.export.card import read_record
+from ftkit.export.logits import Verdict, prove
 from ftkit.export.lora import adapter_entries, lora_math, merge_transform
 from ftkit.export.source import (
     ADAPTER_CONFIG,
@@ -55,7 +56,6 @@ from ftkit.export.source import (
     run_facts,
     unheld,
 )
-from ftkit.export.verify import Verdict, prove
 from ftkit.export.weights import OUT_DTYPES, Reader, parse_size
 from ftkit.run.fingerprint import changed_weights
 from ftkit.rundir.outputs import run_state

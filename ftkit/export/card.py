@@ -16,8 +16,8 @@ from typing import TypedDict, cast
 from ftkit import __version__
 from ftkit.cluster.pkgversions import versions
 from ftkit.errors import Problem, UserError
+from ftkit.export.logits import FP32_ATOL, Verdict, VerdictRecord
 from ftkit.export.source import RunFacts, Source
-from ftkit.export.verify import FP32_ATOL, Verdict, VerdictRecord
 from ftkit.export.weights import human
 from ftkit.rundir.records import Fingerprint, JSONObject
 

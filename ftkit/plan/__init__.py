@@ -18,6 +18,8 @@ What the folder offers, one module each (imported where used: importing the fold
 * :mod:`.knobs`: Every knob the rendered configs carry, decided in one place with its reason (docs/design.md,
   Rendering rules).
 * :mod:`.load`: The steps every config-producing command shares: load the recipe, plan, render (no writing here).
+* :mod:`.local_tier`: The local checkpoint tier of a plan: where on each node, how often, and how much host memory
+  it takes.
 * :mod:`.memory`: Per-GPU (and per-node host) memory of a fine-tuning run, for every ZeRO stage and offload choice.
 * :mod:`.parallel`: Tensor and sequence parallelism in the plan: the layouts a recipe allows, how each fits and
   runs, and ``auto``.
@@ -26,8 +28,6 @@ What the folder offers, one module each (imported where used: importing the fold
   profile.
 * :mod:`.speed`: Step time without communication: GPU work, host overheads, the optimizer step, offload
   (docs/design.md, Communication model; :func:`ftkit.plan.comm.predict` adds the exposed communication).
-* :mod:`.tiers`: The local checkpoint tier of a plan: where on each node, how often, and how much host memory it
-  takes.
 * :mod:`.types`: The plan's records, below everything else in ``plan/``: the inputs gathered at the edge
   (:class:`PlanInputs`), the result (:class:`Plan`, each knob with its reason) and the memory and step-time report
   (:class:`MemoryReport`).
@@ -41,11 +41,11 @@ __all__ = [
     "inputs",
     "knobs",
     "load",
+    "local_tier",
     "memory",
     "parallel",
     "plan",
     "profile",
     "speed",
-    "tiers",
     "types",
 ]

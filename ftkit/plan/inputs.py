@@ -28,9 +28,9 @@ from ftkit.model.shape import (
 )
 from ftkit.plan.calibrate import stored_calibration
 from ftkit.plan.comm import resolve_gpu, resolve_network
+from ftkit.plan.local_tier import measured_costs
 from ftkit.plan.memory import PRECISION_BYTES
 from ftkit.plan.profile import Loaded, Request, closed_form, load_profile, request_for
-from ftkit.plan.tiers import measured_costs
 from ftkit.plan.types import PlanInputs
 from ftkit.recipe.load import CLI, DEFAULT, Recipe
 from ftkit.rundir.records import JSONObject

@@ -24,10 +24,10 @@ from ftkit.plan.comm import ZeroPP
 from ftkit.plan.fsdp import resolve_fsdp
 from ftkit.plan.inputs import gather, resolve_cluster
 from ftkit.plan.knobs import decide_config_knobs, decide_zero_knobs
+from ftkit.plan.local_tier import plan_local_tier
 from ftkit.plan.memory import PRECISION_BYTES, Candidate, Fsdp2
 from ftkit.plan.parallel import layout_facts, note_layout, resolve_layout
 from ftkit.plan.speed import Calibration, CalPoint, fit
-from ftkit.plan.tiers import plan_local_tier
 from ftkit.plan.types import Knob, KnobValue, MemoryReport, Plan, PlanInputs
 from ftkit.recipe.load import CLI, DEFAULT, Recipe
 from ftkit.recipe.rules import layout_problems
@@ -333,7 +333,7 @@ def _resolve_backend(plan: Plan, with_memory: bool, strict: bool) -> None:
 
 
 def _resolve_local_tier(plan: Plan) -> None:
-    """checkpoint.local_dir / local_steps, with the memory the tier needs per node (ftkit.plan.tiers)."""
+    """checkpoint.local_dir / local_steps, with the memory the tier needs per node (ftkit.plan.local_tier)."""
     r = plan.recipe
     rep = plan.memory
     total = rep.shape.total_params if rep is not None else None

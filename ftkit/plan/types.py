@@ -17,10 +17,10 @@ from ftkit.cluster.hosts import LOCAL_HOSTS
 from ftkit.errors import Problem, RecipeError
 from ftkit.model.shape import ModelShape
 from ftkit.plan.comm import Network, Prediction
+from ftkit.plan.local_tier import LocalTier
 from ftkit.plan.memory import Candidate, Choice, Estimate, Workload
 from ftkit.plan.profile import Profile
 from ftkit.plan.speed import Calibration
-from ftkit.plan.tiers import LocalTier
 from ftkit.recipe.load import Recipe
 from ftkit.recipe.schema import Value
 from ftkit.rundir.records import JSONObject
@@ -120,7 +120,7 @@ class Plan:
     model_config_label: str = ""
     # what the plan could not estimate (a user command's model whose config.json cannot be read): one line each
     unknown: list[str] = field(default_factory=list)
-    local_tier: LocalTier | None = None  # the node-local checkpoint tier (ftkit.plan.tiers), None: off
+    local_tier: LocalTier | None = None  # the node-local checkpoint tier (ftkit.plan.local_tier), None: off
     local_tier_off: str = ""  # why it is off
     # train.backend auto: the memory and step-time plan across both backends that chose this plan's backend
     backend_report: MemoryReport | None = None

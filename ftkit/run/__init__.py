@@ -11,16 +11,16 @@ What the folder offers, one module each (imported where used: importing the fold
 * :mod:`.fingerprint`: What shapes a run, recorded with every checkpoint and compared when a run resumes.
 * :mod:`.job`: ``ftkit launch`` as a library call: plan → own the run directory → preflight → decide the resume →
   write the run's configs and spec → supervise → summary.
+* :mod:`.make_spec`: The run spec: everything a rank needs, computed once on the head node from the Plan and written
+  to ``ftkit/spec.json`` in the run directory.
 * :mod:`.ops`: DeepSpeed's compiled ops at launch: settle what the optimizer needs from what every host has, and
   build what is missing once per host before any rank starts (docs/design.md, Rendering rules; issue 35).
-* :mod:`.owner`: Who owns a run directory: one live supervisor per run (docs/design.md, Run directory).
+* :mod:`.ownership`: Who owns a run directory: one live supervisor per run (docs/design.md, Run directory).
 * :mod:`.preflight`: Checks before anything is spawned: hosts reachable, run directory writable, master port free,
   same Python and key package versions everywhere.
 * :mod:`.prepare`: Prepare a run directory: render the configs the run will use and write the spec every rank reads.
 * :mod:`.probe`: ``ftkit plan --probe``: measure the fastest candidates on one GPU of this machine, then calibrate
   the plan with them.
-* :mod:`.spec`: The run spec: everything a rank needs, computed once on the head node from the Plan and written to
-  ``ftkit/spec.json`` in the run directory.
 * :mod:`.status`: Summaries of a run directory: attempts, restarts, steps, losses and eval losses, checkpoints
   (committed or rejected, why), Slurm job events, and hosts that straggle.
 * :mod:`.submit`: ``ftkit submit``: a Slurm batch script for a recipe, written into the run directory and handed to
@@ -32,12 +32,12 @@ __all__ = [
     "doctor_checks",
     "fingerprint",
     "job",
+    "make_spec",
     "ops",
-    "owner",
+    "ownership",
     "preflight",
     "prepare",
     "probe",
-    "spec",
     "status",
     "submit",
 ]

@@ -48,7 +48,7 @@ from ftkit.command.engines import forwarded_env
 from ftkit.errors import PreflightError
 from ftkit.plan.comm import BANDWIDTH_FILE_VERSION, DEFAULT_NETWORK, NETWORK_PRESETS, bandwidth_file
 from ftkit.plan.knobs import compiled_ops, ops_reason
-from ftkit.plan.tiers import shm_bytes
+from ftkit.plan.local_tier import shm_bytes
 from ftkit.run.doctor_checks import (
     AllReduceTiming,
     Bandwidth,

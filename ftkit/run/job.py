@@ -2,7 +2,7 @@
 run's configs and spec → supervise → summary.
 
 The order is the contract of docs/design.md, Run directory: nothing of the run directory (spec, configs,
-checkpoints) is written before the run is owned (:mod:`ftkit.run.owner`) and the resume decision is made: which
+checkpoints) is written before the run is owned (:mod:`ftkit.run.ownership`) and the resume decision is made: which
 checkpoint, and whether what changed since it was saved may be applied (:mod:`ftkit.run.fingerprint`). A refused
 launch leaves the directory as it found it.
 """
@@ -30,7 +30,7 @@ from ftkit.report.live import ReportRefresher, plan_record
 from ftkit.run.doctor import build_env, cheap_checks
 from ftkit.run.fingerprint import compare, compute
 from ftkit.run.ops import settle_optimizer, warm_up
-from ftkit.run.owner import Ownership, owner_state, stop_leftovers
+from ftkit.run.ownership import Ownership, owner_state, stop_leftovers
 from ftkit.run.prepare import prepare_run
 from ftkit.run.status import format_summary, summarize
 from ftkit.rundir.env import read_deepspeed_env

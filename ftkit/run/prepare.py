@@ -6,7 +6,7 @@ import json
 
 from ftkit.plan.plan import Plan
 from ftkit.render import render_files, write_files
-from ftkit.run.spec import build_spec
+from ftkit.run.make_spec import build_spec
 from ftkit.rundir.layout import RunDir, atomic_write
 from ftkit.rundir.records import JSON, Fingerprint
 

@@ -152,7 +152,7 @@ class RunSummary:
     final_problem: str | None = None  # final/ exists but does not verify
     verified: bool = False  # checkpoints were checked against their checksums, not only sizes
     skipped: dict[str, int] = field(default_factory=dict)  # file name -> malformed lines skipped
-    running: str | None = None  # who runs it now, or that its ranks run unsupervised (ftkit.run.owner.liveness)
+    running: str | None = None  # who runs it now, or that its ranks run unsupervised (ftkit.run.ownership.liveness)
     eval_losses: list[tuple[int, float, int]] = field(default_factory=list)  # (step, eval loss, attempt), latest
     slurm: list[SlurmEvent] = field(default_factory=list)  # {"job_id", "restart_count", "reason"} events
     stragglers: list[str] = field(default_factory=list)  # one line per slow host (ftkit.supervise.stragglers)

@@ -14,7 +14,7 @@ What the folder offers, one module each (imported where used: importing the fold
 * :mod:`.outputs`: Where a command may write what the user asked for (``ftkit report -o``, ``ftkit status --plot``,
   ``ftkit export -o``): the rules every such path obeys, in one place.
 * :mod:`.owner`: Who owns a run directory: the owner record (``ftkit/owner.json``: host, pid, process start time,
-  boot) and the supervisor heartbeat's cadence, read by the supervisor (:mod:`ftkit.run.owner` holds the ownership
+  boot) and the supervisor heartbeat's cadence, read by the supervisor (:mod:`ftkit.run.ownership` holds the ownership
   itself) and by every rank's watchdog (:mod:`ftkit.launch.watchdog`).
 * :mod:`.records`: The JSON records ranks leave in the run directory, as types: what each file holds, so readers
   (the supervisor, ``ftkit status``, teardown, the doctor) are checked against what writers write.

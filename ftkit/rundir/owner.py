@@ -1,5 +1,5 @@
 """Who owns a run directory: the owner record (``ftkit/owner.json``: host, pid, process start time, boot) and the
-supervisor heartbeat's cadence, read by the supervisor (:mod:`ftkit.run.owner` holds the ownership itself) and by
+supervisor heartbeat's cadence, read by the supervisor (:mod:`ftkit.run.ownership` holds the ownership itself) and by
 every rank's watchdog (:mod:`ftkit.launch.watchdog`). Standard library only."""
 
 from __future__ import annotations

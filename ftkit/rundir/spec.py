@@ -1,7 +1,7 @@
 """What crosses from the controller to the ranks, as one typed structure both sides import.
 
-``ftkit launch`` writes a :class:`RunSpec` to ``RUN/ftkit/spec.json`` (:func:`ftkit.run.spec.build_spec`); every rank
-reads it back with :meth:`RunSpec.read` (:mod:`ftkit.hf`). Field names are attributes, not string keys: a renamed
+``ftkit launch`` writes a :class:`RunSpec` to ``RUN/ftkit/spec.json`` (:func:`ftkit.run.make_spec.build_spec`); every
+rank reads it back with :meth:`RunSpec.read` (:mod:`ftkit.hf`). Field names are attributes, not string keys: a renamed
 field fails a type check (mypy/pyright) and, at run time, :meth:`RunSpec.from_dict` refuses a file whose fields
 differ from this class with one line naming them, instead of a ``KeyError`` deep inside a rank.
 
@@ -52,7 +52,7 @@ class ParallelSpec(TypedDict):
 
 
 class LocalTierPlan(TypedDict):
-    """The local checkpoint tier as the plan decided it (:meth:`ftkit.plan.tiers.LocalTier.to_json`)."""
+    """The local checkpoint tier as the plan decided it (:meth:`ftkit.plan.local_tier.LocalTier.to_json`)."""
 
     dir: str  # a template: {host} becomes the node's name
     steps: int  # a local save every this many optimizer steps
@@ -64,7 +64,7 @@ class LocalTierPlan(TypedDict):
 
 
 class LocalTierSpec(LocalTierPlan):
-    """What the ranks and their agents need of the local checkpoint tier (:func:`ftkit.run.spec.local_tier_spec`):
+    """What the ranks and their agents need of the local checkpoint tier (:func:`ftkit.run.make_spec.local_tier_spec`):
     every key present, resolved on the head node."""
 
     durable_steps: int  # copies to the run directory: train.save_steps' cadence
@@ -74,7 +74,7 @@ class LocalTierSpec(LocalTierPlan):
 
 class TrainingArgs(TypedDict, total=False):
     """The keyword arguments of ``transformers.TrainingArguments`` ftkit states
-    (:func:`ftkit.run.spec.training_arguments`)."""
+    (:func:`ftkit.run.make_spec.training_arguments`)."""
 
     output_dir: str
     per_device_train_batch_size: int

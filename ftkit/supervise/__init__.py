@@ -26,7 +26,7 @@ What the folder offers, one module each (imported where used: importing the fold
   ranks.
 * :mod:`.supervisor`: Supervision as a fixed script: resume → spawn → monitor → tear down → decide → (back off,
   again).
-* :mod:`.tiers`: Resume across checkpoint tiers, and the local tiers' end (:mod:`ftkit.checkpoint.tiers`).
+* :mod:`.tier_resume`: Resume across checkpoint tiers, and the local tiers' end (:mod:`ftkit.checkpoint.tiers`).
 * :mod:`.universal`: Resuming on a different world size: convert a committed ZeRO checkpoint to DeepSpeed's
   universal format.
 """
@@ -46,6 +46,6 @@ __all__ = [
     "stopping",
     "stragglers",
     "supervisor",
-    "tiers",
+    "tier_resume",
     "universal",
 ]

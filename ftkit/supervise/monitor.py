@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from ftkit.supervise.events import Events
     from ftkit.supervise.observe import Observer
     from ftkit.supervise.stopping import StopControl
-    from ftkit.supervise.tiers import LocalTier
+    from ftkit.supervise.tier_resume import LocalTier
 
 UNWATCHED = (
     "the script has built no HF Trainer and does not call ftkit.hf.step(): ftkit cannot see its steps, so it cannot "

@@ -4,7 +4,7 @@
 
 * **choose** (:func:`ftkit.supervise.choose.select`, read-only): the newest checkpoint whose commit record verifies,
   every byte checked;
-* **tiers** (:class:`ftkit.supervise.tiers.LocalTier`): a newer step verified on every node's local tier wins; one
+* **tiers** (:class:`ftkit.supervise.tier_resume.LocalTier`): a newer step verified on every node's local tier wins; one
   the survivors assemble in the run directory from peer copies is chosen again, as a durable checkpoint;
 * **carry it out** (:meth:`Resumer.apply`): log the rejected checkpoints, set newer torn ones aside (so the resumed
   run can write that step again) and, after a shrink, convert the newest checkpoint of the old world size to
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from ftkit.plan.plan import Plan
     from ftkit.rundir.layout import RunDir
     from ftkit.rundir.records import EventSink
-    from ftkit.supervise.tiers import LocalTier, TierChoice
+    from ftkit.supervise.tier_resume import LocalTier, TierChoice
 
 
 class Replanner(Protocol):

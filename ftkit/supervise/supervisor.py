@@ -2,7 +2,7 @@
 
 * **resume** (:class:`ftkit.supervise.resume.Resumer`) makes one decision per attempt: the newest checkpoint whose
   commit record verifies, every byte checked; a newer step verified on every node's local tier, or assembled from
-  peer copies (:class:`ftkit.supervise.tiers.LocalTier`); a universal conversion after a shrink. Rejected
+  peer copies (:class:`ftkit.supervise.tier_resume.LocalTier`); a universal conversion after a shrink. Rejected
   checkpoints are logged and newer torn ones set aside, so the resumed run can write that step again.
 * **spawn** starts the engine's processes (:mod:`ftkit.supervise.attempt`); **monitor**
   (:class:`ftkit.supervise.monitor.Monitor`) watches their exits, every rank's heartbeat, error records, and what
@@ -56,7 +56,7 @@ from ftkit.supervise.resume import Replanner, Resume, Resumer
 from ftkit.supervise.shrink import probe_hosts
 from ftkit.supervise.stopping import StopControl
 from ftkit.supervise.stragglers import record_step_times
-from ftkit.supervise.tiers import Agents, LocalTier
+from ftkit.supervise.tier_resume import Agents, LocalTier
 
 if TYPE_CHECKING:
     from ftkit.rundir.sections import ResilienceSection

@@ -577,7 +577,7 @@ def _hf_filled(source: dict, plan, tmp_path: Path, num_training_steps: int = 100
 
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig, unset_hf_deepspeed_config
 
-    from ftkit.run.spec import training_arguments
+    from ftkit.run.make_spec import training_arguments
 
     ta = {
         "fp16_full_eval": False,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ftkit.plan.plan import build_plan
 from ftkit.recipe.load import load_recipe
-from ftkit.run.spec import build_spec
+from ftkit.run.make_spec import build_spec
 from ftkit.rundir.layout import RunDir
 from tests.helpers.paths import REPO
 

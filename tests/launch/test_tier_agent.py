@@ -26,7 +26,7 @@ from ftkit.checkpoint.layout import COMMIT_FILE
 from ftkit.checkpoint.tiers import TierUnsafe, write_set_record
 from ftkit.rundir.layout import RunDir
 from ftkit.rundir.spec import RunSpec
-from ftkit.supervise.tiers import Agents, discard_stale, end_local_tier
+from ftkit.supervise.tier_resume import Agents, discard_stale, end_local_tier
 from tests.helpers.ckpt import make_ckpt
 from tests.helpers.paths import REPO
 from tests.helpers.rundir import tier_run

@@ -1,12 +1,12 @@
 """The local checkpoint tier in the plan: where, how often, the host memory per node, or why it is off
-(:mod:`ftkit.plan.tiers`); the Young/Daly cadence."""
+(:mod:`ftkit.plan.local_tier`); the Young/Daly cadence."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
-from ftkit.plan.tiers import checkpoint_bytes_per_node, young_daly_steps
+from ftkit.plan.local_tier import checkpoint_bytes_per_node, young_daly_steps
 from tests.helpers.runs import ftkit
 from tests.helpers.runs import write_recipe as _write_recipe
 

@@ -420,7 +420,7 @@ def test_eval_and_report_to_reach_training_arguments_that_transformers_accepts(w
     from transformers import TrainingArguments
 
     from ftkit.plan.plan import build_plan
-    from ftkit.run.spec import training_arguments
+    from ftkit.run.make_spec import training_arguments
     from ftkit.rundir.layout import tensorboard_dir
 
     base = ["cluster.accelerator=cpu", "cluster.gpus_per_node=2", "train.precision=fp32", "train.save_steps=6"]

@@ -12,7 +12,7 @@ import yaml
 
 from ftkit.plan.load import load_and_plan
 from ftkit.render import ACCELERATE_FILE, DS_FILE, render_files
-from ftkit.run.spec import training_arguments
+from ftkit.run.make_spec import training_arguments
 
 # DeepSpeed's and Accelerate's own config checks, in-process (imported by the tests, not at collection: the quick
 # tier's workers collect this module too and must not load the training stack)
@@ -146,7 +146,7 @@ def test_degrees_of_one_render_as_before(write_recipe, tmp_path):
 
 
 def test_the_run_spec_carries_the_layout_for_the_ranks(write_recipe, tmp_path):
-    from ftkit.run.spec import build_spec
+    from ftkit.run.make_spec import build_spec
     from ftkit.rundir.spec import RunSpec
 
     plan, _ = _render(write_recipe, tmp_path, SP)

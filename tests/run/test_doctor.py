@@ -18,7 +18,7 @@ import yaml
 
 from ftkit.cluster import buildlocks
 from ftkit.errors import PreflightError
-from ftkit.plan.tiers import shm_bytes
+from ftkit.plan.local_tier import shm_bytes
 from ftkit.run.doctor import cheap_checks
 from ftkit.run.doctor_checks import DoctorReport, _ifname_matches, check_facts, check_locks, format_report
 from tests.helpers.doctor import build_lock, clean_ftkit, failures, holding_rank, local_recipe, read_until

@@ -16,7 +16,7 @@ import pytest
 
 from ftkit.cluster.procs import proc_start_time
 from ftkit.errors import ExitCode, RunBusy
-from ftkit.run.owner import Leftovers, Ownership, leftovers, owner_state
+from ftkit.run.ownership import Leftovers, Ownership, leftovers, owner_state
 from ftkit.rundir.layout import RunDir
 from ftkit.rundir.owner import Owner, read_owner
 from launch.watchdog import SupervisorWatchdog
@@ -235,7 +235,7 @@ def test_watchdog_trusts_a_pid_only_on_the_same_running_kernel(tmp_path, sleeper
 
 
 def test_status_line_says_who_runs_the_run_or_that_its_ranks_run_unsupervised(tmp_path, sleeper):
-    from ftkit.run.owner import liveness
+    from ftkit.run.ownership import liveness
 
     rd = RunDir(tmp_path / "run")
     rd.meta.mkdir(parents=True)

@@ -13,7 +13,7 @@ from ftkit.checkpoint.directory import record_save_begun
 from ftkit.errors import ExitCode, UserError
 from ftkit.rundir.layout import RunDir
 from ftkit.supervise.resume import Resumer
-from ftkit.supervise.tiers import LocalTier, TierChoice
+from ftkit.supervise.tier_resume import LocalTier, TierChoice
 from tests.helpers.ckpt import commit, flip_byte, make_ckpt
 
 HOSTS = ["node0", "node1"]
