@@ -262,7 +262,8 @@ def test_a_relaunch_of_a_finished_run_removes_the_tier_its_orphans_left_and_stat
     template = _planned_tier(recipe)
     spec = json.loads((run / "ftkit" / "spec.json").read_text())
     spec["local_tier"] = {"dir": template, "steps": 1, "keep": 2, "peer_copies": 0, "durable_steps": 4}
-    spec["local_tier"]["nodes"] = ["localhost"]
+    spec["local_tier"] |= {"bytes_per_node": 0, "host_gb_per_node": 0.0, "why": "the orphans' tier"}
+    spec["local_tier"] |= {"nodes": ["localhost"], "ssh_config": None}  # every key a spec has (RunSpec.from_dict)
     (run / "ftkit" / "spec.json").write_text(json.dumps(spec))
     node = open_tier(template, "localhost")
     assert node is not None
