@@ -43,7 +43,7 @@ install: $(STAMP)
 # (names: a module such as deepspeed, multinode, slurm, chromium; or all).
 TIER_fast        := -n 3 -m "not slow and not multinode and not slurm and not heavy"
 TIER_heavy       := -n 2 -m "heavy and not slow and not multinode and not slurm"
-TIER_integration := -n 2 --dist loadscope --durations=20 -m "(slow or multinode or slurm) and not extended"
+TIER_integration := -n 2 --dist loadscope --durations=0 --durations-min=20 -m "(slow or multinode or slurm) and not extended"
 test: install
 	@rc=0; total=$$(date +%s); skips=0; counted=$$(mktemp); \
 	for tier in fast heavy integration; do \

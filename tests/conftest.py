@@ -23,7 +23,11 @@ __import__("os").environ.setdefault("FTKIT_PROFILE", "formula")
 
 def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001
     """Safety net for tests that start DeepSpeed directly (not through ftkit, which removes them itself): drop the
-    /dev/shm buffers DeepSpeed's CPU collectives created during this session."""
+    /dev/shm buffers DeepSpeed's CPU collectives created during this session. Only where the whole session ends (the
+    xdist controller, or a run without workers): a worker that finishes first would remove the buffers and local
+    tiers of the runs still going on the other worker."""
+    if hasattr(session.config, "workerinput"):
+        return
     shm = Path("/dev/shm")
     for p in shm.glob("deepspeed_allreduce_buffer_*") if shm.is_dir() else []:
         try:
