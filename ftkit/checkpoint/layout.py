@@ -46,6 +46,12 @@ _SET_ASIDE_RE = re.compile(r"^checkpoint-(\d+)\.rejected-")  # set_aside_newer's
 _ZERO_RANK_RE = re.compile(r"(?:^|_)zero_pp_rank_(\d+)_")  # DeepSpeed's per-DP-rank shards; not mp_rank_00
 
 
+# DeepSpeed's model-parallel (AutoTP) rank in a shard's name: zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt,
+# mp_rank_{mp:02d}_model_states.pt. Under tensor parallelism the global rank is dp * tp + mp (DeepSpeed's
+# (data_parallel, tensor_parallel) mesh, row-major: a TP group is consecutive ranks).
+_MP_RANK_RE = re.compile(r"(?:^|_)mp_rank_(\d+)_")
+
+
 _RNG_RANK_RE = re.compile(r"^rng_state_(\d+)\.pth$")
 
 
@@ -105,20 +111,32 @@ def _payload_files(ckpt_dir: Path) -> list[str]:
     return sorted(out)
 
 
-def _writer_rank(rel: str) -> int:
+def _writer_rank(rel: str, tp: int = 1) -> int:
     """The rank that writes ``rel`` in HF Trainer + DeepSpeed's layout; 0 for everything not per-rank."""
-    rank = per_rank(rel)
+    rank = per_rank(rel, tp)
     return 0 if rank is None else rank
 
 
-def per_rank(rel: str) -> int | None:
+def tp_degree(rels: Iterable[str]) -> int:
+    """The tensor-parallel degree a checkpoint was saved with: DeepSpeed AutoTP names each TP rank's shards
+    ``mp_rank_{mp:02d}``; 1 when every shard is ``mp_rank_00`` (data parallelism alone)."""
+    ranks = [int(m.group(1)) for rel in rels if (m := _MP_RANK_RE.search(rel.rsplit("/", 1)[-1]))]
+    return max(ranks, default=0) + 1
+
+
+def per_rank(rel: str, tp: int = 1) -> int | None:
     """The rank a file belongs to when it is one rank's own (RNG state, ZeRO shard, NVMe-offloaded tensors); None for
-    the shared files every node holds."""
+    the shared files every node holds. ``tp``: the checkpoint's tensor-parallel degree (:func:`tp_degree`), under
+    which a ZeRO shard belongs to rank ``dp * tp + mp`` and ``mp_rank_{mp}_model_states.pt`` to rank ``mp``, the first
+    data-parallel rank of that TP rank's group, which writes it."""
     parts = rel.split("/")
     name = parts[-1]
     if m := _RNG_RANK_RE.match(name) or _ACCELERATE_RNG_RE.match(name):
         return int(m.group(1))
     if m := _ZERO_RANK_RE.search(name):
+        mp = _MP_RANK_RE.search(name) if tp > 1 else None
+        return int(m.group(1)) * tp + (int(mp.group(1)) if mp else 0)
+    if tp > 1 and len(parts) > 1 and (m := _MP_RANK_RE.match(name)):
         return int(m.group(1))
     if len(parts) > 1 and (m := _DCP_RANK_RE.match(name)):
         return int(m.group(1))
@@ -162,7 +180,9 @@ def files_owned_by_rank(ckpt_dir: str | os.PathLike[str], rank: int, world_size:
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world size {world_size}")
-    return [rel for rel in _payload_files(Path(ckpt_dir)) if _writer_rank(rel) == rank]
+    files = _payload_files(Path(ckpt_dir))
+    tp = tp_degree(files)
+    return [rel for rel in files if _writer_rank(rel, tp) == rank]
 
 
 def _fsync_path(path: Path, directory: bool = False) -> None:
@@ -293,14 +313,20 @@ def _structure(ckpt: Path, *, stage: int | None, expect_step: int | None) -> _St
         if not optim and stage != 0:  # only ZeRO stage 0 without bf16 keeps the optimizer in the model states
             st.problem = f"{tag}/ has no *optim_states.pt"
             return st
-        optim_ranks = sorted(int(m.group(1)) for n in optim if (m := _ZERO_RANK_RE.search(n)))
+        tp = tp_degree(names)
+        optim_ranks = sorted(r for n in optim if (r := per_rank(n, tp)) is not None)
         if optim and optim_ranks != list(range(len(optim))):
             st.problem = f"{tag}/ optimizer shards for ranks {optim_ranks}, expected 0..{len(optim) - 1}"
             return st
-        zero3_model = sorted(int(m.group(1)) for n in model_states if (m := _ZERO_RANK_RE.search(n)))
+        zero3_model = sorted(r for n in model_states if _ZERO_RANK_RE.search(n) and (r := per_rank(n, tp)) is not None)
         st.stage3 = bool(zero3_model)
         if zero3_model and zero3_model != (optim_ranks or list(range(len(zero3_model)))):
             st.problem = f"{tag}/ model-state shards for ranks {zero3_model} but optimizer shards for {optim_ranks}"
+            return st
+        tp_model = sorted({int(m.group(1)) for n in model_states if (m := _MP_RANK_RE.search(n))})
+        if tp > 1 and tp_model != list(range(tp)):
+            missing = sorted(set(range(tp)) - set(tp_model))
+            st.problem = f"{tag}/ has tensor-parallel shards of {tp} ranks but no model states of mp rank {missing[0]}"
             return st
         if optim or zero3_model:
             st.world_size = len(optim) or len(zero3_model)

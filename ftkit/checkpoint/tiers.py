@@ -49,6 +49,7 @@ from ftkit.checkpoint.layout import (
     _payload_files,
     per_rank,
     read_commit,
+    tp_degree,
 )
 from ftkit.checkpoint.verify import Verdict, verify
 from ftkit.errors import PreflightError
@@ -278,8 +279,10 @@ def files_on_node(ckpt: str | os.PathLike[str], rank: int, first_rank_of_node: i
     """What ``rank`` checksums in its node's local checkpoint: its own files, and the shared ones when it is the
     node's first rank."""
     out = []
-    for rel in _payload_files(Path(ckpt)):
-        owner = per_rank(rel)
+    files = _payload_files(Path(ckpt))
+    tp = tp_degree(files)
+    for rel in files:
+        owner = per_rank(rel, tp)
         if owner == rank or (owner is None and rank == first_rank_of_node):
             out.append(rel)
     return out
@@ -601,11 +604,9 @@ class NodePart:
         return list((self.record.get("extra") or {}).get("nodes") or [self.host])
 
     def files(self, with_shared: bool) -> dict[str, FileEntry]:
-        return {
-            rel: entry
-            for rel, entry in (self.record.get("files") or {}).items()
-            if with_shared or per_rank(rel) is not None
-        }
+        files = self.record.get("files") or {}
+        tp = tp_degree(files)
+        return {rel: entry for rel, entry in files.items() if with_shared or per_rank(rel, tp) is not None}
 
 
 def copy_to_durable(

@@ -80,6 +80,37 @@ def test_ownership_follows_the_writer(tmp_path: Path) -> None:
         files_owned_by_rank(ckpt, 2, 2)
 
 
+def test_tensor_parallel_shards_belong_to_their_global_rank_and_a_missing_one_is_refused(tmp_path: Path) -> None:
+    """DeepSpeed AutoTP (a 2-rank tp=2 run and a 4-rank tp=2 x dp=2 one) names each TP rank's shards mp_rank_{mp}:
+    the old check read both optimizer shards of a tp=2 run as rank 0's ('optimizer shards for ranks [0, 0]') and
+    refused every save of it."""
+    ckpt = make_ckpt(tmp_path / "tp2", 4, tp=2)
+    commit(ckpt)
+    assert verify(ckpt, world_size=2, stage=2, checksums=True).ok
+    assert files_owned_by_rank(ckpt, 1, 2) == [
+        "global_step4/bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt",
+        "global_step4/mp_rank_01_model_states.pt",
+        "rng_state_1.pth",
+    ]
+    grid = make_ckpt(tmp_path / "tp2dp2", 8, world_size=4, tp=2)
+    commit(grid, world_size=4)
+    assert [sorted(files_owned_by_rank(grid, r, 4))[0] for r in range(4)] == [
+        "config.json",
+        "global_step8/bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt",
+        "global_step8/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "global_step8/bf16_zero_pp_rank_1_mp_rank_01_optim_states.pt",
+    ]
+    (grid / COMMIT_FILE).unlink()
+    model1 = grid / "global_step8/mp_rank_01_model_states.pt"
+    payload = model1.read_bytes()
+    model1.unlink()
+    with pytest.raises(CommitError, match=r"tensor-parallel shards of 2 ranks but no model states of mp rank 1"):
+        commit(grid, world_size=4)
+    model1.write_bytes(payload)
+    (grid / "global_step8/bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt").unlink()
+    assert "optimizer shards for ranks [0, 2, 3]" in (verify(grid, require_commit=False).reason or "")
+
+
 def test_write_commit_refuses_uncovered_file(tmp_path: Path) -> None:
     ckpt = make_ckpt(tmp_path, 30)
     only_rank0 = [manifest_part(ckpt, 0, 2)]

@@ -23,8 +23,11 @@ def make_ckpt(
     bf16: bool = True,
     model_bytes: int = 1000,
     optim_bytes: int = 700,
+    tp: int = 1,
 ) -> Path:
-    """A checkpoint-<step>/ laid out like HF Trainer + DeepSpeed writes it; payloads are deterministic bytes."""
+    """A checkpoint-<step>/ laid out like HF Trainer + DeepSpeed writes it; payloads are deterministic bytes. ``tp``:
+    DeepSpeed AutoTP's layout (as a 2-rank tp=2 run wrote it): each TP rank's ``mp_rank_{mp:02d}`` model states, and
+    optimizer shards ``zero_pp_rank_{dp}_mp_rank_{mp:02d}`` of global rank ``dp * tp + mp``."""
     ckpt = out / f"checkpoint-{step}"
     tag = f"global_step{step}"
     (ckpt / tag).mkdir(parents=True)
@@ -41,10 +44,12 @@ def make_ckpt(
         for r in range(world_size):
             put(f"{tag}/zero_pp_rank_{r}_mp_rank_00_model_states.pt", 200 + r, 3)
     else:
-        put(f"{tag}/mp_rank_00_model_states.pt", 500, 3)
+        for mp in range(tp):
+            put(f"{tag}/mp_rank_{mp:02d}_model_states.pt", 500, 3 + mp)
     if stage > 0 or bf16:
         for r in range(world_size):
-            put(f"{tag}/{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt", optim_bytes + r, 4 + r)
+            dp, mp = divmod(r, tp)
+            put(f"{tag}/{prefix}zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt", optim_bytes + r, 4 + r)
     (ckpt / "latest").write_text(tag)
     put("zero_to_fp32.py", 120, 9)
     if world_size == 1:
