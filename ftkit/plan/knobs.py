@@ -107,6 +107,10 @@ def decide_config_knobs(plan: Plan) -> None:
     decide_optimizer(plan)
     decide_scheduler_knobs(plan)
     offload = plan.offload_optimizer != "none"
+    if plan.stage != 3 and plan.tp > 1:
+        # AutoTP splits the layers at any stage: Accelerate's get_state_dict gathers the shards for the final model
+        # only with this on, and HF Trainer otherwise saves no weights
+        plan.note("stage3_gather_16bit_weights_on_model_save", True, "AutoTP: the final model gathers the TP shards")
     if plan.stage in (1, 2):
         _rule_or_recipe(plan, "contiguous_gradients", "zero.contiguous_gradients", True, "always: less fragmentation")
         _rule_or_recipe(

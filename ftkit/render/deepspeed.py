@@ -94,6 +94,8 @@ def render_deepspeed(plan: Plan) -> dict[str, object]:
         for key in ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients"):
             if key in k:
                 z[key] = k[key].value
+    if stage != 3 and "stage3_gather_16bit_weights_on_model_save" in k:  # AutoTP (ftkit.plan.knobs)
+        z["stage3_gather_16bit_weights_on_model_save"] = k["stage3_gather_16bit_weights_on_model_save"].value
     cfg["zero_optimization"] = z
     # tensor / sequence parallelism (parallel.tp, parallel.sp; ftkit.plan.parallel)
     if plan.tp > 1:  # DeepSpeed AutoTP: HF Trainer calls deepspeed.tp_model_init with this size
