@@ -439,17 +439,29 @@ def prepare(
     return tokenize(rows, tokenizer, max_seq_len, detect_kind(rows), on_too_long, assistant_only=assistant_only)
 
 
-def collate(batch: list[dict[str, list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+def collate(
+    batch: list[dict[str, list[int]]], pad_id: int, sp: int = 1, width: int | None = None
+) -> dict[str, torch.Tensor]:
     """Pad a batch to its longest row (right padding) and stack it into tensors.
 
     ``pad_id`` fills input_ids, 0 fills attention_mask and -100 fills labels, so padding never contributes to
     the loss. Use ``functools.partial(collate, pad_id=tokenizer.pad_token_id)`` as a Trainer data collator.
+
+    ``sp`` > 1 (sequence parallelism, DeepSpeed's Ulysses): the width is padded up to a multiple of ``sp`` so each rank
+    of the group gets an equal slice, and ``position_ids`` come with the batch, which Ulysses needs for each token
+    to keep its position once the sequence is split (right padding under causal attention changes no real token's
+    output, so the mask Ulysses does not pass on is not missed). ``width``: every batch padded to at least this many
+    tokens.
     """
     import torch
 
-    width = max(len(row["input_ids"]) for row in batch)
+    width = max(max(len(row["input_ids"]) for row in batch), width or 0)
+    width += -width % sp
     fill = {"input_ids": pad_id, "attention_mask": 0, "labels": IGNORE_INDEX}
-    return {
+    out = {
         key: torch.tensor([row[key] + [value] * (width - len(row[key])) for row in batch], dtype=torch.long)
         for key, value in fill.items()
     }
+    if sp > 1:
+        out["position_ids"] = torch.arange(width, dtype=torch.long).expand(len(batch), width).clone()
+    return out

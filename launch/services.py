@@ -48,6 +48,7 @@ from ftkit.checkpoint.layout import model_weights
 from ftkit.checkpoint.tiers import for_node
 from ftkit.errors import ExitCode, FtkitError, SaveWroteNothing
 from ftkit.launch.callback import COMPUTE_EWMA, apply_resume_overrides, callback_class, install_train_guard
+from ftkit.launch.parallel import install_sequence_parallel, sp_degree
 from ftkit.launch.rank import (
     Fault,
     RankContext,
@@ -163,6 +164,8 @@ def start(
         r.ctx.heartbeat("starting")
         atexit.register(_at_exit, r)
         install_startup(r.spec.accelerator, r.ctx.rd.batons, r.spec.backend)
+        if sp_degree(r.spec) > 1:
+            install_sequence_parallel()
         if r.tier is not None:
             r.tier.start(r.ctx)
             on_import("transformers.trainer", r.tier.patch_trainer)

@@ -16,6 +16,7 @@ This is the only module (with ``fixtures``) that imports torch, transformers, pe
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import signal
 import sys
@@ -26,12 +27,14 @@ from typing import TYPE_CHECKING
 from ftkit.errors import ModelConfigError, NoSpace, Problem, UserError
 from ftkit.launch import services as hf
 from ftkit.launch.data import collate, prepare
+from ftkit.launch.parallel import parallelism_args, sp_degree
 from ftkit.launch.services import RankContext
 from ftkit.rundir.failures import full_path
 from ftkit.rundir.layout import atomic_write
 from ftkit.rundir.spec import RunSpec
 
 if TYPE_CHECKING:
+    import torch
     from transformers import Trainer, TrainingArguments
 
 PROBE_TOKENS = 16  # logits of the first tokens of the first example, saved after training to check the final model
@@ -89,17 +92,28 @@ def _probe(trainer: Trainer, example: dict[str, list[int]], ctx: RankContext) ->
         atomic_write(ctx.rd.meta / "probe.json", json.dumps({"input_ids": ids.tolist(), "logits": logits.tolist()}))
 
 
+def _collator(spec: RunSpec, pad_id: int) -> functools.partial[dict[str, torch.Tensor]]:
+    """The batches: padded to their longest row; under sequence parallelism to a multiple of sp, with positions,
+    and on gloo (CPU ranks) to ``data.max_seq_len``: Ulysses gathers the SP ranks' batches, and gloo's all-gather
+    takes only tensors of one shape (NCCL's takes each rank's own width)."""
+    sp = sp_degree(spec)
+    width = None
+    if sp > 1:
+        import torch.distributed as dist
+
+        width = spec.data.max_seq_len if dist.is_initialized() and dist.get_backend() == "gloo" else None
+    return functools.partial(collate, pad_id=pad_id, sp=sp, width=width)
+
+
 def train(ctx: RankContext, resume: str | None) -> int | None:
     """Train; return the step a graceful stop saved (None: trained to the end and saved the final model)."""
     spec = hf.spec()
     ctx.heartbeat("loading")
-    import functools
-
     from transformers import AutoTokenizer, Trainer, TrainingArguments, set_seed
 
     set_seed(spec.training_args["seed"])
     # before the model: enables ZeRO-3 partitioned loading (the rank's start-up hands DeepSpeed the process group)
-    targs = TrainingArguments(**spec.training_args)
+    targs = TrainingArguments(**spec.training_args, **parallelism_args(spec))  # type: ignore[arg-type]
     tok_path = spec.tokenizer_path
     try:
         tok_rev = spec.tokenizer_revision
@@ -119,7 +133,7 @@ def train(ctx: RankContext, resume: str | None) -> int | None:
         train_dataset=rows,
         eval_dataset=eval_rows,
         processing_class=tokenizer,
-        data_collator=functools.partial(collate, pad_id=tokenizer.pad_token_id),
+        data_collator=_collator(spec, tokenizer.pad_token_id),
         callbacks=hf.callbacks(exit_after_stop=False),
     )
     ctx.heartbeat("train", None)
