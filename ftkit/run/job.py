@@ -74,10 +74,13 @@ def plan_summary(plan: Plan) -> str:
     r = plan.recipe
     zero = zero_label(plan.stage, plan.offload_optimizer, plan.offload_params)
     steps = f"{r['train.max_steps']} steps" if r.train.max_steps else f"{r['train.epochs']} epochs"
+    ranks = f"{plan.world_size} ranks"
+    if plan.tp * plan.sp > 1:  # only the data-parallel ranks multiply the batch
+        ranks = f"{plan.dp_size} data-parallel rank(s); layout tp {plan.tp} x sp {plan.sp} x dp {plan.dp_size}"
     return (
         f"plan: {r['cluster.engine']} on {plan.num_nodes} node(s): {hosts}; world size {plan.world_size}; "
         f"{zero}; batch {plan.global_batch_size} = micro {plan.micro_batch_size} x accum "
-        f"{plan.grad_accum} x {plan.world_size} ranks; {steps}; {'LoRA' if r.has_peft else 'full fine-tuning'}, "
+        f"{plan.grad_accum} x {ranks}; {steps}; {'LoRA' if r.has_peft else 'full fine-tuning'}, "
         f"{r['train.precision']}\nrun directory: {r['train.output_dir']}"
     )
 
@@ -127,17 +130,27 @@ def require_launchable(recipe: Recipe) -> None:
         )
 
 
-def require_launchable_layout(plan: Plan) -> None:
-    """Tensor and sequence parallelism are planned and rendered (ftkit plan, render, import) but the ranks do not set
-    them up yet: refused before anything starts, never run as data parallelism under another name."""
-    if plan.tp * plan.sp > 1:
-        key = "parallel.tp" if plan.tp > 1 else "parallel.sp"
+def require_launchable_layout(plan: Plan, custom: bool) -> None:
+    """The tensor/sequence-parallel layouts ftkit launch runs: TP through DeepSpeed AutoTP (ds_config.json's
+    ``tensor_parallel``, which HF Trainer applies, the built-in entry's or a script's), SP through the built-in
+    entry (ALST/Ulysses: it builds TrainingArguments' ``parallelism_config`` and batches with positions). The rest is
+    refused before anything starts, never run as data parallelism under another name: FSDP2 x TP and SP in a
+    script of the user's own are rendered for their own launchers."""
+    if plan.tp > 1 and plan.recipe.train.backend == "fsdp2":
         raise RecipeError(
             plan.recipe.problem(
-                key,
-                f"tp {plan.tp} x sp {plan.sp}: ftkit plans and renders this layout, but ftkit launch does not run "
-                "tensor or sequence parallelism yet; use the rendered configs with your own launcher, or set "
-                "parallel.tp and parallel.sp to 1",
+                "parallel.tp",
+                f"tp {plan.tp} under train.backend fsdp2: ftkit launch runs tensor parallelism through DeepSpeed "
+                "AutoTP only; set train.backend deepspeed, or use the rendered accelerate.yaml with your own launcher",
+            )
+        )
+    if plan.sp > 1 and custom:
+        raise RecipeError(
+            plan.recipe.problem(
+                "parallel.sp",
+                f"sp {plan.sp} with a script of your own: ftkit launch runs sequence parallelism with its built-in "
+                "entry; a script sets it up itself (TrainingArguments' parallelism_config, batches with "
+                "position_ids), with the rendered accelerate.yaml and ds_config.json",
             )
         )
 
@@ -153,7 +166,7 @@ def launch(req: LaunchRequest, echo: Callable[[str], None] = print, warn: Callab
     # A user command loads its own model: a config.json the plan cannot read limits the plan, not the launch.
     custom = req.command is not None or recipe.train.command is not None
     plan = build_plan(recipe, include=req.include, exclude=req.exclude, unknown_model_ok=custom)
-    require_launchable_layout(plan)
+    require_launchable_layout(plan, custom)
 
     # model.config (checked in) differs from the model's real config.json
     warning = checked_in_drift(plan.recipe.model, plan.recipe.base_dir)

@@ -195,6 +195,16 @@ class Resumer:
         except UserError as e:
             self.events("gave_up", f"cannot continue on {', '.join(h for h, _ in remaining)}: {e.lines()[0]}")
             return ExitCode.HOST_LOST
+        if plan.tp * plan.sp > 1:
+            # DeepSpeed's universal conversion re-forms ZeRO's data-parallel shards, not AutoTP's split layers or an
+            # SP group's data order: the job stops whole, and a relaunch on every host resumes it
+            self.events(
+                "gave_up",
+                f"cannot continue on {', '.join(h for h, _ in remaining)}: a tensor/sequence-parallel run (tp "
+                f"{plan.tp} x sp {plan.sp}) does not continue on fewer hosts (its checkpoints are not converted to "
+                "another layout); bring the host(s) back and launch again: it resumes from the newest committed step",
+            )
+            return ExitCode.HOST_LOST
         self._plan = plan
         self.replanner.prepare(plan, False)
         self._convert_from_world = self.world_size

@@ -116,7 +116,16 @@ def test_degrees_below_one_are_refused(write_recipe):
     assert "parallel.tp" in str(e.value.problems[0])
 
 
-def test_launch_refuses_a_layout_it_cannot_run_yet(write_recipe, tmp_path):
-    res = run_ftkit("launch", str(write_recipe()), "parallel.sp=2", "--dry-run", cwd=tmp_path)
+def test_launch_runs_autotp_and_the_built_in_entry_s_sp_and_refuses_the_rest_in_one_line(write_recipe, tmp_path):
+    """Issue 40 point 4: TP (DeepSpeed AutoTP) and SP (the built-in entry) launch; FSDP2 x TP and SP in a script of
+    the user's own are refused before anything starts (the old code refused every TP/SP layout)."""
+    recipe = str(write_recipe())
+    for layout in ("parallel.sp=2", "parallel.tp=2"):
+        res = run_ftkit("launch", recipe, layout, "--dry-run", cwd=tmp_path)
+        assert res.returncode == 0, res.stderr
+    res = run_ftkit("launch", recipe, "parallel.tp=2", "train.backend=fsdp2", "--dry-run", cwd=tmp_path)
     assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert "parallel.sp: tp 1 x sp 2: ftkit plans and renders this layout, but ftkit launch does not run" in res.stderr
+    assert "parallel.tp: tp 2 under train.backend fsdp2: ftkit launch runs tensor parallelism through" in res.stderr
+    res = run_ftkit("launch", recipe, "parallel.sp=2", "--dry-run", "--", "python", "train.py", cwd=tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "parallel.sp: sp 2 with a script of your own: ftkit launch runs sequence parallelism with" in res.stderr

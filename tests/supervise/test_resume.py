@@ -148,15 +148,21 @@ def test_a_refusal_is_the_decision_with_its_exit_code_and_nothing_is_discarded(t
 class Replan:
     """The launch's replanner: a plan for the hosts left, and each prepare() it was asked for."""
 
-    def __init__(self, fail: str | None = None):
-        self.fail, self.prepared = fail, []
+    def __init__(self, fail: str | None = None, tp: int = 1, sp: int = 1):
+        self.fail, self.prepared, self.tp, self.sp = fail, [], tp, sp
 
     def replan(self, hosts):
         if self.fail:
             raise UserError(self.fail)
         world = sum(n for _, n in hosts)
         return SimpleNamespace(
-            hosts=hosts, world_size=world, master_addr=hosts[0][0], global_batch_size=8, grad_accum=8 // world
+            hosts=hosts,
+            world_size=world,
+            master_addr=hosts[0][0],
+            global_batch_size=8,
+            grad_accum=8 // world,
+            tp=self.tp,
+            sp=self.sp,
         )
 
     def prepare(self, plan, load_universal):
@@ -290,3 +296,19 @@ def test_before_an_attempt_the_tier_s_later_steps_are_discarded_on_every_node(tm
     tier.discard_stale(HOSTS, 4)
     assert agents.calls == [("clean", HOSTS, {"newer_than": 4})]
     assert tier.steps() == []  # the set record of step 6 went with them
+
+
+@pytest.mark.parametrize(("tp", "sp"), [(2, 1), (1, 2)])
+def test_a_tensor_or_sequence_parallel_job_stops_on_a_shrink_with_one_line(tmp_path, tp, sp):
+    """Issue 40: a lost host under TP or SP stops the job (HOST_LOST) with one line saying how to go on; nothing is
+    converted or rewritten (the old code replanned it as a data-parallel shrink and converted its checkpoints)."""
+    replan = Replan(tp=tp, sp=sp)
+    resumer, events = _resumer(tmp_path / "run", FakeTier(), replanner=replan)
+    assert resumer.shrink([("node0", 2), ("node1", 2)], ["node1"]) == ExitCode.HOST_LOST
+    assert resumer.world_size == 2 and replan.prepared == [] and events.of("shrink") == []
+    (gave_up,) = events.of("gave_up")
+    assert gave_up[1] == (
+        f"cannot continue on node0: a tensor/sequence-parallel run (tp {tp} x sp {sp}) does not continue on fewer "
+        "hosts (its checkpoints are not converted to another layout); bring the host(s) back and launch again: it "
+        "resumes from the newest committed step"
+    )
