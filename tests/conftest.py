@@ -100,6 +100,22 @@ EXTENDED = (
     "tests/integration/train/test_train_runs.py::test_bad_data_ends_with_one_clean_line_and_no_restart[wrong-fields]",
     "tests/integration/engines/test_rendered_configs_run.py::test_deepspeed_launcher_with_rendered_json[3]",
     "tests/integration/engines/test_rendered_configs_run.py::test_accelerate_launch_with_rendered_yaml[3]",
+    # issue 39 (CI inside its budget) and issue 40 (the TP/SP runs it added): variants whose path another CI test
+    # takes. ZeRO-1 and ZeRO-2 full fine-tuning train in every recovery test and the export tests; LoRA at ZeRO-2
+    # stays; ZeRO-3's zero_to_fp32 export stays; deepspeed's two-host run stays; the shard corruption stays; the
+    # built-in entry's deterministic failure stays (tests/integration/recovery), and the start-up failure's message
+    # and missing-file cases
+    "tests/integration/train/test_train_runs.py::test_full_and_lora_runs_train_commit_and_save_a_loadable_model[zero1]",
+    "tests/integration/train/test_train_runs.py::test_full_and_lora_runs_train_commit_and_save_a_loadable_model[zero2]",
+    "tests/integration/train/test_train_runs.py::test_full_and_lora_runs_train_commit_and_save_a_loadable_model"
+    "[lora-zero3]",
+    "tests/integration/export/test_export.py::test_full_fine_tuning_exports_prove_their_logits"
+    "[zero1-2-DeepSpeed's zero_to_fp32]",
+    "tests/integration/multinode/test_multinode.py::test_two_hosts_match_one_host_and_env_is_exactly_forwarded[torchrun]",
+    "tests/integration/recovery/test_recovery.py::test_corrupted_newest_checkpoint_resumes_from_older_valid_one"
+    "[flipped-bytes]",
+    "tests/integration/wrap/test_startup_failures.py::test_a_start_up_failure_a_restart_cannot_change_stops_at_once"
+    "[exit_status]",
 )
 
 

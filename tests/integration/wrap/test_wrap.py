@@ -217,6 +217,7 @@ def test_script_failing_at_import_stops_at_once_with_its_error(fx, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI: the built-in entry's deterministic failure (tests/integration/recovery) takes this path
 @pytest.mark.timeout(600)
 def test_script_failing_at_the_same_step_every_time_stops_with_its_traceback(fx, tmp_path):
     """A bug at step 5 every time (after the first step, so it is restarted once from checkpoint-4): the same
