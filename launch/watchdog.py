@@ -16,7 +16,8 @@ A rank that ends on its own while its supervisor is gone (it finished the run fi
 (:mod:`ftkit.hf`), and rank 0 records the outcome in ``events.jsonl`` either way, so ``ftkit status`` tells.
 
 Bound: a rank stops at most ``orphan_timeout_s + POLL_S`` seconds after its supervisor died (plus the time the
-engine's agent takes to stop its peers, about a second). Started by :mod:`ftkit.hf`, it first asks for the same
+engine's agent takes to stop its peers, about a second); one stuck where SIGTERM cannot reach it is SIGKILLed
+:data:`ESCALATE_S` later. Started by :mod:`ftkit.hf`, it first asks for the same
 graceful stop the supervisor would (every rank saves the same step, committed), waiting up to
 ``resilience.stop_timeout_s`` for it: a rank whose supervisor vanished loses no completed step.
 """
@@ -36,6 +37,11 @@ from ftkit.rundir.layout import RunDir
 from ftkit.rundir.owner import HEARTBEAT_S, Owner
 
 POLL_S = 2.0
+# After its SIGTERM the rank has this long to unwind (the supervisor's own teardown grace); then SIGKILL. A rank still
+# starting up turns SIGTERM into an exception (launch/train.py), which Python raises only when the main thread comes
+# back to the interpreter: one blocked in C (a collective spinning on a peer that is gone, an op build's wait) never
+# does, and such ranks were seen alive 10 minutes after their supervisor died.
+ESCALATE_S = 10.0
 
 
 class SupervisorWatchdog:
@@ -50,6 +56,7 @@ class SupervisorWatchdog:
         stopped: threading.Event | None = None,
         grace_s: float = 0.0,
         on_stop=None,
+        escalate_s: float | None = None,
     ):
         self.rd = rd
         self.timeout_s = float(timeout_s)
@@ -58,6 +65,7 @@ class SupervisorWatchdog:
         self.stopped = stopped
         self.grace_s = float(grace_s)
         self.on_stop = on_stop  # why -> None: called once before the rank stops itself (records the outcome)
+        self.escalate_s = ESCALATE_S if escalate_s is None else float(escalate_s)
         self.log = log
         self.clock = clock
         self.owner = self._owner()
@@ -115,6 +123,9 @@ class SupervisorWatchdog:
                     self.on_stop(why)
                 remove_own_shm()
                 os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(self.escalate_s)  # unwound by now, unless the main thread is stuck outside Python
+                self.log(f"ftkit: still running {self.escalate_s:g}s after SIGTERM: SIGKILL", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
                 return
 
     def gone_now(self) -> bool:

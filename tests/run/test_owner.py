@@ -218,6 +218,49 @@ def test_watchdog_sees_a_dead_local_supervisor_and_a_takeover(tmp_path, sleeper)
     assert "took the run over" in wd2.check()
 
 
+SPINNING_RANK = """
+import ctypes, signal, sys
+from pathlib import Path
+from ftkit.rundir.layout import RunDir
+import launch.watchdog as watchdog
+from launch.watchdog import SupervisorWatchdog
+
+watchdog.ESCALATE_S = 1.0
+def exit_on_sigterm(signum, frame):  # as launch/train.py does until training begins
+    raise SystemExit(143)
+
+signal.signal(signal.SIGTERM, exit_on_sigterm)
+assert SupervisorWatchdog(RunDir(Path(sys.argv[1])), timeout_s=0.5).start()
+print("blocked", flush=True)
+libc = ctypes.CDLL(None)
+mutex = ctypes.create_string_buffer(64)  # zeroed: glibc's PTHREAD_MUTEX_INITIALIZER
+libc.pthread_mutex_lock(mutex)
+# blocked in C for good with the GIL released (ctypes lets go of it), deaf to signals: a rank waiting in a collective
+libc.pthread_mutex_lock(mutex)
+"""
+
+
+def test_watchdog_ends_a_rank_stuck_where_its_sigterm_cannot_reach(tmp_path):
+    """A rank blocked in C during start-up (its SIGTERM handler unwinds by an exception, which Python raises only back
+    in the interpreter) used to outlive its dead supervisor for good (two ranks seen 10 minutes later, one spinning);
+    the watchdog now SIGKILLs it escalate_s after its SIGTERM."""
+    rd = RunDir(tmp_path / "run")
+    rd.meta.mkdir(parents=True)
+    gone = Owner(Owner.me().host, 2**22 + 7, 1, Owner.me().boot_id, 1.0)  # a pid that cannot exist: a dead supervisor
+    (rd.meta / "owner.json").write_text(gone.to_json())
+    rank = subprocess.Popen(
+        [sys.executable, "-c", SPINNING_RANK, str(rd.path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        out, _ = rank.communicate(timeout=30)  # 0.5 s orphan timeout + a 2 s poll + 1 s escalation
+    except subprocess.TimeoutExpired:
+        rank.kill()
+        out, _ = rank.communicate()
+        pytest.fail(f"the stuck rank outlived its supervisor by 30 s: {out}")
+    assert rank.returncode == -9, out
+    assert "this rank stops itself" in out and "still running 1s after SIGTERM: SIGKILL" in out
+
+
 def test_watchdog_is_off_when_no_supervisor_owns_the_run(tmp_path):
     assert SupervisorWatchdog(RunDir(tmp_path), timeout_s=1).start() is False
 
