@@ -655,7 +655,8 @@ SECTIONS: tuple[Section, ...] = (
                 "int|auto",
                 1,
                 "Tensor-parallel degree: ranks of one node that split every layer's weights and activations "
-                "(DeepSpeed AutoTP under train.backend deepspeed, Accelerate's tp_size under fsdp2); must divide "
+                "(DeepSpeed AutoTP under train.backend deepspeed, which ftkit launch runs for its built-in entry and "
+                "a script alike; Accelerate's tp_size under fsdp2, rendered for a launcher of your own); must divide "
                 "the attention and key-value heads and cluster.gpus_per_node; auto: 1 unless ftkit plan finds "
                 "data parallelism alone does not fit or is slower.",
                 minimum=1,
@@ -667,7 +668,9 @@ SECTIONS: tuple[Section, ...] = (
                 "Sequence-parallel degree (DeepSpeed ALST/Ulysses, Accelerate sp_backend deepspeed; train.backend "
                 "deepspeed): ranks of one node that split every sequence, with two all-to-alls per attention "
                 "layer; must divide the attention heads, cluster.gpus_per_node and data.max_seq_len; needs sdpa or "
-                "flash attention; auto: 1 unless ftkit plan finds data parallelism alone does not fit or is slower.",
+                "flash attention; ftkit launch runs it with its built-in entry (a script of your own builds the "
+                "parallelism config itself); auto: 1 unless ftkit plan finds data parallelism alone does not fit or "
+                "is slower.",
                 minimum=1,
             ),
         ),
