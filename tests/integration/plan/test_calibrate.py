@@ -62,6 +62,7 @@ def test_calibrated_on_one_run_the_plan_predicts_another_micro_batch_within_25_p
     assert (tmp_path / "fresh" / "ftkit" / "calibration.json").is_file()
 
 
+@pytest.mark.extended  # CI: calibration from a run, above (alone: it held both workers)
 def test_probe_runs_the_fastest_candidate_and_calibrates_from_it(fx: dict[str, Path], tmp_path: Path) -> None:
     recipe = write_recipe(tmp_path, fx, zero__stage="auto")
     t0 = time.monotonic()

@@ -181,6 +181,7 @@ def test_ftkit_stop_force_tears_a_live_run_down_without_saving(fx, tmp_path):
     assert_no_process_left(run)
 
 
+@pytest.mark.extended  # CI: the wrap tests' killed scripts and the built-in entry's stop take its paths
 @pytest.mark.timeout(900)
 def test_a_wrapped_script_stops_the_same_way(fx, tmp_path_factory, tmp_path):
     """The save request rides on the per-rank hook every wrapped script gets: same promise, same exit 8."""

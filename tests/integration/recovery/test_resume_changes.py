@@ -80,6 +80,7 @@ def first_run(tmp_path: Path, fx: dict[str, Path], data: Path | None = None) -> 
     return rec, run
 
 
+@pytest.mark.extended  # CI: the same through ftkit launch, below
 def test_rank_applies_allowed_change(tmp_path: Path, fx: dict[str, Path]):
     """The supervisor's part done by hand: new spec with resume_overrides, ranks resumed from checkpoint-4."""
     from ftkit.plan.plan import build_plan

@@ -95,6 +95,7 @@ def _end(proc) -> None:
     kill_tree(proc)
 
 
+@pytest.mark.extended  # CI: the exclusion test names the host too (alone: it held both workers)
 @pytest.mark.timeout(600)
 def test_ftkit_status_names_a_throttled_host_within_20_steps(tmp_path, fixtures, netns2):
     recipe = _recipe(tmp_path, fixtures, netns2)

@@ -106,6 +106,7 @@ def test_wandb_and_mlflow_keep_one_run_across_a_restart_with_the_builtin_entry(f
     _check(r, run, tmp_path)
 
 
+@pytest.mark.extended  # CI: the built-in entry's restart
 @pytest.mark.timeout(900)
 def test_wandb_and_mlflow_keep_one_run_across_a_restart_with_a_wrapped_script(fx, tmp_path):
     script = SCRIPTS / "hf_trainer.py"
