@@ -105,6 +105,10 @@ def test_auto_chooses_sequence_parallelism_for_a_long_sequence_and_a_killed_rank
 ):
     (tmp_path / "whole").mkdir(), (tmp_path / "killed").mkdir()
     recipe, run = recipe_and_run(tmp_path / "whole", fx, **SP_AUTO)
+    plan = ftkit("plan", str(recipe), env=RUN_ENV, timeout=120)
+    assert plan.returncode == 0, plan.stderr
+    assert "SP=2 x DP=1 is the fastest layout that fits" in plan.stdout, plan.stdout
+    assert "data parallelism alone does not fit" in plan.stdout, plan.stdout
     with launched(recipe, run) as proc:
         code = finish(proc)
         assert code == ExitCode.OK, output(recipe)[-3000:]

@@ -178,6 +178,20 @@ def test_unmodified_hf_trainer_script_survives_a_killed_rank(engine, fx, hf_base
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+def test_unmodified_hf_trainer_script_under_tensor_parallelism_survives_a_killed_rank(fx, hf_baseline, tmp_path):
+    """Issue 40: the same script with parallel.tp 2 (DeepSpeed AutoTP, which HF Trainer applies from ds_config.json):
+    each TP rank saves its own shards, a killed rank resumes, and every loss equals the 2-rank data-parallel run's
+    (the same global batch: accumulation 4 x 1 data-parallel rank)."""
+    recipe, run = _recipe(tmp_path, fx, parallel__tp=2)
+    r = launch(recipe, "--", *hf_script(fx, "--logging_steps", "1", "--report_to", "none"), env=KILL)
+    assert "x 1 data-parallel rank(s); layout tp 2 x sp 1 x dp 1" in r.stdout, r.stdout[:2000]
+    assert_recovered(r, run, hf_baseline)
+    shards = sorted(p.name for p in (run / "checkpoint-8" / "global_step8").iterdir())
+    assert "mp_rank_01_model_states.pt" in shards and "zero_pp_rank_0_mp_rank_01_optim_states.pt" in shards, shards
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_readme_explicit_ftkit_hf_example_with_no_inject_survives_a_killed_rank(fx, hf_baseline, tmp_path):
     """The explicit ftkit.hf script of docs/own-script.md, run as written with --no-inject on torchrun: no hook on its
     path, the same kill test, and the same losses as the unmodified script under the hook."""
