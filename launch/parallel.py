@@ -30,7 +30,7 @@ def parallelism_args(spec: RunSpec) -> dict[str, object]:
     computes the loss over it. ``accelerate launch`` would also build it from accelerate.yaml; the deepspeed launcher
     and torchrun do not, so the ranks build it from the same plan."""
     p = spec.parallel
-    if p is None or p["sp"] <= 1:
+    if p is None or sp_degree(spec) <= 1:
         return {}
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedSequenceParallelConfig

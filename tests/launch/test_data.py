@@ -140,6 +140,18 @@ def test_collate_pads_to_longest(tok: Any) -> None:
     assert batch["labels"][1].tolist() == long["labels"]
 
 
+def test_collate_under_sequence_parallelism_pads_to_a_multiple_of_sp_or_the_fixed_width_with_positions() -> None:
+    """Issue 40: Ulysses splits each sequence into sp equal slices and needs position_ids; on gloo every batch of the
+    SP group must have one width (launch/train.py passes data.max_seq_len)."""
+    rows = [{"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1], "labels": [5, 6, 7]}]
+    sp2 = data.collate(rows, pad_id=0, sp=2)
+    assert sp2["input_ids"].tolist() == [[5, 6, 7, 0]] and sp2["labels"].tolist() == [[5, 6, 7, -100]]
+    assert sp2["position_ids"].tolist() == [[0, 1, 2, 3]]
+    fixed = data.collate(rows, pad_id=0, sp=2, width=8)
+    assert fixed["input_ids"].shape == (1, 8) and fixed["position_ids"].tolist() == [list(range(8))]
+    assert "position_ids" not in data.collate(rows, pad_id=0)
+
+
 # --------------------------------------------------------------------------------------------------- errors
 
 
