@@ -4,6 +4,11 @@ import it), each with everything installed imported as the libraries choose, and
 :data:`ftkit.launch.rank.OPTIONAL_IMPORTS` left out (:func:`ftkit.launch.rank.leave_out`, what the built-in entry's
 ranks and every engine process do).
 
+A third stack is a rank as far as ``deepspeed.initialize``'s optimizer check: it imports DeepSpeed's Muon optimizer,
+whose three kernels are decorated with ``torch.compile`` at import time, loading TorchInductor; measured as DeepSpeed
+does it and with the decorator applied at each kernel's first call instead (what every ftkit rank does,
+``ftkit.launch.rank._compile_on_first_call``).
+
     python benchmarks/rank_imports.py [--repeat 3]
 
 CPU time (user + system of the child) rather than wall time, so a busy machine changes the numbers little.
@@ -24,7 +29,12 @@ STACKS = {
     "import deepspeed, peft, accelerate",
     "engine": "import deepspeed.launcher.launch",
 }
+MUON = "from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam"
 LEAVE_OUT = "from ftkit.launch.rank import OPTIONAL_IMPORTS, leave_out; leave_out(OPTIONAL_IMPORTS)\n"
+LAZY = (
+    "from ftkit.launch.rank import _compile_on_first_call, on_import\n"
+    "on_import('deepspeed.runtime.compiler', _compile_on_first_call)\n"
+)
 
 
 def cpu_seconds(code: str) -> float:
@@ -44,9 +54,12 @@ def main() -> None:
         for stack, code in STACKS.items():
             for variant, prefix in (("everything", ""), ("left out", LEAVE_OUT)):
                 runs.setdefault(f"{stack}, {variant}", []).append(cpu_seconds(prefix + code))
+        rank = LEAVE_OUT + STACKS["rank"] + "\n" + MUON
+        for variant, prefix in (("as DeepSpeed does", ""), ("first call", LAZY)):
+            runs.setdefault(f"muon check, {variant}", []).append(cpu_seconds(prefix + rank))
     for name, values in runs.items():
         shown = ", ".join(f"{v:.2f}" for v in values)
-        print(f"{name:<22} median {statistics.median(values):6.2f} CPU-s   ({shown})")
+        print(f"{name:<31} median {statistics.median(values):6.2f} CPU-s   ({shown})")
 
 
 if __name__ == "__main__":

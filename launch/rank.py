@@ -381,6 +381,7 @@ def install_startup(accelerator: str, batons: Path, backend: str = "deepspeed") 
     for lock in release_dead(batons):
         print(f"ftkit: removed {lock}: a build lock a killed rank of this run left on this host", flush=True)
     on_import("torch.utils.file_baton", functools.partial(_record_batons, batons))
+    on_import("deepspeed.runtime.compiler", _compile_on_first_call)
     on_import("transformers.training_args", _share_after_training_args)
     if accelerator == "cpu":
         on_import("accelerate.state", _cpu_ranks_are_one_job)
@@ -412,6 +413,36 @@ def _record_batons(records: Path, mod: types.ModuleType) -> None:
 
     try_acquire._ftkit_batons = True  # type: ignore[attr-defined]
     cls.try_acquire, cls.release = try_acquire, release_
+
+
+def _compile_on_first_call(mod: types.ModuleType) -> None:
+    """DeepSpeed's ``compiler.compile()`` (``torch.compile`` as a decorator) compiles a function when it is first
+    called; decorating it already loads the whole compiler stack (TorchInductor). ``deepspeed.initialize`` imports
+    the Muon optimizer's module on every rank to check the optimizer against it, and its three decorated kernels
+    cost every rank of every attempt ~1.4 CPU-s before its first step, whatever the optimizer
+    (``benchmarks/rank_imports.py``). Here the decorator is applied at the function's first call instead: a run
+    that never steps Muon never loads the compiler; one that does compiles, as before, on that call."""
+    original = mod.compile
+    if getattr(original, "_ftkit_lazy", False):
+        return
+
+    def compile() -> Callable[[Callable[..., Any]], Callable[..., Any]]:  # noqa: A001 (DeepSpeed's own name)
+        def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+            compiled: Callable[..., Any] | None = None
+
+            @functools.wraps(fn)
+            def call(*args: Any, **kwargs: Any) -> Any:
+                nonlocal compiled
+                if compiled is None:
+                    compiled = original()(fn)
+                return compiled(*args, **kwargs)
+
+            return call
+
+        return decorate
+
+    compile._ftkit_lazy = True  # type: ignore[attr-defined]
+    mod.compile = compile  # type: ignore[attr-defined]  # deepspeed.runtime.compiler, typed as a plain module
 
 
 def _cpu_ranks_are_one_job(mod: types.ModuleType) -> None:

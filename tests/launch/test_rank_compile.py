@@ -1,0 +1,64 @@
+"""What ``deepspeed.initialize`` makes every rank load: its optimizer check imports DeepSpeed's Muon optimizer, whose
+kernels are ``torch.compile``-decorated at import. In a rank (``ftkit.hf.start``) the decorator is applied at each
+kernel's first call: importing the module loads no TorchInductor, and the first call still goes through DeepSpeed's
+own decorator (``deepspeed.runtime.compiler.compile``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ftkit.plan.plan import build_plan
+from ftkit.recipe.load import load_recipe
+from ftkit.run.make_spec import build_spec
+from ftkit.rundir.layout import RunDir
+from tests.helpers.paths import REPO
+
+pytestmark = pytest.mark.heavy  # imports torch and DeepSpeed in a subprocess (seconds)
+
+PROGRAM = """
+import sys, torch
+import ftkit.hf
+ftkit.hf.start(sys.argv[1], 0, log_to_console=True)
+from deepspeed.runtime.zero.muon import original_muon
+print("inductor at import:", "torch._inductor.compile_fx" in sys.modules, flush=True)
+decorated = []
+def record(fn=None, **kwargs):  # stands in for torch.compile: what DeepSpeed's decorator hands it, then eager
+    decorated.append(fn.__name__)
+    return fn
+torch.compile = record
+g = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+got = original_muon.zeropower_via_newtonschulz5(g, steps=2)
+again = original_muon.zeropower_via_newtonschulz5(g, steps=2)
+eager = original_muon.zeropower_via_newtonschulz5.__wrapped__(g, steps=2)
+print("decorated:", decorated, flush=True)
+print("same as eager:", bool(torch.equal(got, eager) and torch.equal(again, eager)), flush=True)
+"""
+
+
+def test_a_rank_loads_the_compiler_only_when_a_compiled_kernel_is_first_called(
+    tmp_path: Path, write_recipe, model_dir: Path
+) -> None:
+    (tmp_path / "data.jsonl").write_text(json.dumps({"text": "a b c"}) + "\n")
+    plan = build_plan(load_recipe(write_recipe(), []), with_memory=False)
+    rd = RunDir(tmp_path / "run")
+    rd.meta.mkdir(parents=True)
+    rd.spec.write_text(build_spec(plan, rd.path, rd.meta / "ds_config.json", fingerprint={}).to_json())
+    r = subprocess.run(
+        [sys.executable, "-c", PROGRAM, str(rd.path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+    )
+    out = r.stdout[-2000:] + r.stderr[-2000:]
+    said = dict(x.split(": ", 1) for x in r.stdout.splitlines() if ": " in x)
+    assert said.get("inductor at import") == "False", out
+    assert said.get("decorated") == "['zeropower_via_newtonschulz5']", out  # once, at the first call
+    assert said.get("same as eager") == "True", out
