@@ -1,6 +1,6 @@
 """What the optional libraries cost every process of an attempt: CPU-seconds of importing a rank's stack (torch,
-transformers' Trainer, DeepSpeed, PEFT, Accelerate) and an engine's (DeepSpeed, as its runner and per-node launcher
-import it), each with everything installed imported as the libraries choose, and with
+transformers' Trainer, DeepSpeed, Accelerate; PEFT as the Trainer imports it) and an engine's (DeepSpeed, as its
+runner and per-node launcher import it), each with everything installed imported as the libraries choose, and with
 :data:`ftkit.launch.rank.OPTIONAL_IMPORTS` left out (:func:`ftkit.launch.rank.leave_out`, what the built-in entry's
 ranks and every engine process do).
 
@@ -26,7 +26,7 @@ import sys
 
 STACKS = {
     "rank": "import torch, transformers; from transformers import Trainer, TrainingArguments, AutoModelForCausalLM; "
-    "import deepspeed, peft, accelerate",
+    "import deepspeed, accelerate",
     "engine": "import deepspeed.launcher.launch",
 }
 MUON = "from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam"

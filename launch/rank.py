@@ -335,10 +335,11 @@ def resume_full_collections() -> None:
 
 
 # Libraries the rank's stack imports only because they are installed, whether or not the run uses them: importing
-# DeepSpeed imports mlflow (its autotuner logs there), transformers' Trainer imports datasets (pandas, pyarrow). Both
-# together cost every rank ~3.8 CPU-seconds of its start and every engine process (DeepSpeed's runner and launcher)
-# the mlflow part (``benchmarks/rank_imports.py``).
-OPTIONAL_IMPORTS = ("mlflow", "datasets")
+# DeepSpeed imports mlflow (its autotuner logs there), transformers' Trainer imports datasets (pandas, pyarrow) and
+# PEFT (to recognise adapter models). mlflow and datasets together cost every rank ~3.8 CPU-seconds of its start and
+# every engine process (DeepSpeed's runner and launcher) the mlflow part; PEFT ~0.3 more in a rank
+# (``benchmarks/rank_imports.py``).
+OPTIONAL_IMPORTS = ("mlflow", "datasets", "peft")
 
 
 def leave_out(names: Sequence[str]) -> list[str]:
@@ -352,11 +353,13 @@ def leave_out(names: Sequence[str]) -> list[str]:
     return marked
 
 
-def unused_trackers(report_to: str | Sequence[str] | None) -> list[str]:
+def unused_imports(report_to: str | Sequence[str] | None, lora: bool) -> list[str]:
     """What :func:`leave_out` may leave out of a rank of the built-in entry that reports to ``report_to`` (the
-    TrainingArguments value): datasets always (the entry's rows are lists), mlflow unless the run logs to it."""
+    TrainingArguments value): datasets always (the entry's rows are lists), mlflow unless the run logs to it, PEFT
+    unless the run trains LoRA adapters (``lora``)."""
     wanted = {report_to} if isinstance(report_to, str) else set(report_to or ())
-    return [n for n in OPTIONAL_IMPORTS if n == "datasets" or not wanted & {n, "all"}]
+    used = {"peft"} if lora else set()
+    return [n for n in OPTIONAL_IMPORTS if n not in used and (n != "mlflow" or not wanted & {n, "all"})]
 
 
 def skip_final_collection() -> None:

@@ -60,7 +60,7 @@ from ftkit.launch.rank import (
     leave_out,
     on_import,
     skip_final_collection,
-    unused_trackers,
+    unused_imports,
 )
 from ftkit.launch.tier import local_tier
 from ftkit.launch.trackers import Trackers, atomic_mlflow_run_info, guard_trackers
@@ -152,7 +152,7 @@ def start(
         atexit.register(skip_final_collection)  # the rank's first exit handler, so it runs after every other
         defer_full_collections()  # until training begins
         if r.spec.command is None:  # the built-in entry: no user code that could import them itself
-            leave_out(unused_trackers(r.spec.training_args["report_to"]))
+            leave_out(unused_imports(r.spec.training_args["report_to"], lora=bool(r.spec.peft)))
         if "tensorboard" in r.spec.training_args["report_to"]:
             # transformers 5.x has no logging_dir: its TensorBoard callback reads this variable (run directory only)
 

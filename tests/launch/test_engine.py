@@ -62,7 +62,7 @@ def test_no_module_is_a_usage_error(tmp_path: Path) -> None:
 OPTIONAL = """
 import importlib.util, json
 out = {}
-for name in ("mlflow", "datasets"):
+for name in ("mlflow", "datasets", "peft"):
     try:
         __import__(name)
         out[name] = "imported"
@@ -76,7 +76,7 @@ def test_an_engine_process_goes_without_the_optional_libraries_it_never_uses(tmp
     """DeepSpeed's autotuner imports mlflow whenever DeepSpeed is imported; an engine only starts ranks."""
     import importlib.util
 
-    assert importlib.util.find_spec("mlflow") and importlib.util.find_spec("datasets"), "both are installed here"
+    assert all(importlib.util.find_spec(n) for n in ("mlflow", "datasets", "peft")), "all are installed here"
     (tmp_path / "probe.py").write_text(OPTIONAL)
     r = subprocess.run(
         [sys.executable, "-m", "ftkit.launch.engine", "probe"],
@@ -87,14 +87,15 @@ def test_an_engine_process_goes_without_the_optional_libraries_it_never_uses(tmp
         timeout=60,
     )
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout) == {"mlflow": "absent", "datasets": "absent"}
+    assert json.loads(r.stdout) == {"mlflow": "absent", "datasets": "absent", "peft": "absent"}
 
 
-def test_a_rank_of_the_built_in_entry_keeps_only_the_trackers_it_reports_to() -> None:
-    from ftkit.launch.rank import unused_trackers
+def test_a_rank_of_the_built_in_entry_keeps_only_the_trackers_it_reports_to_and_peft_for_lora() -> None:
+    from ftkit.launch.rank import unused_imports
 
-    assert unused_trackers(["none"]) == ["mlflow", "datasets"]
-    assert unused_trackers(None) == ["mlflow", "datasets"]
-    assert unused_trackers(["wandb", "mlflow"]) == ["datasets"]
-    assert unused_trackers("all") == ["datasets"]
-    assert unused_trackers(["all"]) == ["datasets"]
+    assert unused_imports(["none"], lora=False) == ["mlflow", "datasets", "peft"]
+    assert unused_imports(None, lora=False) == ["mlflow", "datasets", "peft"]
+    assert unused_imports(["wandb", "mlflow"], lora=False) == ["datasets", "peft"]
+    assert unused_imports("all", lora=True) == ["datasets"]
+    assert unused_imports(["all"], lora=False) == ["datasets", "peft"]
+    assert unused_imports(["none"], lora=True) == ["mlflow", "datasets"]
