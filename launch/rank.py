@@ -30,7 +30,7 @@ from ftkit.errors import FsdpNotOn, FtkitError
 from ftkit.rundir.batons import forget as forget_baton
 from ftkit.rundir.batons import record as record_baton
 from ftkit.rundir.batons import release_dead
-from ftkit.rundir.env import ENV_ALLOW, NODE_ENV, SECRET
+from ftkit.rundir.env import ENV_ALLOW, NODE_ENV, SECRET, ftkit_cache
 from ftkit.rundir.layout import STOP_FILE, RunDir, atomic_write
 from ftkit.rundir.spec import RunSpec
 
@@ -385,6 +385,7 @@ def install_startup(accelerator: str, batons: Path, backend: str = "deepspeed") 
         print(f"ftkit: removed {lock}: a build lock a killed rank of this run left on this host", flush=True)
     on_import("torch.utils.file_baton", functools.partial(_record_batons, batons))
     on_import("deepspeed.runtime.compiler", _compile_on_first_call)
+    on_import("transformers.utils.import_utils", _remember_import_structure)
     on_import("transformers.training_args", _share_after_training_args)
     if accelerator == "cpu":
         on_import("accelerate.state", _cpu_ranks_are_one_job)
@@ -446,6 +447,68 @@ def _compile_on_first_call(mod: types.ModuleType) -> None:
 
     compile._ftkit_lazy = True  # type: ignore[attr-defined]
     mod.compile = compile  # type: ignore[attr-defined]  # deepspeed.runtime.compiler, typed as a plain module
+
+
+def _py_files_fingerprint(root: str) -> tuple[int, int, int]:
+    """(how many, newest mtime, total size) of the ``.py`` files under ``root``: any file added, removed or edited
+    changes it (~30 ms for transformers' 2,600 model files)."""
+    count = newest = size = 0
+    todo = [root]
+    while todo:
+        with os.scandir(todo.pop()) as entries:
+            for e in entries:
+                if e.is_dir(follow_symlinks=False):
+                    if e.name != "__pycache__":
+                        todo.append(e.path)
+                elif e.name.endswith(".py"):
+                    st = e.stat()
+                    count, newest, size = count + 1, max(newest, st.st_mtime_ns), size + st.st_size
+    return count, newest, size
+
+
+def _remember_import_structure(mod: types.ModuleType) -> None:
+    """transformers builds its lazy import table by reading every model file's ``__all__`` in every process that
+    imports it (``define_import_structure`` of ``transformers/models``, twice: ~0.7 CPU-s of every rank's start).
+    A rank keeps each table in ``~/.cache/ftkit`` (``XDG_CACHE_HOME``), keyed by the path it was asked for and
+    checked against the scanned folder's ``.py`` files (count, newest mtime, total size): any edit, install or upgrade
+    builds it anew. Within the process a table is built or read once, as transformers' own ``lru_cache`` does.
+    ``marshal`` (no code runs on load); a cache that cannot be read or written is only the scan again."""
+    import hashlib
+    import marshal
+
+    original = mod.define_import_structure
+    if getattr(original, "_ftkit_cached", False):
+        return
+    root = ftkit_cache()
+    tables: dict[tuple[str, str | None], Any] = {}
+
+    def define_import_structure(module_path: str, prefix: str | None = None) -> Any:
+        key = (str(module_path), prefix)
+        if key in tables:
+            return tables[key]
+        folder = key[0] if os.path.isdir(key[0]) else os.path.dirname(key[0])  # a file: its folder is scanned
+        name = hashlib.sha256(f"{key[0]}\0{prefix}".encode()).hexdigest()[:16]
+        path = root / f"transformers-import-structure-{name}.marshal"
+        fingerprint = _py_files_fingerprint(folder)
+        try:
+            kept, structure = marshal.loads(path.read_bytes())
+            if tuple(kept) == fingerprint:
+                tables[key] = structure
+                return structure
+        except (OSError, ValueError, EOFError, TypeError):
+            pass
+        structure = original(module_path, prefix)
+        try:
+            data = marshal.dumps((fingerprint, structure))  # before the caller adds to it (transformers does)
+            root.mkdir(parents=True, exist_ok=True)
+            atomic_write(path, data, fsync=False)
+        except (OSError, ValueError):
+            pass
+        tables[key] = structure
+        return structure
+
+    define_import_structure._ftkit_cached = True  # type: ignore[attr-defined]
+    mod.define_import_structure = define_import_structure  # type: ignore[attr-defined]
 
 
 def _cpu_ranks_are_one_job(mod: types.ModuleType) -> None:

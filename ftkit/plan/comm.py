@@ -61,6 +61,7 @@ from typing import TypedDict
 
 from ftkit.plan.memory import PRECISION_BYTES, Candidate, Fsdp2, Workload
 from ftkit.plan.speed import Calibration, Engine, Parts, gpu_class, step_parts
+from ftkit.rundir.env import ftkit_cache
 from ftkit.rundir.sections import ClusterSection
 
 # ------------------------------------------------------------------------------------------------ hardware tables
@@ -147,8 +148,7 @@ def bandwidth_file() -> Path:
     env = os.environ.get(BANDWIDTH_FILE_ENV)
     if env:
         return Path(env)
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "ftkit" / "bandwidth.json"
+    return ftkit_cache() / "bandwidth.json"
 
 
 def read_bandwidth_file(hosts: list[str], path: Path | None = None) -> Network | None:

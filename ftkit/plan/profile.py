@@ -38,6 +38,7 @@ from pathlib import Path
 
 from ftkit.cluster.pkgversions import versions
 from ftkit.model.shape import ModelShape
+from ftkit.rundir.env import ftkit_cache
 from ftkit.rundir.layout import atomic_write
 from ftkit.rundir.records import JSON, JSONObject, as_int
 
@@ -404,8 +405,7 @@ def cache_dir() -> Path:
     env = os.environ.get(CACHE_ENV)
     if env:
         return Path(env)
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "ftkit" / "profiles"
+    return ftkit_cache() / "profiles"
 
 
 def cache_key(req: Request, libs: Mapping[str, str]) -> str:

@@ -158,3 +158,9 @@ def path_with_python_first(python: str, path: str | None) -> str:
     first = os.path.dirname(python)
     rest = [p for p in (path or os.defpath).split(os.pathsep) if p and p != first]
     return os.pathsep.join([first, *rest])
+
+
+def ftkit_cache() -> Path:
+    """This user's ftkit cache, ``${XDG_CACHE_HOME:-~/.cache}/ftkit``: what ftkit measured or built once and keeps
+    across runs on this host (bandwidth, traced profiles, a rank's transformers import table)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")) / "ftkit"
