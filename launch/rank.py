@@ -30,7 +30,7 @@ from ftkit.errors import FsdpNotOn, FtkitError
 from ftkit.rundir.batons import forget as forget_baton
 from ftkit.rundir.batons import record as record_baton
 from ftkit.rundir.batons import release_dead
-from ftkit.rundir.env import ENV_ALLOW, NODE_ENV, SECRET, ftkit_cache
+from ftkit.rundir.env import ENV_ALLOW, NODE_ENV, PACE_ENV, SECRET, ftkit_cache
 from ftkit.rundir.layout import STOP_FILE, RunDir, atomic_write
 from ftkit.rundir.spec import RunSpec
 
@@ -621,10 +621,14 @@ class Fault:
     saving checkpoint STEP, after DeepSpeed wrote its shards and before the RNG state and trainer_state.json: a torn
     checkpoint). The processes are real and really die; only the moment is chosen, so tests are not races against a
     millisecond-long save. Works for the built-in entry and any wrapped script (it rides on ftkit.hf.callbacks).
+
+    ``FTKIT_FAULT_PACE=SECONDS``: every rank sleeps that long after each optimizer step, for a test whose run only
+    has to keep training until something outside happens (a Slurm time limit): the same steps, a fraction of the CPU.
     """
 
     def __init__(self, spec: str | None, ctx: RankContext):
         self.action = None
+        self.pace = float(os.environ.get(PACE_ENV) or 0)
         if not spec:
             return
         parts = spec.split(":")
@@ -641,6 +645,8 @@ class Fault:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def after_step(self, step: int) -> None:
+        if self.pace > 0:
+            time.sleep(self.pace)
         if self.action is None or self.action == "kill_logged" or step != self.step:
             return
         print(f"ftkit fault injection: {self.action} at step {step}", flush=True)

@@ -19,6 +19,7 @@ RESUME_ENV = "FTKIT_RESUME"  # the checkpoint ftkit chose and verified for this 
 NODE_ENV = "FTKIT_NODE"  # the node's name as the hostfile (and ssh) knows it, for torchrun/accelerate/srun
 COMMAND_ENV = "FTKIT_COMMAND"  # the user's command, base64 of JSON, where a shell line cannot carry it (pdsh)
 FAULT_ENV = "FTKIT_FAULT_INJECT"  # test-only fault injection (ftkit.launch.rank.Fault)
+PACE_ENV = "FTKIT_FAULT_PACE"  # test-only: seconds each rank sleeps after every step (ftkit.launch.rank.Fault)
 HOOK_PID_ENV = "FTKIT_HOOK_PID"  # the rank the import hook serves: its child processes leave the hook alone
 
 # Variables forwarded from the head's environment to every rank (glob patterns). Anything else stays behind:

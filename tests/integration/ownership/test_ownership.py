@@ -124,7 +124,8 @@ def test_sigkilled_supervisor_ranks_stop_by_themselves_and_relaunch_finishes(fx,
 
     saved = [m["step"] for m in read_jsonl(run / "metrics.jsonl") if m.get("event") == "commit" and m.get("stop")]
     assert len(saved) == 1 and saved[0] >= 5, saved
-    with launched(recipe, run) as proc:
+    # the relaunch resumes from that save and ends a few steps on (a step limit is a change a resume allows)
+    with launched(recipe, run, f"train.max_steps={max(RUN_STEPS, saved[0] + 2)}") as proc:
         code = finish(proc)
         assert code == ExitCode.OK, output(recipe)[-3000:]
     chosen = [e for e in events(run) if e["event"] == "checkpoint_chosen"]

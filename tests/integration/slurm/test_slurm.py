@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from ftkit.run.status import read_jsonl
+from ftkit.rundir.env import PACE_ENV
 from ftkit.rundir.layout import RunDir
 from tests.helpers.runs import copy_op_builds, heartbeat_step, losses, mp_lock, processes_left, wait_for
 from tests.helpers.runs import write_recipe as recipe_for
@@ -113,8 +114,8 @@ def _own_op_builds(directory: Path) -> dict[str, str]:
     return {"TORCH_EXTENSIONS_DIR": str(own)} if own else {}
 
 
-def _submit(c: SlurmCluster, recipe: Path, *args: str) -> str:
-    env = {**c.env, **ENV, **_own_op_builds(recipe.parent)}
+def _submit(c: SlurmCluster, recipe: Path, *args: str, env: dict[str, str] | None = None) -> str:
+    env = {**c.env, **ENV, **_own_op_builds(recipe.parent), **(env or {})}
     r = slurm_ftkit("submit", str(recipe), *args, env=env, cwd=recipe.parent)
     assert r.returncode == 0, r.stdout + r.stderr
     m = re.search(r"submitted job (\d+)", r.stdout)
@@ -286,7 +287,9 @@ def test_time_limit_saves_requeues_then_budget_spent_ends_the_job(
     recipe = _write(tmp_path, fx, train__max_steps=20000, train__save_steps=5000, resilience__max_requeues=1)
     run = tmp_path / "run"
     with mp_lock():
-        job = _submit(slurm2, recipe, "--time", "2")  # USR1 at 60-90 s: after the start-up (~30 s)
+        # USR1 at 60-90 s: after the start-up (~30 s); until then the ranks train at a leisurely pace (the same
+        # steps, a fraction of the CPU: only the time limit ends this job)
+        job = _submit(slurm2, recipe, "--time", "2", env={PACE_ENV: "0.5"})
         wait_for(lambda: slurm2.job(job).get("Restarts") == "1", 150, "the job requeued")
         slurm2.run("scontrol", "update", f"JobId={job}", "TimeLimit=1")
         info = slurm2.wait_state(job, ENDED, 150)
@@ -296,6 +299,7 @@ def test_time_limit_saves_requeues_then_budget_spent_ends_the_job(
     evs = _slurm_events(run)
     stops = _stop_commits(run)
     assert stops, out  # the first notice saved the step in flight
+    assert stops[0] <= 360, stops  # paced: at most ~60 s of steps of 0.5 s (unpaced, a step takes ~0.1 s here)
     first = [e for e in evs if e["restart_count"] == 0 and "USR1" in e["reason"]]
     assert first and f"saved step {stops[0]}; requeue 1 of 1" in first[0]["reason"], evs
     last = [e for e in evs if e["restart_count"] == 1 and "USR1" in e["reason"]]
