@@ -161,6 +161,9 @@ def test_lora_survives_a_killed_rank(fx, tmp_path):
     _final_matches_probe(run, base=fx["model"])  # the gathered adapter, not the base model's weights
 
 
+# CI (issue 39): FSDP2's killed rank is the built-in entry's test here; a TRL script under a kill, its flags replaced
+# by the recipe's (args_changed), is tests/integration/wrap's TRL test under DeepSpeed
+@pytest.mark.extended
 def test_an_unmodified_trl_script_survives_a_killed_rank_and_its_deepspeed_flag_is_overridden(fx, tmp_path):
     """TRL's SFTTrainer in a script that never imports ftkit, passing its own --deepspeed: the recipe says fsdp2,
     so the flag is overridden (listed), FSDP2 is on, and a killed rank costs one restart and no loss."""

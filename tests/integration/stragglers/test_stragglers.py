@@ -18,6 +18,9 @@ from ftkit.supervise.stragglers import MIN_STEPS, SLOW_FACTOR, StragglerWatch
 
 
 @pytest.mark.slow
+# CI (issue 39): the two-host test names a really slowed host through the same watch, then excludes it; this one held
+# the machine to itself for ~105 s with one of its two ranks stopped two thirds of the time (a core left idle)
+@pytest.mark.extended
 @pytest.mark.timeout(300)
 def test_a_really_throttled_rank_is_named_within_20_steps(tmp_path: Path) -> None:
     """Two real CPU ranks; rank 1 is slowed for real by a SIGSTOP/SIGCONT duty cycle (stopped 2/3 of the time). Its
