@@ -489,7 +489,10 @@ def _remember_import_structure(mod: types.ModuleType) -> None:
         folder = key[0] if os.path.isdir(key[0]) else os.path.dirname(key[0])  # a file: its folder is scanned
         name = hashlib.sha256(f"{key[0]}\0{prefix}".encode()).hexdigest()[:16]
         path = root / f"transformers-import-structure-{name}.marshal"
-        fingerprint = _py_files_fingerprint(folder)
+        try:
+            fingerprint = _py_files_fingerprint(folder)
+        except OSError:  # a folder it cannot list: transformers' own scan, and its own error if any
+            return original(module_path, prefix)
         try:
             kept, structure = marshal.loads(path.read_bytes())
             if tuple(kept) == fingerprint:
