@@ -5,7 +5,6 @@ own decorator (``deepspeed.runtime.compiler.compile``)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -13,10 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from ftkit.plan.plan import build_plan
-from ftkit.recipe.load import load_recipe
-from ftkit.run.make_spec import build_spec
-from ftkit.rundir.layout import RunDir
 from tests.helpers.paths import REPO
 
 pytestmark = pytest.mark.heavy  # imports torch and DeepSpeed in a subprocess (seconds)
@@ -42,15 +37,10 @@ print("same as eager:", bool(torch.equal(got, eager) and torch.equal(again, eage
 
 
 def test_a_rank_loads_the_compiler_only_when_a_compiled_kernel_is_first_called(
-    tmp_path: Path, write_recipe, model_dir: Path
+    spec_run_dir: Path,
 ) -> None:
-    (tmp_path / "data.jsonl").write_text(json.dumps({"text": "a b c"}) + "\n")
-    plan = build_plan(load_recipe(write_recipe(), []), with_memory=False)
-    rd = RunDir(tmp_path / "run")
-    rd.meta.mkdir(parents=True)
-    rd.spec.write_text(build_spec(plan, rd.path, rd.meta / "ds_config.json", fingerprint={}).to_json())
     r = subprocess.run(
-        [sys.executable, "-c", PROGRAM, str(rd.path)],
+        [sys.executable, "-c", PROGRAM, str(spec_run_dir)],
         capture_output=True,
         text=True,
         cwd=REPO,

@@ -4,15 +4,10 @@ exit, every later exit handler runs on a live heap, then the final collections a
 from __future__ import annotations
 
 import ast
-import json
 import subprocess
 import sys
 from pathlib import Path
 
-from ftkit.plan.plan import build_plan
-from ftkit.recipe.load import load_recipe
-from ftkit.run.make_spec import build_spec
-from ftkit.rundir.layout import RunDir
 from tests.helpers.paths import REPO
 
 PROGRAM = """
@@ -31,20 +26,15 @@ atexit.register(lambda: print("tracker:", gc.get_freeze_count() > 0, flush=True)
 
 
 def test_full_collections_wait_for_training_and_the_heap_is_frozen_after_the_later_exit_handlers(
-    tmp_path: Path, write_recipe, model_dir: Path
+    spec_run_dir: Path,
 ) -> None:
     """From ftkit.hf.start to the first training heartbeat the oldest generation's threshold is 1000x Python's
     (benchmarks/rank_gc.py: ~0.9 s of every rank's start), then Python's own again. skip_final_collection is
     registered before anything else of the rank, so a tracker's exit handler (registered when the tracker starts)
     still runs on a live heap, and the heap is frozen before the interpreter's last collections (~1.4 s of every
     rank's exit)."""
-    (tmp_path / "data.jsonl").write_text(json.dumps({"text": "a b c"}) + "\n")
-    plan = build_plan(load_recipe(write_recipe(), []), with_memory=False)
-    rd = RunDir(tmp_path / "run")
-    rd.meta.mkdir(parents=True)
-    rd.spec.write_text(build_spec(plan, rd.path, rd.meta / "ds_config.json", fingerprint={}).to_json())
     r = subprocess.run(
-        [sys.executable, "-c", PROGRAM, str(rd.path)], capture_output=True, text=True, cwd=REPO, timeout=120
+        [sys.executable, "-c", PROGRAM, str(spec_run_dir)], capture_output=True, text=True, cwd=REPO, timeout=120
     )
     out = r.stdout[-2000:] + r.stderr[-2000:]
     said = dict(x.split(": ", 1) for x in r.stdout.splitlines() if ": " in x)
