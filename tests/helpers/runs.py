@@ -333,11 +333,13 @@ def kill_leftovers(run: Path) -> None:
 
 @contextlib.contextmanager
 def launched(
-    recipe: Path, run: Path, *args: str, env: dict[str, str] | None = None, alone: bool = False
+    recipe: Path, run: Path, *args: str, env: dict[str, str] | None = None, alone: bool = False, lock: bool = True
 ) -> Iterator[subprocess.Popen]:
     """``ftkit launch RECIPE ARGS`` in the background, under the multi-process lock (``alone``: see ``mp_lock``);
-    cleaned up if the test fails."""
-    with mp_lock(alone=alone):
+    cleaned up if the test fails. ``lock=False``: the caller holds a place already, for a test whose processes
+    outlive one launch (orphaned ranks a relaunch must find still training: between two ``launched`` blocks another
+    worker's run could take the place and the machine for minutes while the orphans, unaccounted, finish)."""
+    with mp_lock(alone=alone) if lock else contextlib.nullcontext():
         proc = start_ftkit(
             "launch", str(recipe), *args, env={**RUN_ENV, **(env or {})}, log=recipe.parent / "ftkit.log"
         )

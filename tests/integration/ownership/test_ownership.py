@@ -20,6 +20,7 @@ import pytest
 
 from ftkit.cluster.procs import is_alive
 from ftkit.errors import ExitCode
+from ftkit.rundir.env import PACE_ENV
 from ftkit.rundir.layout import RunDir
 from tests.helpers.runs import (  # fx and baseline: conftest.py fixtures
     RUN_ENV,
@@ -44,6 +45,9 @@ from tests.helpers.runs import (  # fx and baseline: conftest.py fixtures
 
 pytestmark = pytest.mark.slow
 LONG = 120  # steps of a run that must still be training a few seconds after a step-5 event (~0.15 s per step)
+# Orphans a later launch must find still training sleep this long after each step: 115 steps then last ~45 s or more,
+# against the ~6 s (5 s of the test's own wait) before the relaunch claims the run.
+ORPHAN_PACE_S = "0.25"
 
 
 def assert_same_as_lone_run(run: Path, baseline: dict) -> None:
@@ -147,28 +151,29 @@ def test_a_relaunch_waits_for_orphans_that_stop_themselves_and_orphans_that_fini
     their /dev/shm buffers and leave no outcome, and their DeepSpeed runner, lingering for seconds, made the next
     launch exit 11 too."""
     recipe, run = recipe_and_run(tmp_path, fx, train__max_steps=LONG)
-    with launched(recipe, run) as proc:
-        wait_step(run, 0, 5)
-        proc.kill()
-        proc.wait(10)
-    time.sleep(5)
-    with launched(recipe, run) as proc:
-        wait_step(run, 0, LONG - 30, attempt=1, timeout=240)
-        out = output(recipe)
-        assert "its ranks still run" in out and "waiting for them" in out, out[-3000:]
-        proc.kill()  # again, near the end: the orphans now finish the run before their watchdog fires
-        proc.wait(10)
-    wait_for(lambda: not processes_left(run), 90, "the orphans to finish the run", poll=0.2)
-    assert_no_process_left(run)  # their /dev/shm buffers included
-    assert (run / "final" / "ftkit_commit.json").is_file()
-    assert [e["event"] for e in events(run) if e["event"].startswith("orphan_")] == [
-        "orphan_stopped",
-        "orphan_finished",
-    ]
-    status = ftkit("status", str(run), env=RUN_ENV, timeout=60)
-    assert "outcome: the ranks ended without their supervisor" in status.stdout, status.stdout
-    with launched(recipe, run) as proc:
-        assert finish(proc) == ExitCode.OK, output(recipe)[-3000:]
+    with mp_lock():  # one place for all of it: the orphans train on between the launches
+        with launched(recipe, run, env={PACE_ENV: ORPHAN_PACE_S}, lock=False) as proc:
+            wait_step(run, 0, 5)
+            proc.kill()
+            proc.wait(10)
+        time.sleep(5)
+        with launched(recipe, run, lock=False) as proc:
+            wait_step(run, 0, LONG - 30, attempt=1, timeout=240)
+            out = output(recipe)
+            assert "its ranks still run" in out and "waiting for them" in out, out[-3000:]
+            proc.kill()  # again, near the end: the orphans now finish the run before their watchdog fires
+            proc.wait(10)
+        wait_for(lambda: not processes_left(run), 90, "the orphans to finish the run", poll=0.2)
+        assert_no_process_left(run)  # their /dev/shm buffers included
+        assert (run / "final" / "ftkit_commit.json").is_file()
+        assert [e["event"] for e in events(run) if e["event"].startswith("orphan_")] == [
+            "orphan_stopped",
+            "orphan_finished",
+        ]
+        status = ftkit("status", str(run), env=RUN_ENV, timeout=60)
+        assert "outcome: the ranks ended without their supervisor" in status.stdout, status.stdout
+        with launched(recipe, run, lock=False) as proc:
+            assert finish(proc) == ExitCode.OK, output(recipe)[-3000:]
     assert "the run is already finished" in output(recipe)
     saved = [e for e in events(run) if e["event"] == "checkpoint_chosen" and e["attempt"] == 1]
     assert saved and saved[0]["step"] >= 5, saved  # resumed from the orphans' own save
@@ -181,24 +186,25 @@ def test_takeover_of_a_dead_supervisors_ranks_and_stop_force(fx, baseline, tmp_p
     # Orphans that would train on for 10 minutes and do not stop themselves (pid records without a watchdog, as
     # an older ftkit or a rank started by hand leaves them): a relaunch must refuse, --takeover must stop them first.
     recipe, run = recipe_and_run(tmp_path, fx, resilience__orphan_timeout_s=600, train__max_steps=LONG)
-    with launched(recipe, run) as proc:
-        wait_step(run, 0, 3)
-        proc.kill()
-        proc.wait(10)
-        for p in (run / "ftkit" / "attempts" / "0" / "pids").glob("rank-*.json"):
-            p.write_text(json.dumps({k: v for k, v in json.loads(p.read_text()).items() if k != "watchdog"}))
-        refused = ftkit("launch", str(recipe), env=RUN_ENV, timeout=60)
-        assert refused.returncode == ExitCode.RUN_BUSY, refused.stdout + refused.stderr
-        (line,) = error_lines(refused)
-        assert "ranks of its last attempt still run" in line and "--takeover" in line, line
-        stop = ftkit("stop", str(run), env=RUN_ENV, timeout=60)
-        assert stop.returncode == ExitCode.RUN_BUSY and "--force" in stop.stdout, stop.stdout + stop.stderr
-        status = ftkit("status", str(run), env=RUN_ENV, timeout=60)
-        assert "now: NOT SUPERVISED" in status.stdout, status.stdout
-        assert processes_left(run), "the orphans were expected to still run"
-    with launched(recipe, run, "--takeover") as proc:
-        code = finish(proc)
-        assert code == ExitCode.OK, output(recipe)[-3000:]
+    with mp_lock():  # one place for all of it: the orphans train on between the launches
+        with launched(recipe, run, env={PACE_ENV: ORPHAN_PACE_S}, lock=False) as proc:
+            wait_step(run, 0, 3)
+            proc.kill()
+            proc.wait(10)
+            for p in (run / "ftkit" / "attempts" / "0" / "pids").glob("rank-*.json"):
+                p.write_text(json.dumps({k: v for k, v in json.loads(p.read_text()).items() if k != "watchdog"}))
+            refused = ftkit("launch", str(recipe), env=RUN_ENV, timeout=60)
+            assert refused.returncode == ExitCode.RUN_BUSY, refused.stdout + refused.stderr
+            (line,) = error_lines(refused)
+            assert "ranks of its last attempt still run" in line and "--takeover" in line, line
+            stop = ftkit("stop", str(run), env=RUN_ENV, timeout=60)
+            assert stop.returncode == ExitCode.RUN_BUSY and "--force" in stop.stdout, stop.stdout + stop.stderr
+            status = ftkit("status", str(run), env=RUN_ENV, timeout=60)
+            assert "now: NOT SUPERVISED" in status.stdout, status.stdout
+            assert processes_left(run), "the orphans were expected to still run"
+        with launched(recipe, run, "--takeover", lock=False) as proc:
+            code = finish(proc)
+            assert code == ExitCode.OK, output(recipe)[-3000:]
     assert "stopped" in output(recipe) and named(run, "takeover")
     assert_same_as_lone_run(run, baseline)
     assert_no_process_left(run)
