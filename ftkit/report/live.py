@@ -4,9 +4,9 @@
   peak) for one ``plan`` event at launch, so a report needs nothing but events.jsonl and metrics.jsonl;
 * (the supervisor's :func:`ftkit.supervise.stragglers.record_step_times`): after each attempt's teardown, every rank's
 and host's compute time per step (from   the heartbeats, which the next attempt overwrites) as one ``step_times`` event;
-* :class:`ReportRefresher`: renders the page in a detached ``python -m ftkit report`` after every attempt, so the
-  supervisor never waits for matplotlib; the launch waits for the last render only when it ends (a bounded wait),
-  and a render that fails is one warning line, never a failed run.
+* :class:`ReportRefresher`: renders the page in a detached ``python -m ftkit report`` after an attempt (at most once
+  a minute), so the supervisor never waits for matplotlib; the launch waits for the last render only when it ends
+  (a bounded wait), and a render that fails is one warning line, never a failed run.
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ if TYPE_CHECKING:
 REPORT_NAME = "report.html"
 FINISH_TIMEOUT_S = 30.0  # the launch's wait for its last render (one takes ~1-2 s here)
 PREVIOUS_WAIT_S = 5.0  # a render still running when the next attempt ends: waited for this long, then stopped
+# An attempt's end starts a render only this long after the launch began or the last render started: a crash loop of
+# attempts seconds apart renders once a minute, not once per attempt (each render costs a CPU-second or two of the
+# head node: matplotlib's import and four charts), and the launch's end always renders.
+REFRESH_EVERY_S = 60.0
 
 
 class PlanRecord(TypedDict, total=False):
@@ -121,10 +125,11 @@ def plan_record(plan: Plan) -> PlanRecord:
 
 
 class ReportRefresher:
-    """Renders ``RUN/report.html`` in a detached process after each attempt (:meth:`refresh`) and once more when the
-    launch ends (:meth:`finish`, the only wait). Renders write atomically, so a reader never sees half a page."""
+    """Renders ``RUN/report.html`` in a detached process after an attempt (:meth:`refresh`, at most once per
+    ``every_s``) and once more when the launch ends (:meth:`finish`, the only wait). Renders write atomically, so a
+    reader never sees half a page."""
 
-    def __init__(self, rd: RunDir, warn: Callable[[str], None]):
+    def __init__(self, rd: RunDir, warn: Callable[[str], None], every_s: float = REFRESH_EVERY_S):
         self.rd = rd
         self.warn = warn
         self.out = rd.path / REPORT_NAME
@@ -132,10 +137,26 @@ class ReportRefresher:
         self._proc: subprocess.Popen[bytes] | None = None
         self._warned = False
         self.waited_s = 0.0  # what the launch spent waiting for renders (measured by the tests)
+        self.every_s = every_s
+        self.started = time.monotonic()  # the launch's start, then the last render's
+        self.skipped = 0  # refreshes left to a later render (within every_s of the previous)
 
     def refresh(self) -> None:
+        """After an attempt: a render now, unless one started (or the launch began) less than ``every_s`` ago."""
+        if time.monotonic() - self.started < self.every_s:
+            self.skipped += 1
+            return
+        self._render()
+
+    def finish(self, timeout_s: float = FINISH_TIMEOUT_S) -> None:
+        """The last render, with every event of the launch in it; waits at most ``timeout_s``."""
+        self._render()
+        self._reap(timeout_s)
+
+    def _render(self) -> None:
         """Start a render now (after the previous one ended, or was stopped after :data:`PREVIOUS_WAIT_S`)."""
         self._reap(PREVIOUS_WAIT_S)
+        self.started = time.monotonic()
         try:
             self.log.parent.mkdir(parents=True, exist_ok=True)
             with open(self.log, "wb") as err:
@@ -159,11 +180,6 @@ class ReportRefresher:
                 )
         except OSError as e:
             self._warn(f"cannot start it ({e.strerror or e})")
-
-    def finish(self, timeout_s: float = FINISH_TIMEOUT_S) -> None:
-        """The last render, with every event of the launch in it; waits at most ``timeout_s``."""
-        self.refresh()
-        self._reap(timeout_s)
 
     def _reap(self, timeout_s: float) -> None:
         proc, self._proc = self._proc, None

@@ -96,7 +96,7 @@ class Supervisor:
         c, res = config, config.resilience
         self.config, self.rd, self.echo, self.inputs = c, c.rd, c.echo, c.inputs  # inputs: a shrink changes them
         self.check_fidelity = True  # off for an attempt that resumes with changes the user allowed
-        self.reports: Reports | None = None  # refreshes RUN/report.html after each attempt (the launch sets it)
+        self.reports: Reports | None = None  # refreshes RUN/report.html (the launch sets it)
         self.transport = transport_for(c.inputs.engine, c.base_env)
         self.events = Events(c.rd, self._say)
         self.observer = Observer(c.rd, self.events, max_steps=c.max_steps, global_batch=c.global_batch or c.world_size)

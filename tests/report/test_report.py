@@ -257,6 +257,28 @@ def test_a_render_that_fails_is_one_warning_line(tmp_path):
     assert "events.jsonl" in said[0], said
 
 
+def test_attempts_seconds_apart_render_once_a_minute_and_the_end_always(tmp_path):
+    """A crash loop of attempts seconds apart used to start a render (matplotlib, a CPU-second or two) after every
+    attempt; now the first comes a minute into the launch, then one a minute, and the launch's end always renders."""
+    from ftkit.report import ReportRefresher
+
+    rd = RunDir(tmp_path / "run")
+    (rd.path / "ftkit").mkdir(parents=True)
+    log = rd.meta / "report.log"  # every render writes its stderr there from its start
+    r = ReportRefresher(rd, lambda _line: None, every_s=60.0)
+    r.refresh()
+    r.refresh()
+    assert r.skipped == 2 and not log.exists(), "a render within a minute of the launch's start"
+    r.started -= 61.0  # a minute on
+    r.refresh()
+    assert log.exists() and r.skipped == 2
+    log.unlink()
+    r.refresh()
+    assert r.skipped == 3 and not log.exists(), "a second render within a minute of the first"
+    r.finish(timeout_s=60)
+    assert log.exists(), "the launch's end renders, however soon"
+
+
 def test_plan_record_has_the_compute_model_and_the_memory(write_recipe):
     from ftkit.plan.plan import build_plan
     from ftkit.recipe.load import load_recipe
