@@ -127,6 +127,8 @@ EXTENDED = (
     "[no-peer]",
     "tests/integration/multinode/test_multinode.py::test_partition_detected_by_heartbeat_then_shrink_or_stop[2]",
     "tests/integration/recovery/test_graceful_stop.py::test_every_stop_signal_saves_first[SIGINT]",
+    # measured in CI at 47.5 min: an unmodified TRL script killed once and resumed exactly is the trl_dpo matrix cell
+    "tests/integration/wrap/test_wrap.py::test_unmodified_trl_script_gets_the_recipe_and_survives_a_killed_rank[killed]",
 )
 
 

@@ -10,8 +10,8 @@ batch (``one_rank``), then a rank is SIGKILLed at step 6 and the run resumes fro
 * SP=2 chosen by ``parallel.sp: auto`` (a 512-token ``max_seq_len`` the plan fits on 0.03 GB per GPU only with
   the sequence split: data parallelism alone fits 384): within 1e-3 relative of one rank (measured 6e-4 at most
   over 12 steps: HF Trainer's SP loss averages each micro-batch's token mean over the accumulation steps, one rank
-  weighs every token of the step alike), and a killed rank resumes to equal losses within 1e-6 of the uninterrupted
-  SP run.
+  weighs every token of the step alike), and after a killed rank the steps the resumed attempt trained again equal
+  the killed attempt's within 1e-6.
 """
 
 from __future__ import annotations
@@ -103,24 +103,23 @@ def test_tensor_parallel_trains_as_one_rank_and_a_killed_rank_resumes_exactly(fx
 def test_auto_chooses_sequence_parallelism_for_a_long_sequence_and_a_killed_rank_resumes_exactly(
     fx, one_rank, tmp_path
 ):
-    (tmp_path / "whole").mkdir(), (tmp_path / "killed").mkdir()
-    recipe, run = recipe_and_run(tmp_path / "whole", fx, **SP_AUTO)
+    recipe, run = recipe_and_run(tmp_path, fx, **SP_AUTO)
     plan = ftkit("plan", str(recipe), env=RUN_ENV, timeout=120)
     assert plan.returncode == 0, plan.stderr
     assert "SP=2 x DP=1 is the fastest layout that fits" in plan.stdout, plan.stdout
     assert "data parallelism alone does not fit" in plan.stdout, plan.stdout
-    with launched(recipe, run) as proc:
-        code = finish(proc)
-        assert code == ExitCode.OK, output(recipe)[-3000:]
+    _killed_at_step_6(recipe, run)
     assert "batch 16 = micro 4 x accum 4 x 1 data-parallel rank(s); layout tp 1 x sp 2 x dp 1" in output(recipe)
     spec = json.loads((run / "ftkit" / "spec.json").read_text())
     assert spec["parallel"]["sp"] == 2 and spec["parallel"]["dp"] == 1, spec.get("parallel")
-    whole = losses(run)
-    assert sorted(whole) == list(range(1, RUN_STEPS + 1))
-    worst = max(abs(whole[s] - one_rank[s]) / one_rank[s] for s in whole)
-    assert worst < 1e-3, {s: (whole[s], one_rank[s]) for s in whole}
-    assert committed_ok(run / "final")
-
-    recipe, run = recipe_and_run(tmp_path / "killed", fx, **SP_AUTO)
-    _killed_at_step_6(recipe, run)
-    assert_same_losses(run, whole)
+    got = losses(run)
+    assert sorted(got) == list(range(1, RUN_STEPS + 1))
+    worst = max(abs(got[s] - one_rank[s]) / one_rank[s] for s in got)
+    assert worst < 1e-3, {s: (got[s], one_rank[s]) for s in got}
+    # exactly: the steps the resumed attempt trained again (5, 6: resumed from checkpoint-4) equal what the killed
+    # attempt logged, to the last digit printed
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    by_attempt = {(int(m["attempt"]), int(m["step"])): float(m["loss"]) for m in rows if "loss" in m}
+    again = sorted(step for attempt, step in by_attempt if attempt == 1 and (0, step) in by_attempt)
+    assert again and again[0] == 5, again
+    assert all(abs(by_attempt[(1, s)] - by_attempt[(0, s)]) <= 1e-6 for s in again), by_attempt

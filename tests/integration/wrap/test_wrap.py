@@ -91,9 +91,11 @@ def hf_baseline(fx: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_unmodified_trl_script_gets_the_recipe_and_survives_a_killed_rank(fx, tmp_path):
+@pytest.mark.parametrize("killed", [False, True], ids=["clean", "killed"])
+def test_unmodified_trl_script_gets_the_recipe_and_survives_a_killed_rank(fx, tmp_path, killed):
     """TRL's SFTTrainer in a script that never imports ftkit: the recipe's values win over the script's arguments
-    (each change listed once, in the output and in events.jsonl); a SIGKILLed rank costs one restart and no loss."""
+    (each change listed once, in the output and in events.jsonl); ``killed`` (make test-extended: TRL's DPOTrainer
+    script is killed and resumes in a matrix cell of make test): a SIGKILLed rank costs one restart and no loss."""
     cmd = script_command(
         "trl_sft.py",
         fx,
@@ -136,6 +138,8 @@ def test_unmodified_trl_script_gets_the_recipe_and_survives_a_killed_rank(fx, tm
     expected = losses(run)
     assert sorted(expected) == list(range(1, STEPS + 1))
     assert_no_process_left(run)
+    if not killed:
+        return
 
     recipe, run = _recipe(kill_dir, fx)
     r = launch(recipe, "--", *cmd, env=KILL)
