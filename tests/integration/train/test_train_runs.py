@@ -257,6 +257,9 @@ def test_save_killed_part_way_leaves_no_commit_and_keeps_the_previous_checkpoint
         assert_no_process_left(run.path)
 
 
+# make test-extended (CI budget): in make test, the graceful-stop test's and the resume-changes test's relaunches come
+# right after a run of the same recipe, port included
+@pytest.mark.extended
 @pytest.mark.timeout(2 * RUN_S)
 def test_relaunch_right_after_a_run_on_the_same_port(tmp_path: Path, fixtures: dict[str, Path]) -> None:
     first = launch(tmp_path, fixtures, train__max_steps=2, train__save_steps=2)
