@@ -15,6 +15,7 @@ import copy
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,9 +31,10 @@ if TYPE_CHECKING:
 REPORT_NAME = "report.html"
 FINISH_TIMEOUT_S = 30.0  # the launch's wait for its last render (one takes ~1-2 s here)
 PREVIOUS_WAIT_S = 5.0  # a render still running when the next attempt ends: waited for this long, then stopped
-# An attempt's end starts a render only this long after the launch began or the last render started: a crash loop of
+# Renders start at most this often: an attempt that ends sooner after the launch's start or the last render has its
+# render started when that much time has passed (or by the launch's end, which always renders). A crash loop of
 # attempts seconds apart renders once a minute, not once per attempt (each render costs a CPU-second or two of the
-# head node: matplotlib's import and four charts), and the launch's end always renders.
+# head node: matplotlib's import and four charts), and the page never lags an attempt's end by more than a minute.
 REFRESH_EVERY_S = 60.0
 
 
@@ -126,8 +128,8 @@ def plan_record(plan: Plan) -> PlanRecord:
 
 class ReportRefresher:
     """Renders ``RUN/report.html`` in a detached process after an attempt (:meth:`refresh`, at most once per
-    ``every_s``) and once more when the launch ends (:meth:`finish`, the only wait). Renders write atomically, so a
-    reader never sees half a page."""
+    ``every_s``: a render due sooner starts on a timer thread when that much time has passed) and once more when the
+    launch ends (:meth:`finish`, the only wait). Renders write atomically, so a reader never sees half a page."""
 
     def __init__(self, rd: RunDir, warn: Callable[[str], None], every_s: float = REFRESH_EVERY_S):
         self.rd = rd
@@ -140,18 +142,44 @@ class ReportRefresher:
         self.every_s = every_s
         self.started = time.monotonic()  # the launch's start, then the last render's
         self.skipped = 0  # refreshes left to a later render (within every_s of the previous)
+        self._lock = threading.Lock()  # the deferred render's timer thread and the supervisor's thread
+        self._timer: threading.Timer | None = None
+
+    @property
+    def pending(self) -> bool:
+        """Whether a deferred render is waiting for its time."""
+        return self._timer is not None
 
     def refresh(self) -> None:
-        """After an attempt: a render now, unless one started (or the launch began) less than ``every_s`` ago."""
-        if time.monotonic() - self.started < self.every_s:
+        """After an attempt: a render now, or, when one started (or the launch began) less than ``every_s`` ago, a
+        render once ``every_s`` has passed since."""
+        with self._lock:
+            wait = self.started + self.every_s - time.monotonic()
+            if wait <= 0:
+                self._render()
+                return
             self.skipped += 1
-            return
-        self._render()
+            if self._timer is None:
+                self._timer = threading.Timer(wait, self._deferred)
+                self._timer.daemon = True
+                self._timer.start()
 
     def finish(self, timeout_s: float = FINISH_TIMEOUT_S) -> None:
-        """The last render, with every event of the launch in it; waits at most ``timeout_s``."""
-        self._render()
-        self._reap(timeout_s)
+        """The last render, with every event of the launch in it (a deferred one is not needed any more); waits at
+        most ``timeout_s``."""
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            self._render()
+            self._reap(timeout_s)
+
+    def _deferred(self) -> None:
+        with self._lock:
+            if self._timer is None:  # cancelled by finish() while this thread waited for the lock
+                return
+            self._timer = None
+            self._render()
 
     def _render(self) -> None:
         """Start a render now (after the previous one ended, or was stopped after :data:`PREVIOUS_WAIT_S`)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -259,7 +260,8 @@ def test_a_render_that_fails_is_one_warning_line(tmp_path):
 
 def test_attempts_seconds_apart_render_once_a_minute_and_the_end_always(tmp_path):
     """A crash loop of attempts seconds apart used to start a render (matplotlib, a CPU-second or two) after every
-    attempt; now the first comes a minute into the launch, then one a minute, and the launch's end always renders."""
+    attempt; now at most one a minute: an attempt's end within a minute of the launch's start (or of the last render)
+    defers its render to that minute's end, and the launch's end renders at once, with no deferred one left."""
     from ftkit.report import ReportRefresher
 
     rd = RunDir(tmp_path / "run")
@@ -268,15 +270,29 @@ def test_attempts_seconds_apart_render_once_a_minute_and_the_end_always(tmp_path
     r = ReportRefresher(rd, lambda _line: None, every_s=60.0)
     r.refresh()
     r.refresh()
-    assert r.skipped == 2 and not log.exists(), "a render within a minute of the launch's start"
-    r.started -= 61.0  # a minute on
-    r.refresh()
-    assert log.exists() and r.skipped == 2
-    log.unlink()
-    r.refresh()
-    assert r.skipped == 3 and not log.exists(), "a second render within a minute of the first"
+    assert r.skipped == 2 and r.pending and not log.exists(), "a render within a minute of the launch's start"
     r.finish(timeout_s=60)
-    assert log.exists(), "the launch's end renders, however soon"
+    assert log.exists() and not r.pending, "the launch's end renders, however soon, and cancels the deferred one"
+
+
+def test_an_attempt_ending_soon_after_a_render_gets_its_own_render_when_the_interval_is_over(tmp_path):
+    """A first attempt that fails seconds into a launch, then an attempt that trains for hours: its page is rendered
+    every_s after the launch's start, not only when the launch ends (the deferred render, on a timer)."""
+    from ftkit.report import ReportRefresher
+
+    rd = RunDir(tmp_path / "run")
+    (rd.path / "ftkit").mkdir(parents=True)
+    log = rd.meta / "report.log"
+    r = ReportRefresher(rd, lambda _line: None, every_s=1.0)
+    t0 = time.monotonic()
+    r.refresh()
+    assert r.pending and not log.exists()
+    deadline = t0 + 30
+    while not log.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert log.exists() and time.monotonic() - t0 >= 0.9, "the deferred render came too early or never"
+    assert not r.pending
+    r.finish(timeout_s=60)
 
 
 def test_plan_record_has_the_compute_model_and_the_memory(write_recipe):
