@@ -19,6 +19,7 @@ from ftkit.report import goodput
 from ftkit.report.goodput import parse_metrics
 from ftkit.rundir.layout import RunDir
 from tests.helpers.cli import run_ftkit
+from tests.helpers.runs import wait_for
 
 # ------------------------------------------------------------------------------------------------ by hand
 
@@ -287,10 +288,8 @@ def test_an_attempt_ending_soon_after_a_render_gets_its_own_render_when_the_inte
     t0 = time.monotonic()
     r.refresh()
     assert r.pending and not log.exists()
-    deadline = t0 + 30
-    while not log.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert log.exists() and time.monotonic() - t0 >= 0.9, "the deferred render came too early or never"
+    wait_for(log.exists, 30, "the deferred render", poll=0.05)
+    assert time.monotonic() - t0 >= 0.9, "the deferred render came too early"
     assert not r.pending
     r.finish(timeout_s=60)
 
