@@ -2,7 +2,8 @@
 transformers' Trainer, DeepSpeed, Accelerate; PEFT as the Trainer imports it) and an engine's (DeepSpeed, as its
 runner and per-node launcher import it), each with everything installed imported as the libraries choose, and with
 :data:`ftkit.launch.rank.OPTIONAL_IMPORTS` left out (:func:`ftkit.launch.rank.leave_out`, what the built-in entry's
-ranks and every engine process do).
+ranks and every engine process do), and with only DeepSpeed's autotuner kept from importing mlflow
+(:data:`ftkit.launch.rank.AUTOTUNER_WITHOUT_MLFLOW`, what every rank does, a user's script's too).
 
 A third stack is a rank as far as ``deepspeed.initialize``'s optimizer check: it imports DeepSpeed's Muon optimizer,
 whose three kernels are decorated with ``torch.compile`` at import time, loading TorchInductor; measured as DeepSpeed
@@ -31,6 +32,10 @@ STACKS = {
 }
 MUON = "from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam"
 LEAVE_OUT = "from ftkit.launch.rank import OPTIONAL_IMPORTS, leave_out; leave_out(OPTIONAL_IMPORTS)\n"
+HIDE = (
+    "from ftkit.launch.rank import AUTOTUNER_WITHOUT_MLFLOW, hide_while_importing\n"
+    "hide_while_importing(*AUTOTUNER_WITHOUT_MLFLOW)\n"
+)
 LAZY = (
     "from ftkit.launch.rank import _compile_on_first_call, on_import\n"
     "on_import('deepspeed.runtime.compiler', _compile_on_first_call)\n"
@@ -52,7 +57,7 @@ def main() -> None:
     runs: dict[str, list[float]] = {}
     for _ in range(args.repeat):
         for stack, code in STACKS.items():
-            for variant, prefix in (("everything", ""), ("left out", LEAVE_OUT)):
+            for variant, prefix in (("everything", ""), ("autotuner w/o mlflow", HIDE), ("left out", LEAVE_OUT)):
                 runs.setdefault(f"{stack}, {variant}", []).append(cpu_seconds(prefix + code))
         rank = LEAVE_OUT + STACKS["rank"] + "\n" + MUON
         for variant, prefix in (("as DeepSpeed does", ""), ("first call", LAZY)):

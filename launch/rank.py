@@ -241,18 +241,21 @@ def _redirect_output(path: Path) -> None:
 
 class PostImportHook(importlib.abc.MetaPathFinder):
     """Runs ``patches[name]`` right after module ``name`` executed, whoever imports it and however (``transformers``
-    loads its submodules lazily). The module's own loader stays in place (``inspect`` and ``linecache`` keep finding
-    its source); only that loader's ``exec_module`` is wrapped for this one import. One instance per process
-    (:func:`on_import` registers with it)."""
+    loads its submodules lazily), and executes it with the modules of ``hidden[name]`` absent (:func:`leave_out`
+    for that one execution). The module's own loader stays in place (``inspect`` and ``linecache`` keep finding its
+    source); only that loader's ``exec_module`` is wrapped for this one import. One instance per process
+    (:func:`on_import` and :func:`hide_while_importing` register with it)."""
 
     def __init__(self) -> None:
         self.patches: dict[str, list[Callable[[types.ModuleType], None]]] = {}
+        self.hidden: dict[str, tuple[str, ...]] = {}
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        patches = self.patches.get(fullname)
-        if not patches:
+        patches = self.patches.get(fullname, [])
+        hidden = self.hidden.get(fullname, ())
+        if not patches and not hidden:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -268,11 +271,17 @@ class PostImportHook(importlib.abc.MetaPathFinder):
         original = loader.exec_module
 
         def exec_module(module: types.ModuleType) -> None:
-            original(module)
+            marked = leave_out(hidden)
             try:
-                del loader.exec_module  # back to the class's method: the wrapper serves this import only
-            except AttributeError:
-                pass
+                original(module)
+            finally:
+                for n in marked:  # importable again, for everyone else (unless the module imported it after all)
+                    if n in sys.modules and sys.modules[n] is None:
+                        del sys.modules[n]
+                try:
+                    del loader.exec_module  # back to the class's method: the wrapper serves this import only
+                except AttributeError:
+                    pass
             for patch in list(patches):
                 patch(module)
 
@@ -284,15 +293,26 @@ class PostImportHook(importlib.abc.MetaPathFinder):
 _HOOK: PostImportHook | None = None
 
 
-def on_import(name: str, patch: Callable[[types.ModuleType], None]) -> None:
-    """``patch(module)`` once module ``name`` is imported (at once when it already is)."""
+def _hook() -> PostImportHook:
     global _HOOK
     if _HOOK is None:
         _HOOK = PostImportHook()
         sys.meta_path.insert(0, _HOOK)
-    _HOOK.patches.setdefault(name, []).append(patch)
+    return _HOOK
+
+
+def on_import(name: str, patch: Callable[[types.ModuleType], None]) -> None:
+    """``patch(module)`` once module ``name`` is imported (at once when it already is)."""
+    _hook().patches.setdefault(name, []).append(patch)
     if name in sys.modules:  # imported before us (another sitecustomize, or the script itself): patch now
         patch(sys.modules[name])
+
+
+def hide_while_importing(name: str, hidden: Sequence[str]) -> None:
+    """Module ``name``, when it is imported, executes as if the modules ``hidden`` (those not imported by then) were
+    not installed: an optional ``import`` of one of them in it fails, and it goes without. They are importable again
+    as soon as it has executed. Nothing happens when ``name`` is imported already."""
+    _hook().hidden[name] = tuple(hidden)
 
 
 # ------------------------------------------------------------------------------------------------ rank start-up
@@ -374,16 +394,25 @@ def skip_final_collection() -> None:
     gc.freeze()
 
 
+# DeepSpeed's autotuner, which every ``import deepspeed`` executes, imports mlflow (when installed) only to log
+# autotuning experiments: those DeepSpeed's runner runs, never a rank. A rank imports it without mlflow, which stays
+# importable for the rank's own code (a user's script that logs to mlflow): ~2 CPU-s less of every rank's start
+# where mlflow is installed (benchmarks/rank_imports.py). The built-in entry's ranks leave mlflow out altogether
+# unless they log to it (:func:`unused_imports`).
+AUTOTUNER_WITHOUT_MLFLOW = ("deepspeed.autotuning.autotuner", ("mlflow",))
+
+
 def install_startup(accelerator: str, batons: Path, backend: str = "deepspeed") -> None:
     """What every rank needs before any model is built, whatever its entry (the built-in one, the import hook or a
     script calling ftkit.hf): once TrainingArguments exist, DeepSpeed sees the real process group (ZeRO-3's
     partitioned ``from_pretrained`` reads its world size); on CPU ranks, so does Accelerate, and under FSDP2
     Accelerate really shards (:func:`_fsdp_on_cpu_ranks`). Before any op loads, the build locks a killed rank of this
     run left on this machine are removed, and the ones this rank takes are recorded in ``batons``
-    (:mod:`ftkit.rundir.batons`)."""
+    (:mod:`ftkit.rundir.batons`). DeepSpeed's autotuner goes without mlflow (:data:`AUTOTUNER_WITHOUT_MLFLOW`)."""
     for lock in release_dead(batons):
         print(f"ftkit: removed {lock}: a build lock a killed rank of this run left on this host", flush=True)
     on_import("torch.utils.file_baton", functools.partial(_record_batons, batons))
+    hide_while_importing(*AUTOTUNER_WITHOUT_MLFLOW)
     on_import("deepspeed.runtime.compiler", _compile_on_first_call)
     on_import("transformers.utils.import_utils", _remember_import_structure)
     on_import("transformers.training_args", _share_after_training_args)
