@@ -16,14 +16,23 @@ PYTEST := PYTHONDONTWRITEBYTECODE= DS_ACCELERATOR=cpu $(PY) -m pytest
 # pip can sit on one package for minutes (building deepspeed): a ticker keeps the output moving.
 TICK = ( while sleep 20; do echo "    ... still installing ($$(date +%T))"; done ) & tick=$$!;
 
+# pip installs with --no-compile: compiling the bytecode of every module of every package (transformers' hundreds of
+# models, torch's tests) took 75 of its 130 s, one core busy; the modules ftkit's processes import are compiled
+# once here instead (~20 s), the rest when first imported (benchmarks/install_time.sh).
+WARM_IMPORTS := import torch, transformers, deepspeed, accelerate, peft, datasets, matplotlib.pyplot, \
+	deepspeed.launcher.launch, torch.distributed.run, accelerate.commands.launch, ftkit.cli.main; \
+	from transformers import Trainer, TrainingArguments, AutoModelForCausalLM, AutoTokenizer
+
 $(STAMP): setup.cfg pyproject.toml
 	@echo "==> creating $(VENV) and installing $(TORCH) first (never the multi-GB CUDA build), then ftkit"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	@$(TICK) $(PY) -m pip install --progress-bar off "$(TORCH)"; rc=$$?; kill $$tick; exit $$rc
+	@$(TICK) $(PY) -m pip install --no-compile --progress-bar off "$(TORCH)"; rc=$$?; kill $$tick; exit $$rc
 	@echo "==> installing ftkit and its dependencies (deepspeed, accelerate, transformers, peft, ...)"
-	@$(TICK) $(PY) -m pip install --progress-bar off -e ".[dev]" | grep -E "^(Collecting|Building|Successfully)" ; \
-		rc=$${PIPESTATUS[0]}; kill $$tick; exit $$rc
+	@$(TICK) $(PY) -m pip install --no-compile --progress-bar off -e ".[dev]" | \
+		grep -E "^(Collecting|Building|Successfully)" ; rc=$${PIPESTATUS[0]}; kill $$tick; exit $$rc
+	@echo "==> compiling the bytecode of what ftkit's processes import"
+	@PYTHONDONTWRITEBYTECODE= DS_ACCELERATOR=cpu $(PY) -c "$(WARM_IMPORTS)"
 	@echo "==> compiling DeepSpeed's CPU ops once (CPU Adam for offload, shared-memory comm), 1-2 minutes"
 	@$(TICK) DS_ACCELERATOR=cpu $(PY) -m ftkit.launch.warmup; rc=$$?; kill $$tick; exit $$rc
 	@touch $(STAMP)
