@@ -19,6 +19,9 @@ _SESSION_START = __import__("time").time()
 # asks for tracing (FTKIT_PROFILE=auto with its own FTKIT_PROFILE_CACHE): a trace costs a subprocess importing torch
 # and transformers (seconds), and the golden outputs must not depend on what a machine has cached.
 __import__("os").environ.setdefault("FTKIT_PROFILE", "formula")
+# The launches of the suite render no RUN/report.html (ftkit.report.live.REPORT_ENV): a render is a CPU-second or two
+# of matplotlib per launch, and only the report's own run (tests/integration/report) reads the page a launch wrote.
+__import__("os").environ.setdefault("FTKIT_REPORT", "off")
 
 
 def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001

@@ -16,7 +16,7 @@ and MFU per attempt, compute time per host, every checkpoint (size, save time,
 verification), and the plan against what was measured. Numbers come from events.jsonl
 and metrics.jsonl, so any readable run directory works, live or finished. Inline SVG,
 no script, no network request; prints well. ftkit launch refreshes RUN_DIR/report.html
-after an attempt (at most once a minute) and when it ends.
+after an attempt (at most once a minute) and when it ends, unless FTKIT_REPORT=off.
 
 \b
 Exit codes:

@@ -6,7 +6,8 @@
 and host's compute time per step (from   the heartbeats, which the next attempt overwrites) as one ``step_times`` event;
 * :class:`ReportRefresher`: renders the page in a detached ``python -m ftkit report`` after an attempt (at most once
   a minute), so the supervisor never waits for matplotlib; the launch waits for the last render only when it ends
-  (a bounded wait), and a render that fails is one warning line, never a failed run.
+  (a bounded wait), and a render that fails is one warning line, never a failed run. ``FTKIT_REPORT=off``
+  (:func:`launch_refresher`): the launch renders nothing, and ``ftkit report RUN`` makes the page when asked.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
@@ -36,6 +37,9 @@ PREVIOUS_WAIT_S = 5.0  # a render still running when the next attempt ends: wait
 # attempts seconds apart renders once a minute, not once per attempt (each render costs a CPU-second or two of the
 # head node: matplotlib's import and four charts), and the page never lags an attempt's end by more than a minute.
 REFRESH_EVERY_S = 60.0
+# auto (the default): the launch keeps RUN/report.html current | off: it renders none (each render is a CPU-second or
+# two of the head node; the test suite's runs, whose page no test reads, are launched so)
+REPORT_ENV = "FTKIT_REPORT"
 
 
 class PlanRecord(TypedDict, total=False):
@@ -124,6 +128,20 @@ def plan_record(plan: Plan) -> PlanRecord:
     except Exception as e:  # noqa: BLE001 - the record is informative; it must never stop a launch
         rec["not_estimated"] = str(e) or type(e).__name__
     return rec
+
+
+def launch_refresher(
+    rd: RunDir, warn: Callable[[str], None], environ: Mapping[str, str] = os.environ
+) -> ReportRefresher | None:
+    """What keeps ``RUN/report.html`` current during a launch: None with ``FTKIT_REPORT=off``; another value than
+    ``auto`` and ``off`` is one warning line, and the page is kept current."""
+    value = environ.get(REPORT_ENV, "auto").strip().lower()
+    if value == "off":
+        return None
+    if value not in ("auto", ""):
+        given = environ[REPORT_ENV]
+        warn(f"ftkit: warning: {REPORT_ENV}={given!r} is neither auto nor off: report.html is kept current")
+    return ReportRefresher(rd, warn)
 
 
 class ReportRefresher:

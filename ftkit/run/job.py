@@ -26,7 +26,7 @@ from ftkit.model.config import checked_in_drift
 from ftkit.plan.memory import zero_label
 from ftkit.plan.plan import Plan, build_plan
 from ftkit.recipe.load import Recipe, load_recipe
-from ftkit.report.live import ReportRefresher, plan_record
+from ftkit.report.live import launch_refresher, plan_record
 from ftkit.run.doctor import build_env, cheap_checks
 from ftkit.run.fingerprint import compare, compute
 from ftkit.run.ops import settle_optimizer, warm_up
@@ -347,7 +347,7 @@ def _owned_launch(
         sup.events("preflight", "preflight passed: " + "; ".join(report.checks), versions=report.versions)
 
         sup.events("plan", None, **plan_record(plan))  # ftkit report reads the plan's figures from events.jsonl
-        sup.reports = ReportRefresher(rd, echo)
+        sup.reports = launch_refresher(rd, echo)
         code = sup.run(first=choice)
     finally:
         ownership.release()

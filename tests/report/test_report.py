@@ -294,6 +294,20 @@ def test_an_attempt_ending_soon_after_a_render_gets_its_own_render_when_the_inte
     r.finish(timeout_s=60)
 
 
+def test_ftkit_report_off_leaves_the_page_to_ftkit_report_and_another_value_is_one_warning(tmp_path):
+    from ftkit.report import REPORT_ENV, ReportRefresher, launch_refresher
+
+    rd = RunDir(tmp_path / "run")
+    said: list[str] = []
+    assert launch_refresher(rd, said.append, {REPORT_ENV: "off"}) is None
+    assert launch_refresher(rd, said.append, {REPORT_ENV: " OFF "}) is None
+    assert isinstance(launch_refresher(rd, said.append, {}), ReportRefresher)
+    assert isinstance(launch_refresher(rd, said.append, {REPORT_ENV: "auto"}), ReportRefresher)
+    assert not said
+    assert isinstance(launch_refresher(rd, said.append, {REPORT_ENV: "no"}), ReportRefresher)
+    assert said == [f"ftkit: warning: {REPORT_ENV}='no' is neither auto nor off: report.html is kept current"]
+
+
 def test_plan_record_has_the_compute_model_and_the_memory(write_recipe):
     from ftkit.plan.plan import build_plan
     from ftkit.recipe.load import load_recipe

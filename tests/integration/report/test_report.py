@@ -50,7 +50,7 @@ def story(fx, tmp_path_factory) -> dict:
     )
     run = d / "run"
     log = d / "ftkit.log"
-    env = {**RUN_ENV, **OFFLINE, "FTKIT_FAULT_INJECT": "kill:1:6"}
+    env = {**RUN_ENV, **OFFLINE, "FTKIT_FAULT_INJECT": "kill:1:6", "FTKIT_REPORT": "auto"}  # the suite's is off
     with mp_lock():
         t0 = time.monotonic()
         proc = start_ftkit("launch", str(recipe), env=env, log=log)
