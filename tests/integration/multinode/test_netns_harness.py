@@ -145,8 +145,12 @@ def test_kill_node_then_restart_sshd(netns2: NetnsCluster) -> None:
     # A "rank" left running on node1 by an ssh session, detached like a launched job.
     netns2.ssh(1, "setsid sleep 600 </dev/null >/dev/null 2>&1 & echo started", timeout=20)
     # the node's sshd and the detached "rank"; not every pid listed now: the session's own processes may still be
-    # ending (a CI run listed one that was gone by the kill: "{5229, 5232, 5335} <= {5229, 5335}")
-    rank = [p for p in netns2.pids(1) if _cmdline(p) == "sleep 600"]
+    # ending (a CI run listed one that was gone by the kill: "{5229, 5232, 5335} <= {5229, 5335}"), and the detached
+    # child may not have become `sleep` yet when the session returns (a local CI run: "[4360, 4362, 4464]", none of
+    # them sleep): wait for it
+    end = time.monotonic() + 10
+    while not (rank := [p for p in netns2.pids(1) if _cmdline(p) == "sleep 600"]) and time.monotonic() < end:
+        time.sleep(0.05)
     sshd = netns2.node(1).sshd_pid
     assert len(rank) == 1 and sshd is not None, netns2.pids(1)
     killed = netns2.kill_node(1)
