@@ -196,6 +196,7 @@ def test_status_without_plot_imports_no_matplotlib_or_torch(tmp_path):
         assert [x for x in out.stderr.splitlines() if x.startswith("HEAVY=")] == ["HEAVY="], out.stderr[-2000:]
 
 
+@pytest.mark.heavy  # draws the page with matplotlib (seconds)
 def test_report_of_a_hand_written_run_is_one_self_contained_page(tmp_path):
     run = _hand_run(tmp_path)
     out = run_ftkit("report", str(run))
@@ -259,6 +260,7 @@ def test_a_render_that_fails_is_one_warning_line(tmp_path):
     assert "events.jsonl" in said[0], said
 
 
+@pytest.mark.heavy  # draws the page with matplotlib (seconds)
 def test_attempts_seconds_apart_render_once_a_minute_and_the_end_always(tmp_path):
     """A crash loop of attempts seconds apart used to start a render (matplotlib, a CPU-second or two) after every
     attempt; now at most one a minute: an attempt's end within a minute of the launch's start (or of the last render)
@@ -276,6 +278,7 @@ def test_attempts_seconds_apart_render_once_a_minute_and_the_end_always(tmp_path
     assert log.exists() and not r.pending, "the launch's end renders, however soon, and cancels the deferred one"
 
 
+@pytest.mark.heavy  # draws the page with matplotlib (seconds)
 def test_an_attempt_ending_soon_after_a_render_gets_its_own_render_when_the_interval_is_over(tmp_path):
     """A first attempt that fails seconds into a launch, then an attempt that trains for hours: its page is rendered
     every_s after the launch's start, not only when the launch ends (the deferred render, on a timer)."""
