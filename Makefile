@@ -17,8 +17,8 @@ PYTEST := PYTHONDONTWRITEBYTECODE= DS_ACCELERATOR=cpu $(PY) -m pytest
 TICK = ( while sleep 20; do echo "    ... still installing ($$(date +%T))"; done ) & tick=$$!;
 
 # pip installs with --no-compile: compiling the bytecode of every module of every package (transformers' hundreds of
-# models, torch's tests) took 75 of its 130 s, one core busy; the modules ftkit's processes import are compiled
-# once here instead (~20 s), the rest when first imported (benchmarks/install_time.sh).
+# models, torch's tests) took 86 of its 133 s, one core busy; one import of what ftkit's processes import compiles
+# theirs instead (35 s, 24 of it compiling), the rest when first imported (benchmarks/install_time.sh).
 WARM_IMPORTS := import torch, transformers, deepspeed, accelerate, peft, datasets, matplotlib.pyplot, \
 	deepspeed.launcher.launch, torch.distributed.run, accelerate.commands.launch, ftkit.cli.main; \
 	from transformers import Trainer, TrainingArguments, AutoModelForCausalLM, AutoTokenizer
