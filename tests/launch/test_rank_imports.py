@@ -40,19 +40,25 @@ print("same as eager:", bool(torch.equal(got, eager) and torch.equal(again, eage
 """
 
 
-def test_a_rank_loads_the_compiler_only_when_a_compiled_kernel_is_first_called(
-    spec_run_dir: Path,
-) -> None:
+def _run_rank(program: str, run_dir: Path) -> tuple[dict[str, str], str]:
+    """``program`` in a fresh interpreter on a CPU rank of ``run_dir``: its ``name: value`` lines, and its output's
+    tail for the assertion messages."""
     r = subprocess.run(
-        [sys.executable, "-c", PROGRAM, str(spec_run_dir)],
+        [sys.executable, "-c", program, str(run_dir)],
         capture_output=True,
         text=True,
         cwd=REPO,
         timeout=120,
         env={**os.environ, "DS_ACCELERATOR": "cpu"},
     )
-    out = r.stdout[-2000:] + r.stderr[-2000:]
     said = dict(x.split(": ", 1) for x in r.stdout.splitlines() if ": " in x)
+    return said, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_a_rank_loads_the_compiler_only_when_a_compiled_kernel_is_first_called(
+    spec_run_dir: Path,
+) -> None:
+    said, out = _run_rank(PROGRAM, spec_run_dir)
     assert said.get("inductor at import") == "False", out
     assert said.get("decorated") == "['zeropower_via_newtonschulz5']", out  # once, at the first call
     assert said.get("same as eager") == "True", out
@@ -75,16 +81,7 @@ def test_a_script_rank_imports_deepspeed_without_mlflow_and_the_script_can_still
 ) -> None:
     spec = spec_run_dir / "ftkit" / "spec.json"
     spec.write_text(json.dumps({**json.loads(spec.read_text()), "command": ["python", "train.py"]}))
-    r = subprocess.run(
-        [sys.executable, "-c", SCRIPT_RANK, str(spec_run_dir)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
-        env={**os.environ, "DS_ACCELERATOR": "cpu"},
-    )
-    out = r.stdout[-2000:] + r.stderr[-2000:]
-    said = dict(x.split(": ", 1) for x in r.stdout.splitlines() if ": " in x)
+    said, out = _run_rank(SCRIPT_RANK, spec_run_dir)
     assert said.get("mlflow imported with deepspeed") == "False", out
     assert said.get("autotuner has mlflow") == "False", out
     assert said.get("mlflow importable after") == "True", out
