@@ -8,7 +8,6 @@ run are tests/run/test_doctor.py.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -16,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from ftkit.cluster import buildlocks
 from ftkit.run.doctor import RENDEZVOUS_TIMEOUT_S
 from tests.helpers.doctor import build_lock, clean_ftkit, failures, local_recipe
 
@@ -53,13 +51,12 @@ def test_a_launch_whose_ranks_wait_on_a_stale_lock_says_so(fx, tmp_path):
     appears after the preflight (a build killed meanwhile) leaves the ranks waiting in ``FileBaton.wait()`` on the
     shared-memory op every CPU run loads: ``ftkit launch`` names it within 90 s; removed, the run goes on and ends.
     """
-    import shutil
-
     from ftkit.rundir.layout import RunDir
     from tests.helpers.runs import (
         RUN_ENV,
         RUN_TIMEOUT_S,
         assert_no_process_left,
+        copy_op_builds,
         ftkit,
         kill_tree,
         losses,
@@ -70,11 +67,10 @@ def test_a_launch_whose_ranks_wait_on_a_stale_lock_says_so(fx, tmp_path):
         write_recipe,
     )
 
-    default_env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
-    built = [r for r in buildlocks.extension_roots(default_env) if (r / "deepspeed_shm_comm").is_dir()]
-    assert built, "make install builds DeepSpeed's ops once (ftkit.launch.warmup)"
-    ext = tmp_path / "ext"  # a copy of this machine's built ops: a lock here blocks only this test's ranks
-    shutil.copytree(built[0], ext, symlinks=True)
+    # a copy of this machine's built ops (where TORCH_EXTENSIONS_DIR says, else torch's default): a lock here blocks
+    # only this test's ranks
+    ext = copy_op_builds(tmp_path / "ext")
+    assert ext, "make install builds DeepSpeed's ops once (ftkit.launch.warmup)"
     env = {**RUN_ENV, "TORCH_EXTENSIONS_DIR": str(ext)}
     recipe, run, log = write_recipe(tmp_path, fx), tmp_path / "run", tmp_path / "launch.log"
     lock = ext / "deepspeed_shm_comm" / "lock"
