@@ -144,6 +144,14 @@ def _listening(pid: int, address: str, port: int) -> bool:
     return any(r.split()[1] == want and r.split()[3] == "0A" for r in rows)  # 0A: TCP_LISTEN
 
 
+def cmdline(pid: int | str) -> str:
+    """A process's command line, its arguments joined by spaces; "(gone)" once it has ended."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "(gone)"
+
+
 def namespace_pids(namespace: str) -> list[int]:
     """Pids of the live processes in a namespace (``ip netns pids``), zombies left out."""
     proc = _run(["ip", "netns", "pids", namespace], check=False)

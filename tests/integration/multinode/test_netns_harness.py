@@ -15,6 +15,7 @@ from tests.helpers.netns import (
     LOCK_DIR,
     NetnsCluster,
     cleanup_stale,
+    cmdline,
     namespace_pids,
     netns_cluster,
     pid_alive,
@@ -133,13 +134,6 @@ def test_tcp_from_node0_to_node1_then_partition(netns2: NetnsCluster) -> None:
         _stop(listener)
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-    except OSError:
-        return ""
-
-
 @pytest.mark.timeout(60)
 def test_kill_node_then_restart_sshd(netns2: NetnsCluster) -> None:
     # A "rank" left running on node1 by an ssh session, detached like a launched job.
@@ -149,7 +143,7 @@ def test_kill_node_then_restart_sshd(netns2: NetnsCluster) -> None:
     # child may not have become `sleep` yet when the session returns (a local CI run: "[4360, 4362, 4464]", none of
     # them sleep): wait for it
     end = time.monotonic() + 10
-    while not (rank := [p for p in netns2.pids(1) if _cmdline(p) == "sleep 600"]) and time.monotonic() < end:
+    while not (rank := [p for p in netns2.pids(1) if cmdline(p) == "sleep 600"]) and time.monotonic() < end:
         time.sleep(0.05)
     sshd = netns2.node(1).sshd_pid
     assert len(rank) == 1 and sshd is not None, netns2.pids(1)

@@ -20,6 +20,7 @@ import pytest
 from ftkit.run.status import read_jsonl
 from ftkit.rundir.env import PACE_ENV
 from ftkit.rundir.layout import RunDir
+from tests.helpers.netns import cmdline
 from tests.helpers.runs import copy_op_builds, heartbeat_step, losses, mp_lock, processes_left, wait_for
 from tests.helpers.runs import write_recipe as recipe_for
 from tests.helpers.slurm import SlurmCluster, clean_env, require_slurm, slurm_ftkit
@@ -165,19 +166,12 @@ def _nothing_left(c: SlurmCluster, run: Path) -> None:
 
         def left(node: str = node, daemons: set[str] = daemons) -> dict[str, str]:
             out = subprocess.run(["ip", "netns", "pids", c.ns(node)], capture_output=True, text=True).stdout.split()
-            return {p: _cmdline(p) for p in out if p not in daemons}
+            return {p: cmdline(p) for p in out if p not in daemons}
 
         try:
             wait_for(lambda left=left: not left(), 20, f"{node}: the job's processes to end")
         except AssertionError:
             raise AssertionError(f"{node}: processes left {left()}") from None
-
-
-def _cmdline(pid: str) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return "(gone)"
 
 
 PROBE = """
